@@ -1,0 +1,503 @@
+//! Tar archives in and out of the sandbox: streamed extraction confined to its target, streamed download.
+
+use std::ffi::OsString;
+use std::fs;
+use std::io::{self, BufReader, Read};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Json;
+use axum::body::{Body, HttpBody};
+use axum::extract::State;
+use axum::http::{HeaderValue, header};
+use axum::response::Response;
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use sandman_wire::daemon::{ExtractResult, PathQuery};
+use tokio::io::DuplexStream;
+use tokio_util::io::{ReaderStream, StreamReader, SyncIoBridge};
+
+use crate::error::{DaemonError, DaemonResult};
+use crate::extract::{ApiQuery, is_length_limit};
+use crate::files::{DEFAULT_DIR_MODE, absolute, blocking, shown, sorted_names};
+use crate::state::Daemon;
+
+/// Bytes in flight between the tar writer thread and the response body: enough to keep both
+/// sides busy, small enough that a slow client holds back the writer rather than memory.
+const PIPE_CAPACITY: usize = 64 * 1024;
+/// Read-ahead on the upload, so that tar's 512-byte reads do not each cross into the runtime.
+const READ_AHEAD: usize = 64 * 1024;
+/// The first two bytes of every gzip stream.
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// `PUT /v1/archive?path=`: unpacks a tar (or gzipped tar) body into the directory `path`,
+/// created if missing. Permissions and modification times are kept, existing files are
+/// replaced, symlinks stay symlinks. Stops at the first entry that would land outside `path`.
+pub async fn extract(
+    State(daemon): State<Arc<Daemon>>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+    body: Body,
+) -> DaemonResult<Json<ExtractResult>> {
+    let target = absolute(&q.path)?;
+    extract_into(target, body, daemon.config.max_upload_bytes).await.map(Json)
+}
+
+/// The work of [`extract`]: `body` unpacked into `target`, at most `limit` bytes read from it
+/// (0 = no limit).
+async fn extract_into(target: PathBuf, body: Body, limit: u64) -> DaemonResult<ExtractResult> {
+    if limit > 0 && body.size_hint().lower() > limit {
+        return Err(DaemonError::TooLarge { limit });
+    }
+    tokio::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(DEFAULT_DIR_MODE)
+        .create(&target)
+        .await
+        .map_err(|e| DaemonError::io("create directory", shown(&target), e))?;
+    // Set by the body stream when the upload passes the limit; read after the unpacking thread
+    // has been joined, which orders it.
+    let over_limit = Arc::new(AtomicBool::new(false));
+    let upload = SyncIoBridge::new(StreamReader::new(counted(body, limit, Arc::clone(&over_limit))));
+    let dst = target.clone();
+    let unpacked = blocking(move || Ok(unpack(BufReader::with_capacity(READ_AHEAD, upload), &dst))).await?;
+    match unpacked {
+        Ok(counts) => Ok(ExtractResult { path: shown(&target), entries: counts.entries, bytes: counts.bytes }),
+        Err(_) if over_limit.load(Ordering::Relaxed) => Err(DaemonError::TooLarge { limit }),
+        Err(refused) => Err(refused.into_error(&target)),
+    }
+}
+
+/// The body as a byte stream for [`StreamReader`], cut with an error past `limit` bytes
+/// (0 = no limit); `over_limit` records why, since tar wraps the error it gets.
+fn counted(body: Body, limit: u64, over_limit: Arc<AtomicBool>) -> impl Stream<Item = io::Result<Bytes>> {
+    let mut seen = 0u64;
+    body.into_data_stream().map(move |chunk| match chunk {
+        Ok(bytes) => {
+            seen = seen.saturating_add(bytes.len() as u64);
+            if limit > 0 && seen > limit {
+                over_limit.store(true, Ordering::Relaxed);
+                Err(io::Error::other(DaemonError::TooLarge { limit }))
+            } else {
+                Ok(bytes)
+            }
+        }
+        Err(err) => {
+            if is_length_limit(&err) {
+                over_limit.store(true, Ordering::Relaxed);
+            }
+            Err(io::Error::other(err))
+        }
+    })
+}
+
+/// What an extraction unpacked.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Counts {
+    entries: u64,
+    /// Bytes of regular file contents.
+    bytes: u64,
+}
+
+/// Why an extraction stopped.
+#[derive(Debug)]
+enum Refusal {
+    /// The entry's path, or a hard link's target, leaves the target directory.
+    Escapes { entry: String, link: Option<String> },
+    /// The archive itself could not be read (bad header, bad gzip, truncated, body failed).
+    Read(io::Error),
+    /// One entry could not be written.
+    Unpack { entry: PathBuf, source: io::Error },
+}
+
+impl Refusal {
+    fn into_error(self, target: &Path) -> DaemonError {
+        let target = shown(target);
+        match self {
+            Refusal::Escapes { entry, link: None } => {
+                DaemonError::InvalidArgument(format!("tar entry `{entry}` would land outside `{target}`"))
+            }
+            Refusal::Escapes { entry, link: Some(link) } => DaemonError::InvalidArgument(format!(
+                "tar entry `{entry}` is a hard link to `{link}`, which would land outside `{target}`"
+            )),
+            Refusal::Read(err) => DaemonError::InvalidArgument(format!("cannot read the tar archive: {err}")),
+            // What tar refuses itself (a write through a symlink leading outside the target, a
+            // link without a name) comes as `Other`; a truncated archive as `UnexpectedEof`.
+            Refusal::Unpack { entry, source } => match source.kind() {
+                io::ErrorKind::Other
+                | io::ErrorKind::InvalidData
+                | io::ErrorKind::InvalidInput
+                | io::ErrorKind::UnexpectedEof => DaemonError::InvalidArgument(format!(
+                    "tar entry `{}` cannot be unpacked in `{target}`: {source}",
+                    shown(&entry)
+                )),
+                _ => DaemonError::io("unpack tar entry into", target, source),
+            },
+        }
+    }
+}
+
+/// Unpacks a tar stream into `dst`, gunzipping it first when it starts with the gzip magic.
+fn unpack(mut upload: impl Read, dst: &Path) -> Result<Counts, Refusal> {
+    let mut magic = [0u8; 2];
+    let mut seen = 0;
+    while seen < magic.len() {
+        match upload.read(&mut magic[seen..]) {
+            Ok(0) => break,
+            Ok(n) => seen += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Refusal::Read(e)),
+        }
+    }
+    let whole = (&magic[..seen]).chain(upload);
+    if magic == GZIP_MAGIC { unpack_tar(flate2::read::MultiGzDecoder::new(whole), dst) } else { unpack_tar(whole, dst) }
+}
+
+fn unpack_tar(source: impl Read, dst: &Path) -> Result<Counts, Refusal> {
+    let mut archive = tar::Archive::new(source);
+    archive.set_preserve_permissions(true);
+    archive.set_preserve_mtime(true);
+    archive.set_overwrite(true);
+    archive.set_unpack_xattrs(false);
+    let mut counts = Counts::default();
+    for entry in archive.entries().map_err(Refusal::Read)? {
+        let mut entry = entry.map_err(Refusal::Read)?;
+        let name = entry.path().map_err(Refusal::Read)?.into_owned();
+        let escapes = |link: Option<&Path>| Refusal::Escapes { entry: shown(&name), link: link.map(shown) };
+        if !stays_inside(&name) {
+            return Err(escapes(None));
+        }
+        let kind = entry.header().entry_type();
+        if kind.is_hard_link()
+            && let Some(link) = entry.link_name().map_err(Refusal::Read)?
+            && !stays_inside(&link)
+        {
+            return Err(escapes(Some(&link)));
+        }
+        // `unpack_in` also refuses to write through a symlink that leads outside `dst`.
+        match entry.unpack_in(dst) {
+            Ok(true) => {}
+            Ok(false) => return Err(escapes(None)),
+            Err(source) => return Err(Refusal::Unpack { entry: name, source }),
+        }
+        if kind.is_pax_global_extensions() {
+            continue;
+        }
+        counts.entries += 1;
+        if matches!(kind, tar::EntryType::Regular | tar::EntryType::Continuous) {
+            counts.bytes += entry.size();
+        }
+    }
+    Ok(counts)
+}
+
+/// Whether an archive path stays below the directory it is unpacked in: relative, and with no
+/// `..` anywhere.
+fn stays_inside(path: &Path) -> bool {
+    path.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
+/// `GET /v1/archive?path=`: a directory as a tar of its contents (names relative to it, like
+/// `a/b`), or a file as a tar holding it under its base name. Symlinks stay symlinks, modes and
+/// times are kept. A failure after the first byte aborts the body, so a client never takes a cut
+/// archive for a whole one.
+pub async fn download(ApiQuery(q): ApiQuery<PathQuery>) -> DaemonResult<Response> {
+    let root = absolute(&q.path)?;
+    // Everything that can be refused is checked before the answer starts.
+    let source = blocking(move || Source::open(root)).await?;
+    let (writer, reader) = tokio::io::duplex(PIPE_CAPACITY);
+    let out = SyncIoBridge::new(writer);
+    let path = q.path;
+    let writing = tokio::task::spawn_blocking(move || write_tar(source, out));
+    let outcome = futures_util::stream::once(async move {
+        let err = match writing.await {
+            Ok(Ok(())) => return None,
+            Ok(Err(err)) => err,
+            Err(join) => io::Error::other(join),
+        };
+        tracing::warn!(path = %path, error = %err, "archive download failed midway");
+        Some(Err(err))
+    })
+    .filter_map(std::future::ready);
+    let body = Body::from_stream(ReaderStream::with_capacity(reader, PIPE_CAPACITY).chain(outcome));
+    let mut response = Response::new(body);
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/x-tar"));
+    Ok(response)
+}
+
+/// What a download archives.
+#[derive(Debug)]
+enum Source {
+    Dir(PathBuf),
+    File { name: OsString, file: fs::File },
+}
+
+impl Source {
+    /// Follows `root` if it is a symlink; refuses what is neither a directory nor a file.
+    fn open(root: PathBuf) -> DaemonResult<Self> {
+        let meta = fs::metadata(&root).map_err(|e| DaemonError::io("archive", shown(&root), e))?;
+        if meta.is_dir() {
+            fs::read_dir(&root).map_err(|e| DaemonError::io("list", shown(&root), e))?;
+            return Ok(Source::Dir(root));
+        }
+        let name = root.file_name().map(ToOwned::to_owned);
+        match name {
+            Some(name) if meta.is_file() => {
+                let file = fs::File::open(&root).map_err(|e| DaemonError::io("open", shown(&root), e))?;
+                Ok(Source::File { name, file })
+            }
+            _ => Err(DaemonError::InvalidArgument(format!(
+                "`{}` is neither a directory nor a regular file",
+                shown(&root)
+            ))),
+        }
+    }
+}
+
+fn write_tar(source: Source, out: SyncIoBridge<DuplexStream>) -> io::Result<()> {
+    let mut builder = tar::Builder::new(out);
+    builder.follow_symlinks(false);
+    match source {
+        Source::Dir(root) => append_tree(&mut builder, &root)?,
+        Source::File { name, mut file } => builder.append_file(Path::new(&name), &mut file)?,
+    }
+    builder.into_inner()?.shutdown()
+}
+
+/// Appends everything below `root`, by name, depth first, each directory before its contents.
+/// Sockets cannot be archived and are left out, as are entries removed while this runs.
+fn append_tree<W: io::Write>(builder: &mut tar::Builder<W>, root: &Path) -> io::Result<()> {
+    let named = |path: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+    // Paths relative to `root`, next one last; a stack rather than recursion, so a deep tree
+    // cannot exhaust the thread's stack.
+    let mut pending: Vec<PathBuf> =
+        sorted_names(root).map_err(|e| named(root, e))?.into_iter().rev().map(PathBuf::from).collect();
+    while let Some(rel) = pending.pop() {
+        let path = root.join(&rel);
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(named(&path, e)),
+        };
+        if meta.file_type().is_socket() {
+            continue;
+        }
+        match builder.append_path_with_name(&path, &rel) {
+            Ok(()) => {}
+            // The file was opened before its header is written, so nothing went out.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(named(&path, e)),
+        }
+        if meta.is_dir() {
+            let children = sorted_names(&path).map_err(|e| named(&path, e))?;
+            pending.extend(children.into_iter().rev().map(|name| rel.join(name)));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{PermissionsExt, symlink};
+
+    use super::*;
+
+    #[test]
+    fn entry_paths_must_stay_inside() {
+        for good in ["a", "a/b", "./a/b", "a/./b", ".", "dir/"] {
+            assert!(stays_inside(Path::new(good)), "{good}");
+        }
+        for bad in ["../x", "a/../../x", "a/..", "/etc/passwd", "/"] {
+            assert!(!stays_inside(Path::new(bad)), "{bad}");
+        }
+    }
+
+    /// A tar header whose name is written raw, since `tar::Builder` refuses bad names.
+    fn raw_entry(out: &mut Vec<u8>, name: &str, kind: tar::EntryType, link: Option<&str>, data: &[u8]) {
+        let mut header = tar::Header::new_old();
+        let slot = &mut header.as_old_mut().name;
+        slot[..name.len()].copy_from_slice(name.as_bytes());
+        if let Some(link) = link {
+            let slot = &mut header.as_old_mut().linkname;
+            slot[..link.len()].copy_from_slice(link.as_bytes());
+        }
+        header.set_entry_type(kind);
+        header.set_mode(0o644);
+        header.set_size(data.len() as u64);
+        header.set_cksum();
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(data);
+        out.resize(out.len().div_ceil(512) * 512, 0);
+    }
+
+    fn finish(mut out: Vec<u8>) -> Vec<u8> {
+        out.resize(out.len() + 1024, 0);
+        out
+    }
+
+    fn refusal_message(archive: &[u8], dst: &Path) -> String {
+        match unpack(archive, dst) {
+            Ok(counts) => format!("unpacked {counts:?}"),
+            Err(refusal) => refusal.into_error(dst).to_string(),
+        }
+    }
+
+    #[test]
+    fn parent_dir_entries_are_refused_and_nothing_lands_outside() -> io::Result<()> {
+        let scratch = tempfile::tempdir()?;
+        let dst = scratch.path().join("target");
+        fs::create_dir(&dst)?;
+        let mut tar = Vec::new();
+        raw_entry(&mut tar, "ok", tar::EntryType::Regular, None, b"fine");
+        raw_entry(&mut tar, "../evil", tar::EntryType::Regular, None, b"evil");
+        let msg = refusal_message(&finish(tar), &dst);
+        assert_eq!(msg, format!("tar entry `../evil` would land outside `{}`", dst.display()));
+        assert!(!scratch.path().join("evil").exists());
+        assert_eq!(fs::read(dst.join("ok"))?, b"fine");
+        Ok(())
+    }
+
+    #[test]
+    fn absolute_entries_and_escaping_hard_links_are_refused() -> io::Result<()> {
+        let scratch = tempfile::tempdir()?;
+        let dst = scratch.path().join("target");
+        fs::create_dir(&dst)?;
+        let mut tar = Vec::new();
+        raw_entry(&mut tar, "/abs", tar::EntryType::Regular, None, b"x");
+        assert!(refusal_message(&finish(tar), &dst).contains("tar entry `/abs` would land outside"));
+        let mut tar = Vec::new();
+        raw_entry(&mut tar, "h", tar::EntryType::Link, Some("../secret"), b"");
+        let msg = refusal_message(&finish(tar), &dst);
+        assert!(msg.contains("hard link to `../secret`"), "{msg}");
+        assert!(!dst.join("h").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn writing_through_a_symlink_that_leads_outside_is_refused() -> io::Result<()> {
+        let scratch = tempfile::tempdir()?;
+        let dst = scratch.path().join("target");
+        let outside = scratch.path().join("outside");
+        fs::create_dir(&dst)?;
+        fs::create_dir(&outside)?;
+        let mut tar = Vec::new();
+        raw_entry(&mut tar, "link", tar::EntryType::Symlink, Some(&outside.to_string_lossy()), b"");
+        raw_entry(&mut tar, "link/planted", tar::EntryType::Regular, None, b"x");
+        let msg = refusal_message(&finish(tar), &dst);
+        assert!(msg.contains("tar entry `link/planted` cannot be unpacked"), "{msg}");
+        assert!(!outside.join("planted").exists());
+        // The symlink itself is kept as a symlink.
+        assert!(fs::symlink_metadata(dst.join("link"))?.file_type().is_symlink());
+        Ok(())
+    }
+
+    fn sample_tree() -> io::Result<tempfile::TempDir> {
+        let src = tempfile::tempdir()?;
+        fs::create_dir_all(src.path().join("d/e"))?;
+        fs::write(src.path().join("d/e/f"), b"deep")?;
+        fs::write(src.path().join("x"), b"exec")?;
+        fs::set_permissions(src.path().join("x"), fs::Permissions::from_mode(0o755))?;
+        symlink("d/e/f", src.path().join("l"))?;
+        Ok(src)
+    }
+
+    fn archive_of(root: &Path) -> io::Result<Vec<u8>> {
+        let mut builder = tar::Builder::new(Vec::new());
+        builder.follow_symlinks(false);
+        append_tree(&mut builder, root)?;
+        builder.into_inner()
+    }
+
+    #[test]
+    fn a_tree_round_trips_with_modes_and_symlinks() -> io::Result<()> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        let names: Vec<String> = tar::Archive::new(&tar[..])
+            .entries()?
+            .map(|e| e.and_then(|e| Ok(shown(&e.path()?))))
+            .collect::<io::Result<_>>()?;
+        assert_eq!(names, ["d", "d/e", "d/e/f", "l", "x"]);
+        let dst = tempfile::tempdir()?;
+        let counts = unpack(&tar[..], dst.path()).map_err(|r| io::Error::other(format!("{r:?}")))?;
+        assert_eq!(counts, Counts { entries: 5, bytes: 8 });
+        assert_eq!(fs::read(dst.path().join("d/e/f"))?, b"deep");
+        assert_eq!(fs::metadata(dst.path().join("x"))?.permissions().mode() & 0o777, 0o755);
+        assert_eq!(fs::read_link(dst.path().join("l"))?, Path::new("d/e/f"));
+        Ok(())
+    }
+
+    #[test]
+    fn gzip_is_detected_by_its_magic() -> io::Result<()> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        io::Write::write_all(&mut gz, &tar)?;
+        let gz = gz.finish()?;
+        assert_eq!(gz[..2], GZIP_MAGIC);
+        let dst = tempfile::tempdir()?;
+        let counts = unpack(&gz[..], dst.path()).map_err(|r| io::Error::other(format!("{r:?}")))?;
+        assert_eq!(counts.entries, 5);
+        assert_eq!(fs::read(dst.path().join("x"))?, b"exec");
+        Ok(())
+    }
+
+    #[test]
+    fn an_empty_upload_unpacks_nothing() {
+        let dst = Path::new("/nonexistent-sandman-test");
+        assert_eq!(unpack(&[][..], dst).ok(), Some(Counts::default()));
+    }
+
+    #[test]
+    fn garbage_is_an_unreadable_archive() -> io::Result<()> {
+        let dst = tempfile::tempdir()?;
+        let msg = refusal_message(&[7u8; 1024], dst.path());
+        assert!(msg.starts_with("cannot read the tar archive"), "{msg}");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn download_then_extract_round_trips_through_the_handlers() -> Result<(), Box<dyn std::error::Error>> {
+        let src = sample_tree()?;
+        let response = download(ApiQuery(PathQuery { path: shown(src.path()) })).await?;
+        let content_type = response.headers().get(header::CONTENT_TYPE).map(|v| v.as_bytes().to_vec());
+        assert_eq!(content_type.as_deref(), Some(&b"application/x-tar"[..]));
+        let tar = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
+        let dst = tempfile::tempdir()?;
+        let target = dst.path().join("new/dir");
+        let result = extract_into(target.clone(), Body::from(tar), 0).await?;
+        assert_eq!((result.path, result.entries, result.bytes), (shown(&target), 5, 8));
+        assert_eq!(fs::read(target.join("d/e/f"))?, b"deep");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn download_of_a_file_holds_it_by_its_base_name() -> Result<(), Box<dyn std::error::Error>> {
+        let src = sample_tree()?;
+        let response = download(ApiQuery(PathQuery { path: shown(&src.path().join("d/e/f")) })).await?;
+        let tar = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
+        let mut archive = tar::Archive::new(&tar[..]);
+        let names: Vec<String> =
+            archive.entries()?.map(|e| e.and_then(|e| Ok(shown(&e.path()?)))).collect::<io::Result<_>>()?;
+        assert_eq!(names, ["f"]);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn download_of_a_missing_path_is_not_found_before_any_byte() {
+        let err = download(ApiQuery(PathQuery { path: "/nonexistent-sandman-test/x".into() })).await.err();
+        assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::NotFound));
+    }
+
+    #[tokio::test]
+    async fn extract_over_the_limit_is_too_large() -> Result<(), Box<dyn std::error::Error>> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        let chunks: Vec<io::Result<Bytes>> = tar.chunks(512).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+        let dst = tempfile::tempdir()?;
+        let body = Body::from_stream(futures_util::stream::iter(chunks));
+        let err = extract_into(dst.path().to_path_buf(), body, 1024).await.err();
+        assert!(matches!(err, Some(DaemonError::TooLarge { limit: 1024 })), "{err:?}");
+        Ok(())
+    }
+}

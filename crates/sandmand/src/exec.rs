@@ -1,0 +1,162 @@
+//! `POST /v1/exec` and `/v1/exec/stream`: run a command to completion, answering with its whole
+//! (capped) output or streaming it as NDJSON events.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::Response;
+use sandman_wire::daemon::{ExecEvent, ExecRequest, ExecResult, StreamName};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+
+use crate::error::DaemonResult;
+use crate::extract::ApiJson;
+use crate::run::{self, OutputSink, Started, Utf8Chunks};
+use crate::spawn::{Launch, LaunchRequest};
+use crate::state::Daemon;
+use crate::stream;
+
+/// Output kept per stream when the request sets no `max_output_bytes`.
+pub const DEFAULT_MAX_OUTPUT: u64 = 10 << 20;
+
+/// Events buffered between a streamed exec and its slow client before the process is throttled
+/// (its pipe fills and it blocks), each at most one 64 KiB read.
+const STREAM_EVENTS: usize = 16;
+
+struct Parsed {
+    launch: Launch,
+    stdin: Option<String>,
+    timeout: Option<Duration>,
+    cap: u64,
+}
+
+fn parse(daemon: &Daemon, req: ExecRequest) -> DaemonResult<Parsed> {
+    let launch = Launch::parse(
+        &daemon.defaults,
+        LaunchRequest { argv: req.argv, command: req.command, env: req.env, cwd: req.cwd, user: req.user },
+    )?;
+    Ok(Parsed {
+        launch,
+        stdin: req.stdin,
+        timeout: req.timeout_ms.map(Duration::from_millis),
+        cap: req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT),
+    })
+}
+
+/// Starts the process and feeds it its stdin from a task of its own, so that a large stdin and
+/// a large output cannot deadlock each other.
+fn start(daemon: &Daemon, parsed: &mut Parsed) -> DaemonResult<Started> {
+    let mut started = run::start(&daemon.children, &parsed.launch, parsed.stdin.is_some())?;
+    if let (Some(mut pipe), Some(text)) = (started.stdin.take(), parsed.stdin.take()) {
+        daemon.tasks.spawn(async move {
+            // A command that exits without reading its stdin closes the pipe: not an error.
+            let _ = pipe.write_all(text.as_bytes()).await;
+        });
+    }
+    Ok(started)
+}
+
+/// Collects output up to a cap per stream, counting what it drops.
+#[derive(Debug, Default)]
+struct Capped {
+    cap: u64,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+}
+
+impl OutputSink for Capped {
+    async fn output(&mut self, stream: StreamName, data: &[u8]) -> bool {
+        let (buf, truncated) = match stream {
+            StreamName::Stdout => (&mut self.stdout, &mut self.stdout_truncated),
+            StreamName::Stderr => (&mut self.stderr, &mut self.stderr_truncated),
+        };
+        let room = (self.cap as usize).saturating_sub(buf.len());
+        if data.len() > room {
+            *truncated = true;
+        }
+        buf.extend_from_slice(&data[..data.len().min(room)]);
+        true
+    }
+}
+
+pub async fn exec(
+    State(daemon): State<Arc<Daemon>>,
+    ApiJson(req): ApiJson<ExecRequest>,
+) -> DaemonResult<Json<ExecResult>> {
+    let mut parsed = parse(&daemon, req)?;
+    let started = start(&daemon, &mut parsed)?;
+    let mut sink = Capped { cap: parsed.cap, ..Capped::default() };
+    let status = run::drive(started, parsed.timeout, &mut sink).await;
+    Ok(Json(ExecResult {
+        status,
+        stdout: String::from_utf8_lossy(&sink.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&sink.stderr).into_owned(),
+        stdout_truncated: sink.stdout_truncated,
+        stderr_truncated: sink.stderr_truncated,
+    }))
+}
+
+/// Forwards output as events; stops wanting it when the client has gone.
+struct EventSink {
+    tx: mpsc::Sender<ExecEvent>,
+    cap: u64,
+    sent: [u64; 2],
+    truncated: [bool; 2],
+    utf8: [Utf8Chunks; 2],
+}
+
+impl OutputSink for EventSink {
+    async fn output(&mut self, stream: StreamName, data: &[u8]) -> bool {
+        let i = stream as usize;
+        let room = self.cap.saturating_sub(self.sent[i]) as usize;
+        if data.len() > room {
+            self.truncated[i] = true;
+        }
+        let data = &data[..data.len().min(room)];
+        if data.is_empty() {
+            return !self.tx.is_closed();
+        }
+        self.sent[i] += data.len() as u64;
+        let text = self.utf8[i].push(data);
+        if text.is_empty() {
+            return true;
+        }
+        let event = match stream {
+            StreamName::Stdout => ExecEvent::Stdout { data: text },
+            StreamName::Stderr => ExecEvent::Stderr { data: text },
+        };
+        self.tx.send(event).await.is_ok()
+    }
+}
+
+pub async fn exec_stream(
+    State(daemon): State<Arc<Daemon>>,
+    ApiJson(req): ApiJson<ExecRequest>,
+) -> DaemonResult<Response> {
+    let mut parsed = parse(&daemon, req)?;
+    let started = start(&daemon, &mut parsed)?;
+    let (tx, rx) = mpsc::channel(STREAM_EVENTS);
+    let pid = started.pid as u32;
+    let timeout = parsed.timeout;
+    let cap = parsed.cap;
+    daemon.tasks.spawn(async move {
+        if tx.send(ExecEvent::Started { pid }).await.is_err() {
+            crate::tree::kill_tree(pid as i32);
+        }
+        let mut sink = EventSink { tx, cap, sent: [0; 2], truncated: [false; 2], utf8: Default::default() };
+        let status = run::drive(started, timeout, &mut sink).await;
+        for (i, tail) in sink.utf8.iter_mut().map(Utf8Chunks::finish).enumerate() {
+            if !tail.is_empty() {
+                let event = if i == 0 { ExecEvent::Stdout { data: tail } } else { ExecEvent::Stderr { data: tail } };
+                let _ = sink.tx.send(event).await;
+            }
+        }
+        let [stdout_truncated, stderr_truncated] = sink.truncated;
+        let _ = sink.tx.send(ExecEvent::Exit { status, stdout_truncated, stderr_truncated }).await;
+    });
+    Ok(stream::ndjson(rx, || ExecEvent::Keepalive))
+}

@@ -1,0 +1,3 @@
+//! Request extractors answering bad input with the wire error body (shared with the server).
+
+pub use sandman_http::extract::{ApiJson, ApiQuery, BadRequest, MAX_JSON_BODY, is_length_limit, read_limited};

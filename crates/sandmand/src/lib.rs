@@ -1,0 +1,309 @@
+//! `sandmand`, the daemon inside every sandbox: it serves the daemon API of the design over TCP or
+//! a Unix socket, is the sandbox's init where it can be, and keeps a lease. Start at [`run`], then
+//! [`api::router`] for the calls.
+
+pub mod api;
+pub mod archive;
+pub mod children;
+pub mod error;
+pub mod exec;
+pub mod extract;
+pub mod files;
+pub mod isolate;
+pub mod lease;
+#[cfg(feature = "openapi")]
+pub mod openapi;
+pub mod processes;
+pub mod run;
+pub mod sessions;
+pub mod spawn;
+pub mod state;
+pub mod stream;
+pub mod sys;
+pub mod tree;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::children::Children;
+use crate::spawn::Defaults;
+use crate::state::{Config, Daemon};
+
+/// Exit code when the lease lapsed and the daemon killed everything.
+pub const EXIT_LEASE_EXPIRED: i32 = 3;
+
+/// Why the daemon could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("no token: set SANDMAN_TOKEN or pass --token-file")]
+    NoToken,
+    #[error("cannot read the token file `{path}`")]
+    TokenFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the token file `{0}` is empty")]
+    EmptyToken(PathBuf),
+    #[error("cannot listen on `{addr}`")]
+    Listen {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot install the child reaper")]
+    Reaper(#[source] std::io::Error),
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("serving failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Where to listen: `unix:/path` or `host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for Listen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.strip_prefix("unix:") {
+            Some("") => Err("`unix:` needs a socket path, as in unix:/run/sandmand.sock".into()),
+            Some(path) => Ok(Listen::Unix(PathBuf::from(path))),
+            None if s.contains(':') => Ok(Listen::Tcp(s.to_string())),
+            None => Err(format!("`{s}` is neither host:port nor unix:/path")),
+        }
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Tcp(a) => f.write_str(a),
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// Everything `run` needs, parsed by the binary.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub listen: Listen,
+    pub token: String,
+    pub lease: Option<Duration>,
+    pub shell: String,
+    pub workdir: Option<PathBuf>,
+    pub max_upload_bytes: u64,
+    pub shutdown_grace: Duration,
+    /// Limits set on every process the daemon starts (not on the daemon).
+    pub rlimits: sys::Rlimits,
+}
+
+/// Reads the token from `SANDMAN_TOKEN`, else from `file`.
+pub fn load_token(env: Option<String>, file: Option<&Path>) -> Result<String, StartError> {
+    if let Some(t) = env.filter(|t| !t.is_empty()) {
+        return Ok(t);
+    }
+    let Some(path) = file else { return Err(StartError::NoToken) };
+    let text =
+        std::fs::read_to_string(path).map_err(|source| StartError::TokenFile { path: path.to_path_buf(), source })?;
+    let token = text.trim().to_string();
+    if token.is_empty() {
+        return Err(StartError::EmptyToken(path.to_path_buf()));
+    }
+    Ok(token)
+}
+
+/// How the daemon ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Asked to stop by a signal.
+    Stopped,
+    /// The lease lapsed.
+    LeaseExpired,
+}
+
+/// Serves until asked to stop or until the lease lapses, then ends every child.
+pub async fn run(settings: Settings) -> Result<Ending, StartError> {
+    let cancel = CancellationToken::new();
+    let children = Children::new();
+    if std::process::id() != 1
+        && let Err(err) = sys::become_subreaper()
+    {
+        tracing::warn!(%err, "cannot become a child subreaper; orphans will not be reaped here");
+    }
+    let reaper = children::install_reaper(children.clone(), cancel.clone()).map_err(StartError::Reaper)?;
+    let mut sigterm =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(StartError::Signals)?;
+    let mut sigint =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(StartError::Signals)?;
+
+    let mut defaults = Defaults::from_process(settings.shell.clone(), settings.workdir.clone());
+    defaults.rlimits = settings.rlimits;
+    let config = Config {
+        token: settings.token.clone(),
+        max_upload_bytes: settings.max_upload_bytes,
+        shutdown_grace: settings.shutdown_grace,
+        listen: settings.listen.to_string(),
+        workdir: settings.workdir.clone(),
+    };
+    let daemon = Daemon::new(config, defaults, children.clone(), settings.lease);
+    let app = api::router(daemon.clone());
+
+    let stop = CancellationToken::new();
+    let serve_stop = stop.clone();
+    let server = match &settings.listen {
+        Listen::Tcp(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Listen { addr: addr.clone(), source })?;
+            let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| addr.clone());
+            tracing::info!(listen = %local, pid = std::process::id(), "sandmand serving");
+            tokio::spawn(async move {
+                axum::serve(listener, app).with_graceful_shutdown(serve_stop.cancelled_owned()).await
+            })
+        }
+        Listen::Unix(path) => {
+            // A socket left by an earlier run would make bind fail.
+            let _ = std::fs::remove_file(path);
+            if let Some(parent) = path.parent() {
+                let _ = std::fs::create_dir_all(parent);
+            }
+            let listener = tokio::net::UnixListener::bind(path)
+                .map_err(|source| StartError::Listen { addr: settings.listen.to_string(), source })?;
+            tracing::info!(listen = %settings.listen, pid = std::process::id(), "sandmand serving");
+            tokio::spawn(async move {
+                axum::serve(listener, app).with_graceful_shutdown(serve_stop.cancelled_owned()).await
+            })
+        }
+    };
+
+    let ending = tokio::select! {
+        _ = sigterm.recv() => Ending::Stopped,
+        _ = sigint.recv() => Ending::Stopped,
+        _ = daemon.lease.lapsed() => Ending::LeaseExpired,
+        res = server => {
+            return Err(StartError::Serve(match res {
+                Ok(Ok(())) => std::io::Error::other("the listener closed"),
+                Ok(Err(e)) => e,
+                Err(e) => std::io::Error::other(e),
+            }));
+        }
+    };
+    match ending {
+        Ending::LeaseExpired => {
+            let lease = settings.lease.unwrap_or_default();
+            tracing::warn!(
+                lease_ms = lease.as_millis() as u64,
+                children = children.count(),
+                "lease lapsed: no authenticated call for the lease period; killing every process and exiting"
+            );
+            daemon.kill_everything();
+        }
+        Ending::Stopped => {
+            tracing::info!(children = children.count(), "asked to stop; forwarding SIGTERM to every child");
+            daemon.signal_all(sys::SIGTERM);
+            if daemon.pid1 {
+                let _ = sys::kill_all_others(sys::SIGTERM);
+            }
+            let deadline = tokio::time::sleep(settings.shutdown_grace);
+            tokio::pin!(deadline);
+            loop {
+                if children.count() == 0 {
+                    break;
+                }
+                tokio::select! {
+                    _ = &mut deadline => {
+                        tracing::warn!(children = children.count(), "children outlived the grace period; killing them");
+                        break;
+                    }
+                    _ = sigterm.recv() => { tracing::warn!("second signal: killing at once"); break; }
+                    _ = sigint.recv() => { tracing::warn!("second signal: killing at once"); break; }
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                }
+            }
+            daemon.kill_everything();
+        }
+    }
+    stop.cancel();
+    daemon.tasks.close();
+    // Let the children's exits be reaped and the last answers go out, briefly.
+    let _ = tokio::time::timeout(Duration::from_millis(500), daemon.tasks.wait()).await;
+    cancel.cancel();
+    let _ = reaper.await;
+    if let Listen::Unix(path) = &settings.listen {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(ending)
+}
+
+/// Copies this binary to `dest` (mode 0755), for images with no shell or `cp` (the Kubernetes
+/// init container runs `sandmand install /.sandman/sandmand`).
+pub fn install(dest: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(parent) = dest.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let me = std::env::current_exe()?;
+    let tmp = dest.with_extension("sandman-tmp");
+    std::fs::copy(&me, &tmp)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::rename(&tmp, dest)
+}
+
+/// Parses `30s`, `5m`, `1500ms`, `2h` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let (num, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len()));
+    let n: f64 = num.parse().map_err(|_| format!("`{text}` is not a duration like 30s, 5m or 1500ms"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("`{text}` has an unknown unit (use ms, s, m or h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("`{text}` is not a valid duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses() {
+        assert_eq!("unix:/run/s.sock".parse::<Listen>(), Ok(Listen::Unix("/run/s.sock".into())));
+        assert_eq!("0.0.0.0:7778".parse::<Listen>(), Ok(Listen::Tcp("0.0.0.0:7778".into())));
+        assert!("unix:".parse::<Listen>().is_err());
+        assert!("nowhere".parse::<Listen>().is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn token_from_env_first_then_file() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-file\n").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(load_token(Some("env".into()), Some(&file)).ok().as_deref(), Some("env"));
+        assert_eq!(load_token(None, Some(&file)).ok().as_deref(), Some("from-file"));
+        assert!(matches!(load_token(None, None), Err(StartError::NoToken)));
+        std::fs::write(&file, "  \n").unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(load_token(None, Some(&file)), Err(StartError::EmptyToken(_))));
+    }
+}

@@ -1,0 +1,472 @@
+//! Background processes (`/v1/processes`): started, then outliving the call that started them,
+//! with bounded output retention read from any byte offset or followed, stdin, signals and wait.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use sandman_wire::daemon::{
+    ExitStatus, OutputChunk, OutputEvent, OutputQuery, ProcessInfo, ProcessList, ProcessState, SignalRequest,
+    SignalSpec, StartProcess, StdinWrite, StreamName, WaitRequest,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, watch};
+
+use crate::error::{DaemonError, DaemonResult};
+use crate::extract::{ApiJson, ApiQuery};
+use crate::run::{self, OutputSink, Utf8Chunks, incomplete_tail};
+use crate::spawn::{Launch, LaunchRequest};
+use crate::state::Daemon;
+use crate::{stream, sys, tree};
+
+/// Bytes of each stream kept when the request sets no `retain_bytes`.
+pub const DEFAULT_RETAIN: u64 = 1 << 20;
+/// Largest `retain_bytes` accepted.
+pub const MAX_RETAIN: u64 = 256 << 20;
+/// Processes remembered at once; past it the oldest exited one is forgotten.
+pub const MAX_PROCESSES: usize = 1024;
+/// Default and largest size of one `output` answer.
+const DEFAULT_CHUNK: u64 = 1 << 20;
+/// Default wait of `/wait`.
+const DEFAULT_WAIT: Duration = Duration::from_secs(30);
+/// Events buffered for one follower of a process's output.
+const FOLLOW_EVENTS: usize = 16;
+
+/// The last `cap` bytes of one output stream and the offset of the first of them.
+#[derive(Debug)]
+struct Ring {
+    buf: VecDeque<u8>,
+    /// Stream offset of `buf[0]`: everything before it was dropped.
+    start: u64,
+    cap: usize,
+}
+
+impl Ring {
+    fn new(cap: usize) -> Self {
+        Ring { buf: VecDeque::new(), start: 0, cap }
+    }
+
+    fn total(&self) -> u64 {
+        self.start + self.buf.len() as u64
+    }
+
+    fn push(&mut self, data: &[u8]) {
+        self.buf.extend(data);
+        let excess = self.buf.len().saturating_sub(self.cap);
+        if excess > 0 {
+            self.buf.drain(..excess);
+            self.start += excess as u64;
+        }
+    }
+
+    /// Bytes from `offset` (or the first retained byte after it), at most `max`:
+    /// `(where they start, bytes dropped before that, data)`.
+    fn read(&self, offset: u64, max: u64) -> (u64, u64, Vec<u8>) {
+        let from = offset.max(self.start).min(self.total());
+        let dropped = from.saturating_sub(offset).min(self.start.saturating_sub(offset));
+        let skip = (from - self.start) as usize;
+        let take = (self.total() - from).min(max) as usize;
+        (from, dropped, self.buf.iter().skip(skip).take(take).copied().collect())
+    }
+}
+
+#[derive(Debug)]
+struct Output {
+    stdout: Ring,
+    stderr: Ring,
+    /// Set once the process has exited and its output is complete.
+    exit: Option<ExitStatus>,
+}
+
+impl Output {
+    fn ring(&self, stream: StreamName) -> &Ring {
+        match stream {
+            StreamName::Stdout => &self.stdout,
+            StreamName::Stderr => &self.stderr,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Process {
+    id: String,
+    tag: Option<String>,
+    pid: i32,
+    argv: Vec<String>,
+    started_at_ms: u64,
+    /// Retained output and exit status, written by the driver task, read by callers; never
+    /// held across `.await`.
+    output: Mutex<Output>,
+    /// Bumped after every change of `output`, so followers and waiters wake without polling.
+    changed: watch::Sender<u64>,
+    /// The stdin pipe while it is open; a tokio mutex because a write awaits the pipe.
+    stdin: tokio::sync::Mutex<Option<pipe::Sender>>,
+    stdin_open: AtomicBool,
+}
+
+impl Process {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Output> {
+        self.output.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn info(&self) -> ProcessInfo {
+        let out = self.lock();
+        ProcessInfo {
+            id: self.id.clone(),
+            tag: self.tag.clone(),
+            pid: self.pid as u32,
+            argv: self.argv.clone(),
+            state: if out.exit.is_some() { ProcessState::Exited } else { ProcessState::Running },
+            started_at_ms: self.started_at_ms,
+            exit: out.exit.clone(),
+            stdout_bytes: out.stdout.total(),
+            stderr_bytes: out.stderr.total(),
+            stdin_open: self.stdin_open.load(Ordering::Relaxed),
+        }
+    }
+
+    fn exited(&self) -> bool {
+        self.lock().exit.is_some()
+    }
+}
+
+/// Appends a running process's output to its rings.
+struct RingSink(Arc<Process>);
+
+impl OutputSink for RingSink {
+    async fn output(&mut self, stream: StreamName, data: &[u8]) -> bool {
+        {
+            let mut out = self.0.lock();
+            match stream {
+                StreamName::Stdout => out.stdout.push(data),
+                StreamName::Stderr => out.stderr.push(data),
+            }
+        }
+        self.0.changed.send_modify(|v| *v += 1);
+        true
+    }
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    by_id: BTreeMap<u64, Arc<Process>>,
+    by_tag: HashMap<String, u64>,
+    next: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Processes {
+    /// Every remembered process, by number and by tag. Held only to look up or insert.
+    table: Mutex<Table>,
+}
+
+impl Processes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Finds a process by id (`p-7`) or tag.
+    pub fn get(&self, key: &str) -> DaemonResult<Arc<Process>> {
+        let table = self.lock();
+        let n = key.strip_prefix("p-").and_then(|n| n.parse::<u64>().ok());
+        n.and_then(|n| table.by_id.get(&n))
+            .or_else(|| table.by_tag.get(key).and_then(|n| table.by_id.get(n)))
+            .cloned()
+            .ok_or_else(|| DaemonError::NotFound(format!("no process `{key}`")))
+    }
+
+    pub fn counts(&self) -> (usize, usize) {
+        let table = self.lock();
+        let running = table.by_id.values().filter(|p| !p.exited()).count();
+        (running, table.by_id.len())
+    }
+
+    fn forget(&self, process: &Process) {
+        let mut table = self.lock();
+        if let Some(n) = process.id.strip_prefix("p-").and_then(|n| n.parse::<u64>().ok()) {
+            table.by_id.remove(&n);
+        }
+        if let Some(tag) = &process.tag {
+            table.by_tag.remove(tag);
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+pub async fn start(
+    State(daemon): State<Arc<Daemon>>,
+    ApiJson(req): ApiJson<StartProcess>,
+) -> DaemonResult<(StatusCode, Json<ProcessInfo>)> {
+    let retain = req.retain_bytes.unwrap_or(DEFAULT_RETAIN);
+    if retain > MAX_RETAIN {
+        return Err(DaemonError::InvalidArgument(format!("`retain_bytes` is over the limit of {MAX_RETAIN}")));
+    }
+    if let Some(tag) = &req.tag
+        && (tag.is_empty() || tag.starts_with("p-") || tag.contains('/'))
+    {
+        return Err(DaemonError::InvalidArgument(format!(
+            "tag `{tag}` must be non-empty, without `/`, and not start with `p-`"
+        )));
+    }
+    let launch = Launch::parse(
+        &daemon.defaults,
+        LaunchRequest { argv: req.argv, command: req.command, env: req.env, cwd: req.cwd, user: req.user },
+    )?;
+    // Reserve the number and tag first, so that two starts with one tag cannot both win.
+    let n = {
+        let mut table = daemon.processes.lock();
+        if let Some(tag) = &req.tag
+            && table.by_tag.contains_key(tag)
+        {
+            return Err(DaemonError::Conflict(format!("a process tagged `{tag}` exists; delete it first")));
+        }
+        if table.by_id.len() >= MAX_PROCESSES {
+            let oldest_exited = table.by_id.iter().find(|(_, p)| p.exited()).map(|(n, p)| (*n, p.tag.clone()));
+            match oldest_exited {
+                Some((old, tag)) => {
+                    table.by_id.remove(&old);
+                    if let Some(tag) = tag {
+                        table.by_tag.remove(&tag);
+                    }
+                }
+                None => {
+                    return Err(DaemonError::Conflict(format!("{MAX_PROCESSES} processes are running already")));
+                }
+            }
+        }
+        table.next += 1;
+        let n = table.next;
+        if let Some(tag) = &req.tag {
+            table.by_tag.insert(tag.clone(), n);
+        }
+        n
+    };
+    let mut started = match run::start(&daemon.children, &launch, req.stdin) {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(tag) = &req.tag {
+                daemon.processes.lock().by_tag.remove(tag);
+            }
+            return Err(e);
+        }
+    };
+    let stdin = started.stdin.take();
+    let process = Arc::new(Process {
+        id: format!("p-{n}"),
+        tag: req.tag,
+        pid: started.pid,
+        argv: launch.argv.clone(),
+        started_at_ms: now_ms(),
+        output: Mutex::new(Output {
+            stdout: Ring::new(retain as usize),
+            stderr: Ring::new(retain as usize),
+            exit: None,
+        }),
+        changed: watch::Sender::new(0),
+        stdin_open: AtomicBool::new(stdin.is_some()),
+        stdin: tokio::sync::Mutex::new(stdin),
+    });
+    daemon.processes.lock().by_id.insert(n, process.clone());
+    let timeout = req.timeout_ms.map(Duration::from_millis);
+    let driven = process.clone();
+    daemon.tasks.spawn(async move {
+        let status = run::drive(started, timeout, &mut RingSink(driven.clone())).await;
+        driven.lock().exit = Some(status);
+        driven.changed.send_modify(|v| *v += 1);
+    });
+    Ok((StatusCode::CREATED, Json(process.info())))
+}
+
+pub async fn list(State(daemon): State<Arc<Daemon>>) -> Json<ProcessList> {
+    let all: Vec<Arc<Process>> = daemon.processes.lock().by_id.values().cloned().collect();
+    Json(ProcessList { processes: all.iter().map(|p| p.info()).collect() })
+}
+
+pub async fn status(State(daemon): State<Arc<Daemon>>, Path(id): Path<String>) -> DaemonResult<Json<ProcessInfo>> {
+    Ok(Json(daemon.processes.get(&id)?.info()))
+}
+
+pub async fn output(
+    State(daemon): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<OutputQuery>,
+) -> DaemonResult<Response> {
+    let process = daemon.processes.get(&id)?;
+    if q.follow {
+        return Ok(follow(&daemon, process, q.stream, q.offset));
+    }
+    let max = q.max_bytes.unwrap_or(DEFAULT_CHUNK).clamp(1, DEFAULT_CHUNK);
+    let out = process.lock();
+    let ring = out.ring(q.stream);
+    let (from, dropped, mut data) = ring.read(q.offset, max);
+    // End on a character boundary unless the stream is complete, so that no character is split
+    // across two answers.
+    if out.exit.is_none() || from + (data.len() as u64) < ring.total() {
+        let keep = data.len() - incomplete_tail(&data);
+        data.truncate(keep);
+    }
+    let next = from + data.len() as u64;
+    let chunk = OutputChunk {
+        stream: q.stream,
+        offset: from,
+        next_offset: next,
+        dropped,
+        data: String::from_utf8_lossy(&data).into_owned(),
+        eof: out.exit.is_some() && next >= ring.total(),
+    };
+    Ok(Json(chunk).into_response())
+}
+
+/// Streams output from `offset` as it arrives, ending with the exit event.
+fn follow(daemon: &Daemon, process: Arc<Process>, stream: StreamName, mut offset: u64) -> Response {
+    let (tx, rx) = mpsc::channel(FOLLOW_EVENTS);
+    let mut changed = process.changed.subscribe();
+    daemon.tasks.spawn(async move {
+        let mut utf8 = Utf8Chunks::default();
+        loop {
+            // Mark the current version seen before reading, so a change after the read wakes us.
+            changed.borrow_and_update();
+            let (from, dropped, data, exit, total) = {
+                let out = process.lock();
+                let ring = out.ring(stream);
+                let (from, dropped, data) = ring.read(offset, DEFAULT_CHUNK);
+                (from, dropped, data, out.exit.clone(), ring.total())
+            };
+            if dropped > 0 && tx.send(OutputEvent::Dropped { offset, bytes: dropped }).await.is_err() {
+                return;
+            }
+            if !data.is_empty() {
+                let text = utf8.push(&data);
+                let at = from;
+                offset = from + data.len() as u64;
+                if !text.is_empty() && tx.send(OutputEvent::Data { offset: at, data: text }).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            offset = offset.max(from);
+            if let Some(status) = exit {
+                let tail = utf8.finish();
+                if !tail.is_empty() {
+                    let _ = tx.send(OutputEvent::Data { offset, data: tail }).await;
+                }
+                let _ = tx.send(OutputEvent::Exit { status, next_offset: total }).await;
+                return;
+            }
+            tokio::select! {
+                r = changed.changed() => if r.is_err() { return },
+                _ = tx.closed() => return,
+            }
+        }
+    });
+    stream::ndjson(rx, || OutputEvent::Keepalive)
+}
+
+pub async fn write_stdin(
+    State(daemon): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<StdinWrite>,
+) -> DaemonResult<Json<ProcessInfo>> {
+    let process = daemon.processes.get(&id)?;
+    let mut stdin = process.stdin.lock().await;
+    let Some(pipe) = stdin.as_mut() else {
+        return Err(DaemonError::Conflict(format!(
+            "process `{id}` has no open stdin (start it with `stdin: true`; it may have been closed)"
+        )));
+    };
+    if !req.data.is_empty()
+        && let Err(e) = pipe.write_all(req.data.as_bytes()).await
+    {
+        *stdin = None;
+        process.stdin_open.store(false, Ordering::Relaxed);
+        return Err(DaemonError::Conflict(format!("stdin of process `{id}` is closed: {e}")));
+    }
+    if req.close {
+        *stdin = None;
+        process.stdin_open.store(false, Ordering::Relaxed);
+    }
+    drop(stdin);
+    Ok(Json(process.info()))
+}
+
+/// Resolves a signal given by name or number.
+pub fn parse_signal(spec: &SignalSpec) -> DaemonResult<i32> {
+    match spec {
+        SignalSpec::Number(n) if sys::is_valid_signal(*n) => Ok(*n),
+        SignalSpec::Number(n) => Err(DaemonError::InvalidArgument(format!("{n} is not a signal number"))),
+        SignalSpec::Name(name) => {
+            sys::signal_by_name(name).ok_or_else(|| DaemonError::InvalidArgument(format!("unknown signal `{name}`")))
+        }
+    }
+}
+
+pub async fn signal(
+    State(daemon): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<SignalRequest>,
+) -> DaemonResult<Json<ProcessInfo>> {
+    let signal = parse_signal(&req.signal)?;
+    let process = daemon.processes.get(&id)?;
+    if process.exited() {
+        return Err(DaemonError::Conflict(format!("process `{id}` has already exited")));
+    }
+    sys::kill_group(process.pid, signal)
+        .map_err(|e| DaemonError::Internal(format!("cannot signal process `{id}`: {e}")))?;
+    Ok(Json(process.info()))
+}
+
+pub async fn wait(
+    State(daemon): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<WaitRequest>,
+) -> DaemonResult<Json<ProcessInfo>> {
+    let process = daemon.processes.get(&id)?;
+    let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(DEFAULT_WAIT);
+    let mut changed = process.changed.subscribe();
+    let _ = tokio::time::timeout(timeout, changed.wait_for(|_| process.exited())).await;
+    Ok(Json(process.info()))
+}
+
+pub async fn delete(State(daemon): State<Arc<Daemon>>, Path(id): Path<String>) -> DaemonResult<StatusCode> {
+    let process = daemon.processes.get(&id)?;
+    if !process.exited() {
+        tree::kill_tree(process.pid);
+    }
+    daemon.processes.forget(&process);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_keeps_the_tail_and_counts_what_it_dropped() {
+        let mut ring = Ring::new(4);
+        ring.push(b"abcdef");
+        assert_eq!((ring.start, ring.total()), (2, 6));
+        let (from, dropped, data) = ring.read(0, 100);
+        assert_eq!((from, dropped, data.as_slice()), (2, 2, &b"cdef"[..]));
+        let (from, dropped, data) = ring.read(3, 2);
+        assert_eq!((from, dropped, data.as_slice()), (3, 0, &b"de"[..]));
+        let (from, dropped, data) = ring.read(10, 2);
+        assert_eq!((from, dropped, data.len()), (6, 0, 0));
+    }
+
+    #[test]
+    fn signals_by_name_or_number() {
+        assert_eq!(parse_signal(&SignalSpec::Name("TERM".into())).ok(), Some(15));
+        assert_eq!(parse_signal(&SignalSpec::Number(9)).ok(), Some(9));
+        assert!(parse_signal(&SignalSpec::Number(0)).is_err());
+        assert!(parse_signal(&SignalSpec::Name("NOPE".into())).is_err());
+    }
+}

@@ -1,0 +1,197 @@
+//! Running one process tree to its end: start it in its own group, pump its output into a sink,
+//! enforce its timeout by killing the whole tree, and collect its exit and resource usage.
+
+use std::os::fd::OwnedFd;
+use std::process::Stdio;
+use std::time::Duration;
+
+use sandman_wire::daemon::{ExitStatus, StreamName};
+use tokio::io::AsyncReadExt;
+use tokio::net::unix::pipe;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::children::Children;
+use crate::error::{DaemonError, DaemonResult};
+use crate::spawn::Launch;
+use crate::sys::Reaped;
+use crate::tree;
+
+/// How long output is still read after the leader exits, for descendants that keep the pipes
+/// open (`sh -c 'sleep 100 &'`): their later output is not waited for.
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+
+/// Size of one read from a child's pipe, and so the largest output chunk.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// A started process tree.
+#[derive(Debug)]
+pub struct Started {
+    pub pid: i32,
+    pub stdin: Option<pipe::Sender>,
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+    exit: oneshot::Receiver<Reaped>,
+    started: Instant,
+}
+
+/// Starts `launch` with stdin from a pipe (`piped`) or `/dev/null`.
+pub fn start(children: &Children, launch: &Launch, piped: bool) -> DaemonResult<Started> {
+    let stdin = if piped { Stdio::piped() } else { Stdio::null() };
+    let mut cmd = launch.command(stdin);
+    let (mut child, exit) = children
+        .spawn(&mut cmd)
+        .map_err(|source| DaemonError::Spawn { program: launch.program().to_string(), source })?;
+    let pid = child.id() as i32;
+    fn convert<T>(pid: i32, res: std::io::Result<T>) -> DaemonResult<T> {
+        res.map_err(|e| DaemonError::Internal(format!("cannot watch the pipes of pid {pid}: {e}")))
+    }
+    let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
+        tree::kill_tree(pid);
+        return Err(DaemonError::Internal("child has no output pipes".into()));
+    };
+    let stdin = match child.stdin.take() {
+        Some(s) => {
+            Some(convert(pid, pipe::Sender::from_owned_fd(OwnedFd::from(s))).inspect_err(|_| tree::kill_tree(pid))?)
+        }
+        None => None,
+    };
+    let stdout =
+        convert(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(out))).inspect_err(|_| tree::kill_tree(pid))?;
+    let stderr =
+        convert(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(err))).inspect_err(|_| tree::kill_tree(pid))?;
+    Ok(Started { pid, stdin, stdout, stderr, exit, started: Instant::now() })
+}
+
+/// Where a running tree's output goes.
+pub trait OutputSink {
+    /// Takes one chunk; `false` means nobody wants more (the client left) and the tree is killed.
+    fn output(&mut self, stream: StreamName, data: &[u8]) -> impl Future<Output = bool> + Send;
+}
+
+/// Pumps output into `sink` until the leader has exited and its pipes are drained; kills the
+/// whole tree at `timeout`, or as soon as the sink stops wanting output.
+pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration>, sink: &mut S) -> ExitStatus {
+    let pid = started.pid;
+    let deadline = timeout.map(|t| started.started + t);
+    let mut timed_out = false;
+    let mut abandoned = false;
+    let (mut out_open, mut err_open) = (true, true);
+    let mut out_buf = vec![0u8; READ_CHUNK];
+    let mut err_buf = vec![0u8; READ_CHUNK];
+    let mut reaped: Option<Reaped> = None;
+    let mut drain_until: Option<Instant> = None;
+    let far = Instant::now() + Duration::from_secs(86400 * 365);
+    loop {
+        if reaped.is_some() && !out_open && !err_open {
+            break;
+        }
+        tokio::select! {
+            r = started.stdout.read(&mut out_buf), if out_open => match r {
+                Ok(n) if n > 0 => {
+                    if !abandoned && !sink.output(StreamName::Stdout, &out_buf[..n]).await {
+                        abandoned = true;
+                        tree::kill_tree(pid);
+                    }
+                }
+                _ => out_open = false,
+            },
+            r = started.stderr.read(&mut err_buf), if err_open => match r {
+                Ok(n) if n > 0 => {
+                    if !abandoned && !sink.output(StreamName::Stderr, &err_buf[..n]).await {
+                        abandoned = true;
+                        tree::kill_tree(pid);
+                    }
+                }
+                _ => err_open = false,
+            },
+            r = &mut started.exit, if reaped.is_none() => {
+                match r {
+                    Ok(r) => reaped = Some(r),
+                    // The table was dropped: the daemon is shutting down.
+                    Err(_) => reaped = Some(Reaped { pid, status: 0, usage: Default::default() }),
+                }
+                drain_until = Some(Instant::now() + DRAIN_AFTER_EXIT);
+            },
+            _ = tokio::time::sleep_until(deadline.unwrap_or(far)), if deadline.is_some() && !timed_out && reaped.is_none() => {
+                timed_out = true;
+                tree::kill_tree(pid);
+            },
+            _ = tokio::time::sleep_until(drain_until.unwrap_or(far)), if drain_until.is_some() => break,
+        }
+    }
+    let reaped = reaped.unwrap_or(Reaped { pid, status: 0, usage: Default::default() });
+    ExitStatus {
+        exit_code: reaped.exit_code(),
+        signal: reaped.signal(),
+        timed_out,
+        duration_ms: started.started.elapsed().as_millis() as u64,
+        usage: reaped.usage,
+    }
+}
+
+/// Decodes a byte stream as UTF-8 chunk by chunk, carrying a sequence split across chunks to the
+/// next one instead of mangling it; invalid bytes become U+FFFD.
+#[derive(Debug, Default)]
+pub struct Utf8Chunks {
+    carry: Vec<u8>,
+}
+
+impl Utf8Chunks {
+    pub fn push(&mut self, data: &[u8]) -> String {
+        let mut bytes = std::mem::take(&mut self.carry);
+        bytes.extend_from_slice(data);
+        // Keep back an incomplete sequence at the end (at most 3 bytes).
+        let keep = incomplete_tail(&bytes);
+        self.carry = bytes.split_off(bytes.len() - keep);
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Whatever is left at the end of the stream.
+    pub fn finish(&mut self) -> String {
+        String::from_utf8_lossy(&std::mem::take(&mut self.carry)).into_owned()
+    }
+}
+
+/// Length of a trailing, possibly valid but unfinished UTF-8 sequence.
+pub(crate) fn incomplete_tail(bytes: &[u8]) -> usize {
+    for back in 1..=3.min(bytes.len()) {
+        let b = bytes[bytes.len() - back];
+        if b & 0b1100_0000 == 0b1000_0000 {
+            continue; // continuation byte: look further back for the lead
+        }
+        let need = match b {
+            0xC0..=0xDF => 2,
+            0xE0..=0xEF => 3,
+            0xF0..=0xF7 => 4,
+            _ => return 0,
+        };
+        return if need > back { back } else { 0 };
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_multibyte_sequences_are_carried() {
+        let text = "héllo €";
+        let bytes = text.as_bytes();
+        let mut dec = Utf8Chunks::default();
+        let mut out = String::new();
+        for b in bytes {
+            out.push_str(&dec.push(std::slice::from_ref(b)));
+        }
+        out.push_str(&dec.finish());
+        assert_eq!(out, text);
+    }
+
+    #[test]
+    fn invalid_bytes_become_replacement_characters() {
+        let mut dec = Utf8Chunks::default();
+        let s = dec.push(&[b'a', 0xFF, b'b']);
+        assert_eq!(s, "a\u{FFFD}b");
+    }
+}

@@ -1,0 +1,283 @@
+//! Turning a request's `argv`/`command`, `env`, `cwd` and `user` into a ready `Command`: its own
+//! process group, a clean environment (never the daemon's token), and the user's ids.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::error::{DaemonError, DaemonResult};
+use crate::sys::Rlimits;
+
+/// PATH used when neither the sandbox nor the request sets one.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// What every process started by the daemon inherits unless the request says otherwise.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    /// The sandbox environment: the daemon's own, less anything `SANDMAN_*`.
+    pub env: BTreeMap<String, String>,
+    pub cwd: PathBuf,
+    /// Shell for `command` strings and sessions.
+    pub shell: String,
+    /// Where user names are looked up.
+    pub passwd: PathBuf,
+    pub euid: u32,
+    /// Resource limits set on every process started (`--rlimit-*`).
+    pub rlimits: Rlimits,
+}
+
+impl Defaults {
+    /// Defaults from the daemon's own environment and working directory.
+    pub fn from_process(shell: String, cwd: Option<PathBuf>) -> Self {
+        let mut env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| !k.starts_with("SANDMAN_")).collect();
+        env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
+        let cwd = cwd.or_else(|| std::env::current_dir().ok()).unwrap_or_else(|| PathBuf::from("/"));
+        Defaults {
+            env,
+            cwd,
+            shell,
+            passwd: PathBuf::from("/etc/passwd"),
+            euid: crate::sys::euid(),
+            rlimits: Rlimits::default(),
+        }
+    }
+}
+
+/// A user to run as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserIds {
+    pub uid: u32,
+    pub gid: u32,
+    pub name: Option<String>,
+    pub home: Option<String>,
+}
+
+/// A validated launch: every field checked, nothing started yet.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: PathBuf,
+    pub user: Option<UserIds>,
+    pub rlimits: Rlimits,
+}
+
+/// The parts of a request that say what to run and how.
+#[derive(Debug, Default)]
+pub struct LaunchRequest {
+    pub argv: Option<Vec<String>>,
+    pub command: Option<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub user: Option<String>,
+}
+
+impl Launch {
+    /// Parses and checks a request against the defaults.
+    pub fn parse(defaults: &Defaults, req: LaunchRequest) -> DaemonResult<Launch> {
+        let argv = match (req.argv, req.command) {
+            (Some(_), Some(_)) => {
+                return Err(DaemonError::InvalidArgument("give either `argv` or `command`, not both".into()));
+            }
+            (None, None) => return Err(DaemonError::InvalidArgument("give `argv` or `command`".into())),
+            (Some(argv), None) => {
+                if argv.is_empty() || argv[0].is_empty() {
+                    return Err(DaemonError::InvalidArgument("`argv` must name a program".into()));
+                }
+                argv
+            }
+            (None, Some(command)) => vec![defaults.shell.clone(), "-c".into(), command],
+        };
+        if argv.iter().any(|a| a.contains('\0')) {
+            return Err(DaemonError::InvalidArgument("`argv` must not contain NUL bytes".into()));
+        }
+        let mut env = defaults.env.clone();
+        for (k, v) in &req.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(DaemonError::InvalidArgument(format!("invalid environment variable `{k}`")));
+            }
+        }
+        let user = match req.user.as_deref() {
+            None | Some("") => None,
+            Some(spec) => Some(lookup_user(&defaults.passwd, spec)?),
+        };
+        if let Some(u) = &user {
+            if u.uid != defaults.euid && defaults.euid != 0 {
+                return Err(DaemonError::InvalidArgument(format!(
+                    "cannot run as uid {}: the daemon runs as uid {} and is not root",
+                    u.uid, defaults.euid
+                )));
+            }
+            if let Some(home) = &u.home {
+                env.insert("HOME".into(), home.clone());
+            }
+            if let Some(name) = &u.name {
+                env.insert("USER".into(), name.clone());
+                env.insert("LOGNAME".into(), name.clone());
+            }
+        }
+        env.extend(req.env);
+        let cwd = match req.cwd {
+            None => defaults.cwd.clone(),
+            Some(cwd) => {
+                let p = PathBuf::from(&cwd);
+                if !p.is_absolute() {
+                    return Err(DaemonError::InvalidArgument(format!("`cwd` `{cwd}` is not absolute")));
+                }
+                if !p.is_dir() {
+                    return Err(DaemonError::InvalidArgument(format!("`cwd` `{cwd}` is not a directory")));
+                }
+                p
+            }
+        };
+        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits })
+    }
+
+    /// A `Command` in a new process group, with stdout and stderr piped and the given stdin.
+    pub fn command(&self, stdin: Stdio) -> Command {
+        let mut cmd = Command::new(&self.argv[0]);
+        cmd.args(&self.argv[1..])
+            .env_clear()
+            .envs(&self.env)
+            .current_dir(&self.cwd)
+            .stdin(stdin)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        if let Some(u) = &self.user {
+            // std clears the supplementary groups (setgroups(0)) when root sets a uid.
+            cmd.uid(u.uid).gid(u.gid);
+        }
+        crate::sys::set_rlimits_on_exec(&mut cmd, self.rlimits);
+        cmd
+    }
+
+    pub fn program(&self) -> &str {
+        &self.argv[0]
+    }
+}
+
+/// Resolves `name`, `uid` or `uid:gid`. Names are read from `passwd` when it exists; numeric ids
+/// always work, with no user database at all.
+pub fn lookup_user(passwd: &Path, spec: &str) -> DaemonResult<UserIds> {
+    let (user, group) = match spec.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (spec, None),
+    };
+    let gid_override = match group {
+        None => None,
+        Some(g) => Some(g.parse::<u32>().map_err(|_| {
+            DaemonError::InvalidArgument(format!("group `{g}` in user `{spec}` must be a numeric gid"))
+        })?),
+    };
+    if let Ok(uid) = user.parse::<u32>() {
+        let entry = read_passwd(passwd).into_iter().find(|e| e.uid == uid);
+        return Ok(UserIds {
+            uid,
+            gid: gid_override.or(entry.as_ref().map(|e| e.gid)).unwrap_or(uid),
+            name: entry.as_ref().map(|e| e.name.clone()),
+            home: entry.map(|e| e.home),
+        });
+    }
+    let entry = read_passwd(passwd).into_iter().find(|e| e.name == user).ok_or_else(|| {
+        DaemonError::InvalidArgument(format!(
+            "unknown user `{user}`: not in {} (numeric ids always work)",
+            passwd.display()
+        ))
+    })?;
+    Ok(UserIds {
+        uid: entry.uid,
+        gid: gid_override.unwrap_or(entry.gid),
+        name: Some(entry.name),
+        home: Some(entry.home),
+    })
+}
+
+#[derive(Debug)]
+struct PasswdEntry {
+    name: String,
+    uid: u32,
+    gid: u32,
+    home: String,
+}
+
+fn read_passwd(path: &Path) -> Vec<PasswdEntry> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
+    text.lines().filter_map(parse_passwd_line).collect()
+}
+
+fn parse_passwd_line(line: &str) -> Option<PasswdEntry> {
+    let mut f = line.split(':');
+    let name = f.next()?.to_string();
+    let _password = f.next()?;
+    let uid = f.next()?.parse().ok()?;
+    let gid = f.next()?.parse().ok()?;
+    let _gecos = f.next()?;
+    let home = f.next()?.to_string();
+    Some(PasswdEntry { name, uid, gid, home })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults(passwd: PathBuf) -> Defaults {
+        Defaults {
+            env: BTreeMap::from([("PATH".into(), DEFAULT_PATH.into())]),
+            cwd: PathBuf::from("/"),
+            shell: "/bin/sh".into(),
+            passwd,
+            euid: 0,
+            rlimits: Rlimits::default(),
+        }
+    }
+
+    #[test]
+    fn names_come_from_passwd_and_numbers_need_nothing() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let passwd = dir.path().join("passwd");
+        std::fs::write(&passwd, "root:x:0:0:root:/root:/bin/sh\nagent:x:1000:1001::/home/agent:/bin/sh\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let u = lookup_user(&passwd, "agent").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((u.uid, u.gid, u.home.as_deref()), (1000, 1001, Some("/home/agent")));
+        let n = lookup_user(&dir.path().join("absent"), "4242:7").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((n.uid, n.gid, n.name), (4242, 7, None));
+        let bare = lookup_user(&dir.path().join("absent"), "4242").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(bare.gid, 4242);
+        assert!(lookup_user(&dir.path().join("absent"), "agent").is_err());
+    }
+
+    #[test]
+    fn argv_xor_command() {
+        let d = defaults(PathBuf::from("/nonexistent"));
+        let both =
+            LaunchRequest { argv: Some(vec!["true".into()]), command: Some("true".into()), ..Default::default() };
+        assert!(Launch::parse(&d, both).is_err());
+        assert!(Launch::parse(&d, LaunchRequest::default()).is_err());
+        let cmd = Launch::parse(&d, LaunchRequest { command: Some("echo hi".into()), ..Default::default() })
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cmd.argv, ["/bin/sh", "-c", "echo hi"]);
+    }
+
+    #[test]
+    fn relative_cwd_is_refused() {
+        let d = defaults(PathBuf::from("/nonexistent"));
+        let req = LaunchRequest { argv: Some(vec!["true".into()]), cwd: Some("tmp".into()), ..Default::default() };
+        let err = Launch::parse(&d, req).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("not absolute"), "{err}");
+    }
+
+    #[test]
+    fn request_env_overrides_defaults() {
+        let d = defaults(PathBuf::from("/nonexistent"));
+        let req = LaunchRequest {
+            argv: Some(vec!["true".into()]),
+            env: BTreeMap::from([("PATH".into(), "/x".into()), ("A".into(), "1".into())]),
+            ..Default::default()
+        };
+        let l = Launch::parse(&d, req).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(l.env.get("PATH").map(String::as_str), Some("/x"));
+        assert_eq!(l.env.get("A").map(String::as_str), Some("1"));
+    }
+}

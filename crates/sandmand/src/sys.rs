@@ -1,0 +1,445 @@
+//! The daemon's only `unsafe`: thin wrappers over the system calls std does not expose
+//! (`wait4` with resource usage, signals to process groups, the child subreaper flag, rlimits,
+//! namespaces and mounts for `--isolate`).
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+
+use sandman_wire::daemon::Usage;
+
+/// What `wait4` reported for one child.
+#[derive(Debug, Clone, Copy)]
+pub struct Reaped {
+    pub pid: i32,
+    /// The raw wait status.
+    pub status: i32,
+    pub usage: Usage,
+}
+
+impl Reaped {
+    pub fn exit_code(&self) -> Option<i32> {
+        libc::WIFEXITED(self.status).then(|| libc::WEXITSTATUS(self.status))
+    }
+
+    pub fn signal(&self) -> Option<i32> {
+        libc::WIFSIGNALED(self.status).then(|| libc::WTERMSIG(self.status))
+    }
+}
+
+/// Reaps one exited child of any pid without blocking. `Ok(None)` when none has exited (or
+/// there are no children at all).
+pub fn reap_any() -> io::Result<Option<Reaped>> {
+    let mut status: libc::c_int = 0;
+    // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: both pointers are to live, writable locals of the right types.
+    let pid = unsafe { libc::wait4(-1, &mut status, libc::WNOHANG, &mut ru) };
+    match pid {
+        0 => Ok(None),
+        p if p > 0 => Ok(Some(Reaped { pid: p, status, usage: usage_of(&ru) })),
+        _ => {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ECHILD) { Ok(None) } else { Err(err) }
+        }
+    }
+}
+
+fn usage_of(ru: &libc::rusage) -> Usage {
+    let ms = |tv: libc::timeval| (tv.tv_sec as u64) * 1000 + (tv.tv_usec as u64) / 1000;
+    Usage { cpu_user_ms: ms(ru.ru_utime), cpu_system_ms: ms(ru.ru_stime), max_rss_kib: ru.ru_maxrss as u64 }
+}
+
+/// Sends `signal` to every process of the group `pgid`. A group that is already gone is not
+/// an error.
+pub fn kill_group(pgid: i32, signal: i32) -> io::Result<()> {
+    if pgid <= 1 {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    // SAFETY: `kill` takes no pointers; a negative pid addresses the process group.
+    ok_unless_gone(unsafe { libc::kill(-pgid, signal) })
+}
+
+/// Sends `signal` to one process. A process that is already gone is not an error.
+pub fn kill_pid(pid: i32, signal: i32) -> io::Result<()> {
+    if pid <= 1 {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    // SAFETY: `kill` takes no pointers.
+    ok_unless_gone(unsafe { libc::kill(pid, signal) })
+}
+
+/// Sends `signal` to every process this one may signal but itself: used as PID 1 of a sandbox,
+/// where that is exactly the sandbox's processes.
+pub fn kill_all_others(signal: i32) -> io::Result<()> {
+    // SAFETY: `kill` takes no pointers; pid -1 means every process we may signal but ourselves.
+    ok_unless_gone(unsafe { libc::kill(-1, signal) })
+}
+
+fn ok_unless_gone(rc: libc::c_int) -> io::Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(err) }
+}
+
+/// Makes orphaned descendants of this process re-parent to it rather than to init, so that the
+/// daemon reaps them and can find them to kill them even when it is not PID 1.
+pub fn become_subreaper() -> io::Result<()> {
+    // SAFETY: PR_SET_CHILD_SUBREAPER takes one integer argument and no pointers.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// The effective uid of the daemon.
+pub fn euid() -> u32 {
+    // SAFETY: `geteuid` takes no arguments and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Fills `buf` from the kernel's random source (no `/dev/urandom` needed in the image).
+pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: the pointer and length describe the live, writable slice `rest`.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+/// A random 128-bit value as 32 hex digits.
+pub fn random_hex() -> String {
+    let mut buf = [0u8; 16];
+    if random_bytes(&mut buf).is_err() {
+        // getrandom(2) only fails on kernels older than 3.17; fall back to time and pid.
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        buf[..8].copy_from_slice(&(now.as_nanos() as u64).to_le_bytes());
+        buf[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Number of signal by its name (`TERM`, `SIGTERM`, case-insensitive).
+pub fn signal_by_name(name: &str) -> Option<i32> {
+    let upper = name.to_ascii_uppercase();
+    let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+    let n = match bare {
+        "HUP" => libc::SIGHUP,
+        "INT" => libc::SIGINT,
+        "QUIT" => libc::SIGQUIT,
+        "ABRT" => libc::SIGABRT,
+        "KILL" => libc::SIGKILL,
+        "USR1" => libc::SIGUSR1,
+        "USR2" => libc::SIGUSR2,
+        "PIPE" => libc::SIGPIPE,
+        "ALRM" => libc::SIGALRM,
+        "TERM" => libc::SIGTERM,
+        "CONT" => libc::SIGCONT,
+        "STOP" => libc::SIGSTOP,
+        "TSTP" => libc::SIGTSTP,
+        "WINCH" => libc::SIGWINCH,
+        _ => return None,
+    };
+    Some(n)
+}
+
+/// Whether `n` is a signal number this system knows.
+pub fn is_valid_signal(n: i32) -> bool {
+    (1..=64).contains(&n)
+}
+
+/// Resource limits set on every child the daemon starts (never on the daemon itself).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rlimits {
+    /// `RLIMIT_AS`: bytes of virtual address space per process.
+    pub address_space: Option<u64>,
+    /// `RLIMIT_FSIZE`: the largest file a process may write, in bytes.
+    pub file_size: Option<u64>,
+    /// `RLIMIT_NOFILE`: open file descriptors per process.
+    pub open_files: Option<u64>,
+}
+
+impl Rlimits {
+    pub fn is_empty(&self) -> bool {
+        self.address_space.is_none() && self.file_size.is_none() && self.open_files.is_none()
+    }
+}
+
+/// Makes `cmd` set `limits` (soft and hard) in the child just before it execs.
+pub fn set_rlimits_on_exec(cmd: &mut Command, limits: Rlimits) {
+    if limits.is_empty() {
+        return;
+    }
+    // SAFETY: the closure runs in the forked child before exec; it only calls getrlimit and
+    // setrlimit, which are async-signal-safe, and allocates nothing (an OS error is a plain code).
+    unsafe {
+        cmd.pre_exec(move || apply_rlimits(limits));
+    }
+}
+
+fn apply_rlimits(limits: Rlimits) -> io::Result<()> {
+    let wanted = [
+        (libc::RLIMIT_AS, limits.address_space),
+        (libc::RLIMIT_FSIZE, limits.file_size),
+        (libc::RLIMIT_NOFILE, limits.open_files),
+    ];
+    for (resource, value) in wanted {
+        let Some(value) = value else { continue };
+        let mut current = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: the pointer is to a live, writable local of the right type.
+        if unsafe { libc::getrlimit(resource, &mut current) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // Never above the hard limit we inherited: raising it needs privileges, and the limit is
+        // already tighter than asked.
+        let v: libc::rlim_t = value.min(current.rlim_max);
+        let limit = libc::rlimit { rlim_cur: v, rlim_max: v };
+        // SAFETY: the pointer is to a live local of the right type.
+        if unsafe { libc::setrlimit(resource, &limit) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Namespaces `--isolate` asks for.
+pub const NS_MOUNT: i32 = libc::CLONE_NEWNS;
+pub const NS_PID: i32 = libc::CLONE_NEWPID;
+pub const NS_IPC: i32 = libc::CLONE_NEWIPC;
+pub const NS_UTS: i32 = libc::CLONE_NEWUTS;
+pub const NS_NET: i32 = libc::CLONE_NEWNET;
+
+/// Moves this process into new namespaces (`NS_*` flags); a new pid namespace applies to the
+/// children forked afterwards.
+pub fn unshare(flags: i32) -> io::Result<()> {
+    // SAFETY: `unshare` takes one integer and no pointers.
+    if unsafe { libc::unshare(flags) } == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// The number of threads of this process, from `/proc/self/task`.
+fn thread_count() -> io::Result<usize> {
+    Ok(std::fs::read_dir("/proc/self/task")?.count())
+}
+
+/// Forks. `Ok(None)` in the child, `Ok(Some(pid))` in the parent. Refuses unless the process is
+/// single-threaded: a fork of a threaded process may inherit a lock held by a thread that does
+/// not exist in the child.
+pub fn fork() -> io::Result<Option<i32>> {
+    let threads = thread_count()?;
+    if threads != 1 {
+        return Err(io::Error::other(format!("cannot fork: the process has {threads} threads, not 1")));
+    }
+    // SAFETY: the process is single-threaded (checked above), so the child inherits no lock held
+    // by another thread and may go on running ordinary Rust code.
+    match unsafe { libc::fork() } {
+        -1 => Err(io::Error::last_os_error()),
+        0 => Ok(None),
+        pid => Ok(Some(pid)),
+    }
+}
+
+/// A set of signals, for blocking and waiting.
+fn sigset(signals: &[i32]) -> io::Result<libc::sigset_t> {
+    // SAFETY: an all-zero `sigset_t` is a valid value to hand to `sigemptyset`.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the pointer is to a live, writable local.
+    unsafe { libc::sigemptyset(&mut set) };
+    for &sig in signals {
+        // SAFETY: the pointer is to a live, writable local; a bad number is reported as -1.
+        if unsafe { libc::sigaddset(&mut set, sig) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(set)
+}
+
+/// Blocks (`block: true`) or unblocks `signals` for the calling thread.
+pub fn mask_signals(signals: &[i32], block: bool) -> io::Result<()> {
+    let set = sigset(signals)?;
+    let how = if block { libc::SIG_BLOCK } else { libc::SIG_UNBLOCK };
+    // SAFETY: `set` is a live, initialised sigset; the old mask is not asked for (null).
+    let rc = unsafe { libc::pthread_sigmask(how, &set, std::ptr::null_mut()) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(rc)) }
+}
+
+/// Waits for one of `signals`, which must be blocked; returns its number.
+pub fn wait_signal(signals: &[i32]) -> io::Result<i32> {
+    let set = sigset(signals)?;
+    loop {
+        // SAFETY: `set` is a live sigset; a null siginfo pointer is allowed.
+        let sig = unsafe { libc::sigwaitinfo(&set, std::ptr::null_mut()) };
+        if sig >= 0 {
+            return Ok(sig);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// How a child ended, without blocking: `Ok(None)` while it runs.
+pub fn try_wait_pid(pid: i32) -> io::Result<Option<i32>> {
+    let mut status: libc::c_int = 0;
+    // SAFETY: the pointer is to a live, writable local.
+    match unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } {
+        0 => Ok(None),
+        -1 => Err(io::Error::last_os_error()),
+        _ => Ok(Some(status)),
+    }
+}
+
+/// The exit code a shell would report for a raw wait status: the code, or 128 + the signal.
+pub fn exit_code_of(status: i32) -> i32 {
+    if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else if libc::WIFSIGNALED(status) {
+        128 + libc::WTERMSIG(status)
+    } else {
+        1
+    }
+}
+
+/// Has the kernel send `signal` to this process when its parent dies.
+pub fn set_parent_death_signal(signal: i32) -> io::Result<()> {
+    // SAFETY: PR_SET_PDEATHSIG takes one integer argument and no pointers.
+    let rc = unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong, 0, 0, 0) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Whether the write end of the pipe whose read end is `fd` has been closed everywhere (used to
+/// learn, without blocking, that a parent is already gone).
+pub fn is_hung_up(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one live, writable pollfd; a zero timeout never blocks.
+    let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(pfd.revents & libc::POLLHUP != 0)
+}
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+fn mount(source: Option<&Path>, target: &Path, fstype: Option<&str>, flags: libc::c_ulong) -> io::Result<()> {
+    let source = source.map(c_path).transpose()?;
+    let target = c_path(target)?;
+    let fstype =
+        fstype.map(|f| CString::new(f).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))).transpose()?;
+    let ptr = |c: &Option<CString>| c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+    // SAFETY: every pointer is null or a live NUL-terminated string owned by this frame; the
+    // data argument is null.
+    let rc = unsafe { libc::mount(ptr(&source), target.as_ptr(), ptr(&fstype), flags, std::ptr::null()) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Stops mount events propagating between this mount namespace and the one it came from.
+pub fn make_mounts_private() -> io::Result<()> {
+    mount(None, Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE)
+}
+
+/// Mounts a fresh `proc` on `/proc`, showing the current pid namespace.
+pub fn mount_proc() -> io::Result<()> {
+    mount(Some(Path::new("proc")), Path::new("/proc"), Some("proc"), libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC)
+}
+
+/// Bind-mounts `source` onto `target`.
+pub fn bind_mount(source: &Path, target: &Path) -> io::Result<()> {
+    mount(Some(source), target, None, libc::MS_BIND | libc::MS_REC)
+}
+
+/// Brings the loopback interface of the current network namespace up.
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: `socket` takes no pointers.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: an all-zero `ifreq` (name and union) is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: `req` is a live, writable ifreq naming an interface; SIOCGIFFLAGS fills its flags.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS as _, &mut req) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: SIOCGIFFLAGS set the `ifru_flags` member of the union, so reading it is defined.
+    let flags = unsafe { req.ifr_ifru.ifru_flags };
+    req.ifr_ifru.ifru_flags = flags | (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+    // SAFETY: `req` is a live ifreq with the name and the new flags.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS as _, &req) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+pub const SIGKILL: i32 = libc::SIGKILL;
+pub const SIGTERM: i32 = libc::SIGTERM;
+pub const SIGINT: i32 = libc::SIGINT;
+pub const SIGCHLD: i32 = libc::SIGCHLD;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_names_with_and_without_prefix() {
+        assert_eq!(signal_by_name("TERM"), Some(15));
+        assert_eq!(signal_by_name("sigkill"), Some(9));
+        assert_eq!(signal_by_name("BOGUS"), None);
+    }
+
+    #[test]
+    fn random_hex_is_fresh_each_time() {
+        let a = random_hex();
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, random_hex());
+    }
+
+    #[test]
+    fn rlimits_apply_to_the_child_only() {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.args(["-c", "ulimit -v; ulimit -f; ulimit -n"]).stdout(std::process::Stdio::piped());
+        set_rlimits_on_exec(
+            &mut cmd,
+            Rlimits { address_space: Some(256 << 20), file_size: Some(1 << 20), open_files: Some(64) },
+        );
+        let out = cmd.output().unwrap_or_else(|e| panic!("{e}"));
+        // `ulimit -v` is in KiB, `ulimit -f` in 512- or 1024-byte blocks depending on the shell.
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.first().copied(), Some("262144"), "{text}");
+        assert!(matches!(lines.get(1).copied(), Some("2048" | "1024")), "{text}");
+        assert_eq!(lines.get(2).copied(), Some("64"), "{text}");
+        let mut mine = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: the pointer is to a live, writable local.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut mine) }, 0);
+        assert_ne!(mine.rlim_cur, 256 << 20, "the test process itself was limited");
+    }
+
+    #[test]
+    fn refuses_to_signal_init_or_everyone_by_group() {
+        assert!(kill_group(1, SIGKILL).is_err());
+        assert!(kill_pid(0, SIGKILL).is_err());
+    }
+}

@@ -1,0 +1,199 @@
+//! Exec through the real daemon: argv and shell strings, env, cwd, user, stdin, timeouts that kill
+//! whole trees, output caps, usage, and the streamed form.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Body, Daemon, Events, TOKEN, alive, eventually};
+use serde_json::json;
+
+#[tokio::test]
+async fn argv_exec_returns_output_exit_code_and_usage() {
+    let d = Daemon::start().await;
+    let r = d.exec(json!({"argv": ["/bin/sh", "-c", "echo out; echo err >&2; exit 7"]})).await;
+    assert_eq!(r["exit_code"], 7);
+    assert_eq!(r["stdout"], "out\n");
+    assert_eq!(r["stderr"], "err\n");
+    assert_eq!(r["timed_out"], false);
+    assert!(r["signal"].is_null());
+    assert!(r["usage"]["max_rss_kib"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["duration_ms"].as_u64().is_some());
+}
+
+#[tokio::test]
+async fn shell_string_env_cwd_and_stdin() {
+    let d = Daemon::start().await;
+    let r = d
+        .exec(json!({"command": "pwd; echo \"$GREETING\"; cat", "env": {"GREETING": "hi there"}, "cwd": "/tmp", "stdin": "from stdin"}))
+        .await;
+    assert_eq!(r["stdout"], "/tmp\nhi there\nfrom stdin", "{r}");
+    assert_eq!(r["exit_code"], 0);
+}
+
+#[tokio::test]
+async fn the_daemon_token_never_reaches_commands() {
+    let d = Daemon::start().await;
+    let r = d.exec(json!({"command": "env"})).await;
+    let env = r["stdout"].as_str().unwrap();
+    assert!(!env.contains("SANDMAN_"), "{env}");
+    assert!(!env.contains(TOKEN), "{env}");
+    assert!(env.contains("PATH="), "{env}");
+}
+
+#[tokio::test]
+async fn numeric_user_needs_no_passwd_entry() {
+    let d = Daemon::start().await;
+    let r = d.exec(json!({"argv": ["/usr/bin/id", "-u"], "user": "4321:4321", "cwd": "/"})).await;
+    assert_eq!(r["stdout"], "4321\n", "{r}");
+    let r = d.exec(json!({"argv": ["/usr/bin/id", "-un"], "user": "nobody", "cwd": "/"})).await;
+    assert_eq!(r["stdout"], "nobody\n", "{r}");
+    let bad = d.json("POST", "/v1/exec", json!({"argv": ["true"], "user": "no-such-user"})).await;
+    let msg = bad.error(400, "invalid_argument");
+    assert!(msg.contains("no-such-user"), "{msg}");
+}
+
+#[tokio::test]
+async fn timeout_kills_the_whole_tree_and_keeps_partial_output() {
+    let d = Daemon::start().await;
+    let marker = format!("sandman-timeout-{}", std::process::id());
+    let started = Instant::now();
+    let r = d
+        .exec(json!({
+            "command": format!("echo before; sleep 100 & echo $! > {marker}.pid; sleep 100"),
+            "cwd": d.dir().display().to_string(),
+            "timeout_ms": 300
+        }))
+        .await;
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert_eq!(r["timed_out"], true, "{r}");
+    assert_eq!(r["signal"], 9, "{r}");
+    assert_eq!(r["stdout"], "before\n");
+    let grandchild: i32 =
+        std::fs::read_to_string(d.dir().join(format!("{marker}.pid"))).unwrap().trim().parse().unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || !alive(grandchild)).await,
+        "grandchild {grandchild} survived the timeout"
+    );
+}
+
+#[tokio::test]
+async fn timeout_also_kills_descendants_that_left_the_group() {
+    let d = Daemon::start().await;
+    let pidfile = d.dir().join("escaped.pid");
+    let r = d
+        .exec(json!({
+            "command": format!("setsid sleep 100 & echo $! > {}; sleep 100", pidfile.display()),
+            "timeout_ms": 300
+        }))
+        .await;
+    assert_eq!(r["timed_out"], true);
+    let escaped: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    assert!(eventually(Duration::from_secs(5), || !alive(escaped)).await, "setsid child {escaped} survived");
+}
+
+#[tokio::test]
+async fn output_cap_keeps_the_head_and_flags_truncation() {
+    let d = Daemon::start().await;
+    let r = d
+        .exec(json!({"command": "head -c 100000 /dev/zero | tr '\\0' a; echo done >&2", "max_output_bytes": 1000}))
+        .await;
+    assert_eq!(r["stdout"].as_str().unwrap().len(), 1000);
+    assert_eq!(r["stdout_truncated"], true);
+    assert_eq!(r["stderr"], "done\n");
+    assert_eq!(r["stderr_truncated"], false);
+    assert_eq!(r["exit_code"], 0);
+}
+
+#[tokio::test]
+async fn a_background_child_holding_the_pipe_does_not_hang_exec() {
+    let d = Daemon::start().await;
+    let started = Instant::now();
+    let r = d.exec(json!({"command": "sleep 30 & echo quick"})).await;
+    assert_eq!(r["stdout"], "quick\n");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn missing_program_and_bad_cwd_are_clear_errors() {
+    let d = Daemon::start().await;
+    let r = d.json("POST", "/v1/exec", json!({"argv": ["/no/such/program"]})).await;
+    let msg = r.error(404, "not_found");
+    assert!(msg.contains("/no/such/program"), "{msg}");
+    let r = d.json("POST", "/v1/exec", json!({"argv": ["true"], "cwd": "relative"})).await;
+    assert!(r.error(400, "invalid_argument").contains("not absolute"));
+    let r = d.json("POST", "/v1/exec", json!({"argv": ["true"], "command": "true"})).await;
+    r.error(400, "invalid_argument");
+}
+
+#[tokio::test]
+async fn streamed_exec_sends_output_as_it_comes_then_exit() {
+    let d = Daemon::start().await;
+    let mut conn = d.connect().await;
+    let resp = conn
+        .send(
+            "POST",
+            "/v1/exec/stream",
+            Some(TOKEN),
+            Body::Json(json!({"command": "echo one; sleep 0.3; echo two >&2; exit 3"})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "application/x-ndjson");
+    let mut events = Events::new(resp);
+    let started = events.next().await.unwrap();
+    assert_eq!(started["event"], "started");
+    assert!(started["pid"].as_u64().unwrap() > 0);
+    let t0 = Instant::now();
+    let first = events.next().await.unwrap();
+    assert_eq!(first, json!({"event": "stdout", "data": "one\n"}));
+    let second = events.next().await.unwrap();
+    assert_eq!(second, json!({"event": "stderr", "data": "two\n"}));
+    assert!(t0.elapsed() >= Duration::from_millis(200), "stderr came before the sleep ended");
+    let exit = events.next().await.unwrap();
+    assert_eq!(exit["event"], "exit");
+    assert_eq!(exit["exit_code"], 3);
+    assert!(events.next().await.is_none());
+}
+
+#[tokio::test]
+async fn a_streamed_exec_whose_client_leaves_is_killed() {
+    let d = Daemon::start().await;
+    let pidfile = d.dir().join("streamed.pid");
+    let mut conn = d.connect().await;
+    let resp = conn
+        .send(
+            "POST",
+            "/v1/exec/stream",
+            Some(TOKEN),
+            Body::Json(json!({"command": format!("echo $$ > {}; while true; do echo tick; sleep 0.05; done", pidfile.display())})),
+        )
+        .await
+        .unwrap();
+    let mut events = Events::new(resp);
+    events.next().await.unwrap();
+    events.next().await.unwrap();
+    let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    assert!(alive(pid));
+    drop(events);
+    drop(conn);
+    assert!(eventually(Duration::from_secs(5), || !alive(pid)).await, "streamed command {pid} outlived its client");
+}
+
+#[tokio::test]
+async fn concurrent_execs_all_complete() {
+    let d = std::sync::Arc::new(Daemon::start().await);
+    let mut handles = Vec::new();
+    for i in 0..32 {
+        let d = d.clone();
+        handles.push(tokio::spawn(async move {
+            let r = d.exec(json!({"argv": ["/bin/echo", i.to_string()]})).await;
+            assert_eq!(r["stdout"], format!("{i}\n"));
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+}

@@ -1,0 +1,528 @@
+//! The daemon API (`sandmand`, port 7778): exec, background processes, shell sessions, files and
+//! archives. Request types refuse unknown fields; the daemon parses them into typed actions.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Default TCP port of the daemon.
+pub const DEFAULT_PORT: u16 = 7778;
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Health {
+    /// Always `"ok"` when the daemon answers.
+    pub status: String,
+    pub version: String,
+}
+
+/// `GET /v1/info`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Info {
+    pub version: String,
+    pub uptime_ms: u64,
+    /// The daemon's own pid (1 when it is the sandbox's init).
+    pub pid: u32,
+    /// Background processes still running.
+    pub processes_running: usize,
+    /// Background processes the daemon still remembers (running or exited).
+    pub processes: usize,
+    pub sessions: usize,
+    /// The lease period, when a lease is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
+    /// Time left before the lease lapses and the daemon kills everything and exits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_remaining_ms: Option<u64>,
+}
+
+/// `POST /v1/keepalive`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Keepalive {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_remaining_ms: Option<u64>,
+}
+
+/// What to run: exactly one of `argv` (run directly, no shell) or `command` (a shell string run
+/// by the daemon's shell, `/bin/sh -c` unless configured otherwise).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// Added to (and overriding) the sandbox's default environment.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Absolute working directory; the daemon's default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// A user name (looked up in the image's `/etc/passwd`) or `uid[:gid]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Text written to the command's stdin, which is then closed. Without it stdin is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    /// Kill the whole process tree after this long; the partial output is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Keep at most this many bytes of each of stdout and stderr.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<u64>,
+}
+
+/// Resource usage of a finished process tree, from `wait4`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Usage {
+    pub cpu_user_ms: u64,
+    pub cpu_system_ms: u64,
+    /// Peak resident set of the largest process waited for, in KiB.
+    pub max_rss_kib: u64,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExitStatus {
+    /// The exit code, when the process exited by itself.
+    pub exit_code: Option<i32>,
+    /// The signal that killed it, when one did.
+    pub signal: Option<i32>,
+    /// True when the daemon killed it for exceeding `timeout_ms`.
+    pub timed_out: bool,
+    pub duration_ms: u64,
+    pub usage: Usage,
+}
+
+/// `POST /v1/exec`: the result of a command run to completion.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExecResult {
+    #[serde(flatten)]
+    pub status: ExitStatus,
+    /// Output as UTF-8; invalid sequences are replaced with U+FFFD.
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+}
+
+/// One line of `POST /v1/exec/stream` (NDJSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum ExecEvent {
+    Started {
+        pid: u32,
+    },
+    Stdout {
+        data: String,
+    },
+    Stderr {
+        data: String,
+    },
+    /// Sent while nothing else is, so that idle connections stay open through proxies.
+    Keepalive,
+    Exit {
+        #[serde(flatten)]
+        status: ExitStatus,
+        stdout_truncated: bool,
+        stderr_truncated: bool,
+    },
+}
+
+/// `POST /v1/processes`: start a background process.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct StartProcess {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// A client-chosen name, unique among the daemon's processes, usable wherever an id is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Give the process a stdin pipe (written with `/stdin`); otherwise stdin is `/dev/null`.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Bytes of each output stream kept for reading; older bytes are dropped and counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retain_bytes: Option<u64>,
+    /// Kill the process tree after this long.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ProcessState {
+    Running,
+    Exited,
+}
+
+/// A background process, running or exited (its exit status is kept until it is deleted).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProcessInfo {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    pub pid: u32,
+    pub argv: Vec<String>,
+    pub state: ProcessState,
+    /// Milliseconds since the Unix epoch.
+    pub started_at_ms: u64,
+    /// Present once the process has exited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<ExitStatus>,
+    /// Total bytes written to each stream so far (including dropped ones).
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    pub stdin_open: bool,
+}
+
+/// `GET /v1/processes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProcessList {
+    pub processes: Vec<ProcessInfo>,
+}
+
+/// Which output stream of a process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum StreamName {
+    #[default]
+    Stdout,
+    Stderr,
+}
+
+/// Query of `GET /v1/processes/{id}/output`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct OutputQuery {
+    /// Byte offset in the stream to start from (0 = the first byte ever written).
+    #[serde(default)]
+    pub offset: u64,
+    #[serde(default)]
+    pub stream: StreamName,
+    /// Stream NDJSON [`OutputEvent`]s as output arrives, until the process exits.
+    #[serde(default)]
+    pub follow: bool,
+    /// At most this many bytes in one answer (not following).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<u64>,
+}
+
+/// `GET /v1/processes/{id}/output` without `follow`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct OutputChunk {
+    pub stream: StreamName,
+    /// Where `data` starts: the requested offset, or later when bytes there were dropped.
+    pub offset: u64,
+    /// The offset to ask for next.
+    pub next_offset: u64,
+    /// Bytes between the requested offset and `offset` that retention dropped.
+    pub dropped: u64,
+    pub data: String,
+    /// True when the process has exited and no byte follows `next_offset`.
+    pub eof: bool,
+}
+
+/// One line of a followed output stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum OutputEvent {
+    Data {
+        offset: u64,
+        data: String,
+    },
+    /// Bytes dropped by retention before the client could read them.
+    Dropped {
+        offset: u64,
+        bytes: u64,
+    },
+    Keepalive,
+    Exit {
+        #[serde(flatten)]
+        status: ExitStatus,
+        next_offset: u64,
+    },
+}
+
+/// `POST /v1/processes/{id}/stdin`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct StdinWrite {
+    #[serde(default)]
+    pub data: String,
+    /// Close stdin after writing.
+    #[serde(default)]
+    pub close: bool,
+}
+
+/// `POST /v1/processes/{id}/signal`: a name (`TERM`, `SIGTERM`) or a number.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    pub signal: SignalSpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(untagged)]
+pub enum SignalSpec {
+    Number(i32),
+    Name(String),
+}
+
+/// `POST /v1/processes/{id}/wait`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct WaitRequest {
+    /// Give up after this long and answer with the process still running (default 30 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// `POST /v1/sessions`: start a persistent shell.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// The shell to run (default: the daemon's shell, `/bin/sh`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shell: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SessionInfo {
+    pub id: String,
+    pub shell: String,
+    pub pid: u32,
+    /// False once the shell has died (it exited, or a run was killed).
+    pub alive: bool,
+}
+
+/// `POST /v1/sessions/{id}/run`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SessionRun {
+    pub command: String,
+    /// Interrupt the command after this long; if it does not stop, the session is killed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SessionRunResult {
+    /// The command's status (`$?`); absent when the session died before it finished.
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub timed_out: bool,
+    pub duration_ms: u64,
+}
+
+/// Query of `GET /v1/files`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct ReadFileQuery {
+    pub path: String,
+    #[serde(default)]
+    pub offset: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub length: Option<u64>,
+}
+
+/// Query of `PUT /v1/files`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct WriteFileQuery {
+    pub path: String,
+    /// Octal permission mode (default 0644); missing parents are created 0755.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+}
+
+/// Query naming one path (`GET /v1/stat`, `PUT`/`GET /v1/archive`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct PathQuery {
+    pub path: String,
+}
+
+/// Query of `GET /v1/dir`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct ListDirQuery {
+    pub path: String,
+    /// How deep to descend: 1 lists the directory itself (default 1, at most 64).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub depth: Option<u32>,
+}
+
+/// Query of `POST /v1/dir` (mkdir -p).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct MkdirQuery {
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+}
+
+/// Query of `DELETE /v1/files`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct RemoveQuery {
+    pub path: String,
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+/// `POST /v1/move`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct MoveRequest {
+    pub from: String,
+    pub to: String,
+    /// Replace `to` when it exists (default: refuse with `conflict`).
+    #[serde(default)]
+    pub overwrite: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// Metadata of one path (symlinks are described, not followed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FileStat {
+    pub path: String,
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits (`0o7777` mask).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Milliseconds since the Unix epoch.
+    pub mtime_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<String>,
+}
+
+/// `GET /v1/dir`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DirListing {
+    pub path: String,
+    /// Entries in depth-first order, `path` absolute.
+    pub entries: Vec<FileStat>,
+    /// True when the listing stopped at the entry limit.
+    pub truncated: bool,
+}
+
+/// `PUT /v1/archive`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExtractResult {
+    pub path: String,
+    pub entries: u64,
+    /// Bytes of file content written.
+    pub bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_request_refuses_unknown_fields_naming_them() {
+        let err = serde_json::from_str::<ExecRequest>(r#"{"argv":["true"],"timeout":5}"#)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("unknown field `timeout`"), "{err}");
+    }
+
+    #[test]
+    fn exec_events_are_tagged_by_event() {
+        let exit = ExecEvent::Exit {
+            status: ExitStatus { exit_code: Some(0), ..ExitStatus::default() },
+            stdout_truncated: false,
+            stderr_truncated: false,
+        };
+        let v = serde_json::to_value(&exit).unwrap_or_default();
+        assert_eq!(v["event"], "exit");
+        assert_eq!(v["exit_code"], 0);
+        let v = serde_json::to_value(ExecEvent::Stdout { data: "hi".into() }).unwrap_or_default();
+        assert_eq!(v, serde_json::json!({"event": "stdout", "data": "hi"}));
+    }
+
+    #[test]
+    fn exec_result_flattens_its_status() {
+        let r = ExecResult { stdout: "x".into(), ..ExecResult::default() };
+        let v = serde_json::to_value(&r).unwrap_or_default();
+        assert!(v.get("exit_code").is_some() && v.get("usage").is_some() && v.get("status").is_none());
+        let back: ExecResult = serde_json::from_value(v).unwrap_or_default();
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn signals_are_names_or_numbers() {
+        let n: SignalRequest =
+            serde_json::from_str(r#"{"signal":15}"#).unwrap_or(SignalRequest { signal: SignalSpec::Number(0) });
+        assert_eq!(n.signal, SignalSpec::Number(15));
+        let s: SignalRequest =
+            serde_json::from_str(r#"{"signal":"TERM"}"#).unwrap_or(SignalRequest { signal: SignalSpec::Number(0) });
+        assert_eq!(s.signal, SignalSpec::Name("TERM".into()));
+    }
+}

@@ -1,0 +1,16 @@
+//! Sandman's wire contract: every request, response, stream event and error body that crosses
+//! a socket, as plain serde types with no I/O. Start at [`error`] for the error body, then
+//! [`daemon`] for the in-sandbox daemon API.
+
+pub mod daemon;
+pub mod error;
+pub mod mode;
+pub mod server;
+
+pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+
+/// The version of the wire contract served under `/v1`.
+pub const API_VERSION: &str = "v1";
+
+/// Header carrying the bearer token: `Authorization: Bearer <token>`.
+pub const AUTHORIZATION_SCHEME: &str = "Bearer";
