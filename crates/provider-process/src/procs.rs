@@ -1,0 +1,135 @@
+//! Reading `/proc`: a process's start time (to tell a daemon from a later process that got its
+//! pid), whether it still runs, and killing a daemon's whole tree.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::sys;
+
+/// One process, named so that pid reuse cannot fool us: the pid and its start time in clock
+/// ticks after boot (`/proc/<pid>/stat` field 22).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcId {
+    pub pid: i32,
+    pub start_time: u64,
+}
+
+impl ProcId {
+    /// The process now at `pid`, if any.
+    pub fn of(pid: i32) -> Option<ProcId> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        Some(ProcId { pid, start_time: parse_stat(&stat)?.start_time })
+    }
+
+    /// Whether this very process still runs (exists, is not a zombie, and has not been replaced by
+    /// another with the same pid).
+    pub fn is_running(&self) -> bool {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) else { return false };
+        match parse_stat(&stat) {
+            Some(s) => s.start_time == self.start_time && s.state != 'Z' && s.state != 'X',
+            None => false,
+        }
+    }
+
+    /// `pid start_time`, as `daemon.pid` holds it.
+    pub fn to_line(self) -> String {
+        format!("{} {}\n", self.pid, self.start_time)
+    }
+
+    pub fn parse(text: &str) -> Option<ProcId> {
+        let mut it = text.split_whitespace();
+        let pid = it.next()?.parse().ok()?;
+        let start_time = it.next()?.parse().ok()?;
+        Some(ProcId { pid, start_time })
+    }
+}
+
+struct Stat {
+    state: char,
+    ppid: i32,
+    start_time: u64,
+}
+
+/// Fields of a `/proc/<pid>/stat` line. The command name may hold spaces and parentheses, so
+/// fields are counted from the last `)`: field 3 (state) comes first after it.
+fn parse_stat(stat: &str) -> Option<Stat> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(Stat {
+        state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
+        start_time: fields.get(22 - 3)?.parse().ok()?,
+    })
+}
+
+/// Every descendant of `root` now in `/proc`.
+fn descendants(root: i32) -> Vec<i32> {
+    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for entry in dir.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            if let Some(s) = parse_stat(&stat) {
+                children.entry(s.ppid).or_default().push(pid);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut stack = vec![root];
+    while let Some(p) = stack.pop() {
+        for &k in children.get(&p).map(Vec::as_slice).unwrap_or_default() {
+            out.push(k);
+            stack.push(k);
+        }
+    }
+    out
+}
+
+/// SIGKILLs `daemon`, its process group and every descendant. The tree is frozen first (SIGSTOP,
+/// rescanning until no new process appears) so that nothing forks away between the scan and the
+/// kill; a daemon that is not isolated starts each command in a process group of its own, so the
+/// group alone would miss them. Blocking: reads `/proc`.
+pub fn kill_tree(daemon: ProcId) {
+    if !daemon.is_running() {
+        // Gone, or its pid now names someone else: signal nothing.
+        return;
+    }
+    let _ = sys::kill(daemon.pid, sys::SIGSTOP, false);
+    let mut frozen: HashSet<i32> = HashSet::new();
+    // Bounded: each round stops every process found, and stopped processes cannot fork.
+    for _ in 0..20 {
+        let found: Vec<i32> = descendants(daemon.pid).into_iter().filter(|p| !frozen.contains(p)).collect();
+        if found.is_empty() {
+            break;
+        }
+        for pid in found {
+            let _ = sys::kill(pid, sys::SIGSTOP, false);
+            frozen.insert(pid);
+        }
+    }
+    let _ = sys::kill(daemon.pid, sys::SIGKILL, true);
+    let _ = sys::kill(daemon.pid, sys::SIGKILL, false);
+    for pid in frozen {
+        let _ = sys::kill(pid, sys::SIGKILL, false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_fields_survive_odd_command_names() {
+        let line = "42 (a b) c) S 7 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 123456 1000 10";
+        let s = parse_stat(line).unwrap_or_else(|| panic!("unparsed"));
+        assert_eq!((s.state, s.ppid, s.start_time), ('S', 7, 123456));
+        assert!(parse_stat("garbage").is_none());
+    }
+
+    #[test]
+    fn this_process_is_running_and_a_changed_start_time_is_not() {
+        let me = ProcId::of(std::process::id() as i32).unwrap_or_else(|| panic!("no /proc entry"));
+        assert!(me.is_running());
+        assert!(!ProcId { start_time: me.start_time + 1, ..me }.is_running());
+        assert_eq!(ProcId::parse(&me.to_line()), Some(me));
+    }
+}

@@ -1,0 +1,75 @@
+//! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `kill`
+//! and `geteuid`, which std does not expose.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+
+/// A pidfd for `pid`: it becomes readable when that process exits, and it keeps naming that
+/// process even after its pid is reused.
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    if pid <= 0 {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    // SAFETY: pidfd_open takes a pid and flags, no pointers.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, libc::PIDFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor, and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A pidfd for `pid` registered with the runtime: `readable()` resolves when the process exits.
+/// Must be called within a tokio runtime.
+pub fn async_pidfd(pid: i32) -> io::Result<AsyncFd<OwnedFd>> {
+    let fd = pidfd_open(pid)?;
+    // SAFETY: an `OwnedFd` keeps its descriptor open and returns the same one from `as_raw_fd`
+    // for as long as it is owned, here by the `AsyncFd`.
+    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(io::Error::from)
+}
+
+/// Sends `signal` to `pid` (a process group when `group`). One that is gone already is fine.
+/// Refuses pids 0, 1 and negative ones, which would address far more than one sandbox.
+pub fn kill(pid: i32, signal: i32, group: bool) -> io::Result<()> {
+    if pid <= 1 {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    let target = if group { -pid } else { pid };
+    // SAFETY: `kill` takes no pointers.
+    if unsafe { libc::kill(target, signal) } == 0 {
+        return Ok(());
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(err) }
+}
+
+/// The effective uid of the server.
+pub fn euid() -> u32 {
+    // SAFETY: `geteuid` takes no arguments and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+pub const SIGKILL: i32 = libc::SIGKILL;
+pub const SIGSTOP: i32 = libc::SIGSTOP;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn never_signals_init_or_everyone() {
+        assert!(kill(1, SIGKILL, false).is_err());
+        assert!(kill(0, SIGKILL, true).is_err());
+        assert!(kill(-5, SIGKILL, false).is_err());
+    }
+
+    #[test]
+    fn a_pidfd_of_this_process_opens() {
+        assert!(pidfd_open(std::process::id() as i32).is_ok());
+        assert!(pidfd_open(0).is_err());
+    }
+}

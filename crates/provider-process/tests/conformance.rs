@@ -1,0 +1,48 @@
+//! The provider conformance suite against the real process provider and the real `sandmand`,
+//! with namespaces (root, as CI runs) and without.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Command;
+
+use common::{check_daemon, dir_of, provider, require_root, state_dir};
+use sandman_provider::Endpoint;
+use sandman_provider::conformance::{self, spec};
+use sandman_provider_process::{HOST_IMAGE, Isolation, Namespaces};
+
+async fn suite(isolate: Isolation, tag: &str) {
+    let state = state_dir();
+    let p = provider(state.path(), isolate);
+    let id = |name: &str| format!("{tag}-{name}");
+    conformance::create_list_delete(&p, spec(&id("c1"), HOST_IMAGE), check_daemon).await;
+    conformance::many_at_once(&p, (0..20).map(|i| spec(&id(&format!("m{i}")), HOST_IMAGE)).collect()).await;
+    conformance::refuses_clearly(&p, spec(&id("r1"), "python:3.12"), "docker").await;
+    let second = provider(state.path(), isolate);
+    conformance::found_again_after_restart(&p, &second, spec(&id("f1"), HOST_IMAGE)).await;
+    conformance::death_is_reported(&p, spec(&id("d1"), HOST_IMAGE), kill_daemon).await;
+    let left: Vec<_> =
+        std::fs::read_dir(state.path().join("sandboxes")).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "sandbox directories left behind: {left:?}");
+}
+
+/// SIGKILLs the process the provider started, behind its back.
+async fn kill_daemon(endpoint: Endpoint) {
+    let pid_line = std::fs::read_to_string(dir_of(&endpoint).join("daemon.pid")).unwrap();
+    let pid = pid_line.split_whitespace().next().unwrap();
+    let status = Command::new("kill").args(["-KILL", pid]).status().unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_process_provider_passes_the_suite_with_namespaces() {
+    require_root();
+    let state = state_dir();
+    assert_eq!(provider(state.path(), Isolation::Required).namespaces(), Namespaces::Used);
+    suite(Isolation::Required, "ns").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_process_provider_passes_the_suite_without_namespaces() {
+    suite(Isolation::Off, "plain").await;
+}

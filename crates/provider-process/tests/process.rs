@@ -1,0 +1,274 @@
+//! The process provider beyond the conformance suite: refusals, resources as rlimits, the daemon's
+//! environment, isolation (root), deletes that leave nothing, and deaths seen after a restart.
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{
+    call, dir_of, eventually, exec, processes_mentioning, provider, require_root, socket_of, state_dir, wait_healthy,
+};
+use sandman_provider::conformance::spec;
+use sandman_provider::{Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
+use sandman_provider_process::{HOST_IMAGE, Isolation, ProcessConfig, ProcessProvider};
+use sandman_wire::server::{Network, Profile, Quantity, Reason};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+async fn ready(p: &ProcessProvider, s: &SandboxSpec) -> Endpoint {
+    let endpoint = p.create(s).await.unwrap_or_else(|e| panic!("create failed: {e}"));
+    wait_healthy(&socket_of(&endpoint)).await.unwrap();
+    endpoint
+}
+
+async fn sh(endpoint: &Endpoint, token: &str, script: &str) -> Value {
+    exec(&socket_of(endpoint), token, &["/bin/sh", "-c", script]).await.unwrap()
+}
+
+fn out(v: &Value) -> String {
+    v["stdout"].as_str().unwrap().to_string()
+}
+
+async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>, id: &str) -> ProviderEvent {
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let e = events.recv().await.expect("event stream ended");
+            if e.id == id {
+                return e;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no event for {id} within 20 s"))
+}
+
+fn unsupported(res: Result<Endpoint, ProviderError>) -> String {
+    match res {
+        Err(ProviderError::Unsupported(msg)) => msg,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn refusals_name_the_way_out_and_leave_nothing() {
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Off);
+    let msg = unsupported(p.create(&spec("img", "python:3.12")).await);
+    assert!(msg.contains("`python:3.12`") && msg.contains("docker") && msg.contains("kubernetes"), "{msg}");
+    let eval = SandboxSpec { profile: Profile::Eval, ..spec("eval", HOST_IMAGE) };
+    assert!(unsupported(p.create(&eval).await).contains("eval"));
+    let offline = SandboxSpec { network: Network::None, ..spec("net", HOST_IMAGE) };
+    assert!(unsupported(p.create(&offline).await).contains("network namespace"));
+    assert!(unsupported(p.create(&spec("../escape", HOST_IMAGE)).await).contains("cannot name a directory"));
+    assert!(p.list().await.unwrap().is_empty());
+    assert_eq!(std::fs::read_dir(state.path().join("sandboxes")).unwrap().count(), 0);
+    // Deleting what never existed is fine, and touches nothing outside.
+    p.delete("never-was").await.unwrap();
+    p.delete("../..").await.unwrap();
+    assert!(state.path().exists());
+}
+
+#[tokio::test]
+async fn the_daemon_gets_a_clean_environment_and_its_own_work_dir() {
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Auto);
+    let mut s = spec("env1", HOST_IMAGE);
+    s.env = BTreeMap::from([("FROM_SPEC".into(), "1".into()), ("SANDMAN_TOKEN".into(), "hijack".into())]);
+    let ep = ready(&p, &s).await;
+    let dir = dir_of(&ep);
+    let env = out(&sh(&ep, &s.token, "env; echo cwd=$(pwd)").await);
+    assert!(env.contains("FROM_SPEC=1"), "{env}");
+    assert!(env.contains(&format!("HOME={}", dir.join("work").display())), "{env}");
+    assert!(env.contains(&format!("cwd={}", dir.join("work").display())), "{env}");
+    assert!(env.contains("LANG=C.UTF-8"), "{env}");
+    assert!(!env.contains("CARGO"), "the server's environment leaked into the sandbox: {env}");
+    assert!(!env.contains("SANDMAN_"), "{env}");
+    for secret in ["token", "record.json"] {
+        let mode = std::fs::metadata(dir.join(secret)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{secret} is {mode:o}");
+    }
+    p.delete(&s.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_and_disk_become_rlimits_of_every_command() {
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Auto);
+    let mut s = spec("limits", HOST_IMAGE);
+    s.resources.memory = Some(Quantity::Text("256Mi".into()));
+    s.resources.disk = Some(Quantity::Text("1Mi".into()));
+    s.resources.cpu = Some(Quantity::Number(0.5));
+    let ep = ready(&p, &s).await;
+    let limits = out(&sh(&ep, &s.token, "ulimit -v; ulimit -f").await);
+    let lines: Vec<&str> = limits.lines().collect();
+    assert_eq!(lines.first().copied(), Some("262144"), "{limits}");
+    // 1 MiB in the shell's blocks: 512 bytes (dash) or 1024 (bash).
+    assert!(matches!(lines.get(1).copied(), Some("2048" | "1024")), "{limits}");
+    let big = sh(&ep, &s.token, "head -c 2M /dev/zero > big").await;
+    assert!(big["exit_code"] != 0 || big["signal"] == 25, "{big}");
+    p.delete(&s.id).await.unwrap();
+}
+
+/// Creates a sandbox with a background process and a detached grandchild, deletes it, and checks
+/// that no process and no file of it is left.
+async fn nothing_left_after_delete(isolate: Isolation, id: &str, secs: &str) {
+    let state = state_dir();
+    let p = provider(state.path(), isolate);
+    let s = spec(id, HOST_IMAGE);
+    let ep = ready(&p, &s).await;
+    let dir = dir_of(&ep);
+    let socket = socket_of(&ep);
+    let started =
+        call(&socket, "POST", "/v1/processes", Some(&s.token), Some(json!({"argv": ["sleep", secs]}))).await.unwrap();
+    assert_eq!(started.status, 201);
+    // A grandchild in a session of its own, orphaned to the daemon: not in any group it knows.
+    let detached = sh(&ep, &s.token, &format!("setsid sleep {secs}1 >/dev/null 2>&1 < /dev/null &")).await;
+    assert_eq!(detached["exit_code"], 0, "{detached}");
+    assert!(eventually(Duration::from_secs(5), || processes_mentioning(&format!("sleep {secs}")).len() == 2).await);
+    assert!(!processes_mentioning(&dir.display().to_string()).is_empty());
+    p.delete(&s.id).await.unwrap();
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    let gone = eventually(Duration::from_secs(5), || {
+        processes_mentioning(&dir.display().to_string()).is_empty()
+            && processes_mentioning(&format!("sleep {secs}")).is_empty()
+    })
+    .await;
+    assert!(
+        gone,
+        "left running: {:?} {:?}",
+        processes_mentioning(&dir.display().to_string()),
+        processes_mentioning(&format!("sleep {secs}"))
+    );
+}
+
+#[tokio::test]
+async fn nothing_is_left_after_delete_without_namespaces() {
+    nothing_left_after_delete(Isolation::Off, "left-plain", "4242.25").await;
+}
+
+#[tokio::test]
+async fn nothing_is_left_after_delete_with_namespaces() {
+    require_root();
+    nothing_left_after_delete(Isolation::Required, "left-ns", "4343.25").await;
+}
+
+#[tokio::test]
+async fn isolated_sandbox_has_its_own_tmp_pid_1_and_hostname() {
+    require_root();
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Required);
+    let s = spec("iso1", HOST_IMAGE);
+    let ep = ready(&p, &s).await;
+    let dir = dir_of(&ep);
+    let info = call(&socket_of(&ep), "GET", "/v1/info", Some(&s.token), None).await.unwrap().json();
+    assert_eq!(info["pid"], 1, "{info}");
+    let name = format!("pp-marker-{}", std::process::id());
+    let wrote = sh(&ep, &s.token, &format!("echo mine > /tmp/{name}")).await;
+    assert_eq!(wrote["exit_code"], 0, "{wrote}");
+    assert!(dir.join("tmp").join(&name).exists(), "not in the sandbox's tmp/");
+    assert!(!Path::new("/tmp").join(&name).exists(), "reached the host's /tmp");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let named = sh(&ep, &s.token, "hostname iso-sandbox && hostname").await;
+    assert_eq!(out(&named).trim(), "iso-sandbox", "{named}");
+    assert_eq!(std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(), host);
+    p.delete(&s.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn network_none_leaves_only_loopback() {
+    require_root();
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Auto);
+    let s = SandboxSpec { network: Network::None, ..spec("offline", HOST_IMAGE) };
+    let ep = ready(&p, &s).await;
+    let dev = out(&exec(&socket_of(&ep), &s.token, &["cat", "/proc/net/dev"]).await.unwrap());
+    let ifaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
+    assert_eq!(ifaces, ["lo"], "{dev}");
+    p.delete(&s.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lapsed_daemon_lease_is_reported_as_lease_expired() {
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Auto);
+    let mut events = p.events().unwrap();
+    assert!(p.events().is_none(), "events are handed out once");
+    let s = SandboxSpec { daemon_lease_s: 1, ..spec("lease", HOST_IMAGE) };
+    p.create(&s).await.unwrap();
+    let event = next_event(&mut events, &s.id).await;
+    assert_eq!(event.ended.reason, Reason::LeaseExpired, "{event:?}");
+    let listed = p.list().await.unwrap().into_iter().find(|r| r.spec.id == s.id).unwrap();
+    assert_eq!(listed.ended, Some(event.ended));
+    p.delete(&s.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_daemon_that_cannot_start_is_reported_with_its_last_words() {
+    let state = state_dir();
+    // A "daemon" that fails the way sandmand does when it cannot start.
+    let fake = state.path().join("failing-daemon");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho 'error: cannot listen on `nowhere`' >&2\necho '  caused by: no such place' >&2\nexit 2\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let p = ProcessProvider::new(ProcessConfig {
+        state_dir: state.path().to_path_buf(),
+        daemon_bin: fake,
+        isolate: Isolation::Off,
+    })
+    .unwrap();
+    let mut events = p.events().unwrap();
+    let s = spec("nostart", HOST_IMAGE);
+    p.create(&s).await.unwrap();
+    let event = next_event(&mut events, &s.id).await;
+    assert_eq!(event.ended.reason, Reason::ProviderError);
+    assert_eq!(
+        event.ended.message,
+        "daemon exited with status 2: error: cannot listen on `nowhere` caused by: no such place"
+    );
+    p.delete(&s.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restarted_server_learns_of_deaths_through_pidfds() {
+    let state = state_dir();
+    let first = provider(state.path(), Isolation::Auto);
+    let s = spec("adopted", HOST_IMAGE);
+    let ep = ready(&first, &s).await;
+    // The first server goes away; its daemon runs on.
+    drop(first);
+    let second = provider(state.path(), Isolation::Auto);
+    let mut events = second.events().unwrap();
+    let listed = second.list().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].ended, None);
+    let pid_line = std::fs::read_to_string(dir_of(&ep).join("daemon.pid")).unwrap();
+    let pid = pid_line.split_whitespace().next().unwrap();
+    assert!(Command::new("kill").args(["-KILL", pid]).status().unwrap().success());
+    let event = next_event(&mut events, &s.id).await;
+    assert_eq!(event.ended.reason, Reason::ProviderError);
+    assert!(event.ended.message.starts_with("daemon exited"), "{event:?}");
+    let again = second.list().await.unwrap();
+    assert_eq!(again[0].ended, Some(event.ended));
+    second.delete(&s.id).await.unwrap();
+    assert!(second.list().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn an_unreadable_record_is_skipped() {
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Off);
+    let broken = state.path().join("sandboxes").join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("record.json"), "{not json").unwrap();
+    assert!(p.list().await.unwrap().is_empty());
+    p.delete("broken").await.unwrap();
+    assert!(!broken.exists());
+}

@@ -1,0 +1,97 @@
+//! `FakeProvider`: an in-memory provider whose sandboxes are records only, with switches to make
+//! creates fail and sandboxes die; the server's and the conformance suite's tests run on it.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
+
+use sandman_wire::server::Reason;
+use tokio::sync::mpsc;
+
+use crate::{EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+
+/// An image the fake refuses at once, as a provider refuses what it cannot run.
+pub const UNSUPPORTED_IMAGE: &str = "unsupported";
+
+#[derive(Debug)]
+pub struct FakeProvider {
+    /// The records, by sandbox id.
+    records: Mutex<BTreeMap<String, Record>>,
+    /// Images whose create fails with `image_pull_failed`.
+    missing_images: Mutex<Vec<String>>,
+    events_tx: mpsc::Sender<ProviderEvent>,
+    /// Handed to the server once.
+    events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
+    /// The endpoint every sandbox gets (the tests point it at a real daemon when they need one).
+    endpoint: Endpoint,
+}
+
+impl FakeProvider {
+    pub fn new(endpoint: Endpoint) -> Self {
+        let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
+        FakeProvider {
+            records: Mutex::default(),
+            missing_images: Mutex::default(),
+            events_tx,
+            events_rx: Mutex::new(Some(events_rx)),
+            endpoint,
+        }
+    }
+
+    /// Makes creates of `image` fail as a failed pull would.
+    pub fn fail_image(&self, image: &str) {
+        self.missing_images.lock().unwrap_or_else(PoisonError::into_inner).push(image.to_string());
+    }
+
+    /// Ends a sandbox as if its backend had killed it, and reports it.
+    pub async fn kill(&self, id: &str, reason: Reason, message: &str) {
+        let ended = Ended { reason, message: message.to_string() };
+        if let Some(r) = self.records.lock().unwrap_or_else(PoisonError::into_inner).get_mut(id) {
+            r.ended = Some(ended.clone());
+        }
+        let _ = self.events_tx.send(ProviderEvent { id: id.to_string(), ended }).await;
+    }
+
+    pub fn count(&self) -> usize {
+        self.records.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+}
+
+impl Provider for FakeProvider {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
+        if spec.image == UNSUPPORTED_IMAGE {
+            return Err(ProviderError::Unsupported(format!(
+                "image `{UNSUPPORTED_IMAGE}` is never supported by the fake"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
+        if self.missing_images.lock().unwrap_or_else(PoisonError::into_inner).contains(&spec.image) {
+            return Err(ProviderError::Failed {
+                reason: Reason::ImagePullFailed,
+                message: format!("pull access denied for {}", spec.image),
+            });
+        }
+        let record = Record { spec: spec.clone(), endpoint: self.endpoint.clone(), ended: None };
+        self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
+        Ok(self.endpoint.clone())
+    }
+
+    async fn delete(&self, id: &str) -> Result<(), ProviderError> {
+        self.records.lock().unwrap_or_else(PoisonError::into_inner).remove(id);
+        Ok(())
+    }
+
+    async fn list(&self) -> Result<Vec<Record>, ProviderError> {
+        Ok(self.records.lock().unwrap_or_else(PoisonError::into_inner).values().cloned().collect())
+    }
+
+    fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
+        self.events_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}

@@ -1,0 +1,145 @@
+//! The provider seam: [`Provider`] is what a sandbox backend implements (create, delete, list,
+//! observe); [`SandboxSpec`] is what the server asks for and what the backend keeps as the state
+//! of record, so that a restarted server finds every sandbox again. [`fake::FakeProvider`] lives
+//! beside it, and [`conformance`] checks any provider against the same expectations.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+
+use sandman_wire::server::{Network, Profile, Reason, Resources};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+#[cfg(any(test, feature = "conformance"))]
+pub mod conformance;
+pub mod fake;
+
+/// Everything a provider needs to make a sandbox, and everything the server needs back after a
+/// restart. Providers persist it whole (a file, labels and annotations) and return it from
+/// [`Provider::list`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    pub id: String,
+    pub image: String,
+    pub resources: Resources,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub job: Option<String>,
+    pub profile: Profile,
+    pub network: Network,
+    /// The daemon's bearer token; only the server and the daemon know it.
+    pub token: String,
+    /// The daemon's own dead-man switch, in seconds: it exits when nobody calls for this long.
+    pub daemon_lease_s: u64,
+    pub created_at_ms: u64,
+    /// The server's bookkeeping (lease, idle timeout, ttl, idempotency key), kept for recovery.
+    pub server: ServerMeta,
+}
+
+/// What the server keeps about a sandbox beyond what the provider uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerMeta {
+    pub lease_s: u64,
+    pub idle_timeout_s: Option<u64>,
+    pub ttl_s: Option<u64>,
+    pub idempotency_key: Option<String>,
+}
+
+/// Where a sandbox's daemon answers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Endpoint {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+/// A sandbox the provider holds, as its records say.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub spec: SandboxSpec,
+    pub endpoint: Endpoint,
+    /// `None` while it runs; why it ended when it has (the daemon died, OOM, eviction…).
+    pub ended: Option<Ended>,
+}
+
+/// How a sandbox ended on the provider's side.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ended {
+    pub reason: Reason,
+    pub message: String,
+}
+
+/// Something the provider saw happen to a sandbox without being asked: its daemon exited, it was
+/// OOM-killed, its pod was evicted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderEvent {
+    pub id: String,
+    pub ended: Ended,
+}
+
+/// How many provider events may wait for the server before the provider's watcher blocks.
+pub const EVENT_CAPACITY: usize = 1024;
+
+/// Why a provider call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// The request asks for something this provider cannot do; nothing was created.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The sandbox failed to come up for a reason of the lifecycle (image pull, daemon start…).
+    #[error("{message}")]
+    Failed { reason: Reason, message: String },
+    #[error("no sandbox `{0}` in the provider")]
+    NotFound(String),
+    #[error("{what}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend (engine, API server) answered with an error.
+    #[error("{0}")]
+    Backend(String),
+}
+
+impl ProviderError {
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        ProviderError::Io { what: what.into(), source }
+    }
+
+    /// The lifecycle reason a failed create is reported with.
+    pub fn reason(&self) -> Reason {
+        match self {
+            ProviderError::Failed { reason, .. } => *reason,
+            _ => Reason::ProviderError,
+        }
+    }
+}
+
+/// A sandbox backend. Small on purpose: the server owns the lifecycle, leases, readiness and the
+/// proxy; a provider only makes, finds and removes sandboxes, and reports deaths it sees.
+pub trait Provider: Send + Sync {
+    fn name(&self) -> &'static str;
+
+    /// Refuses at once, creating nothing, a spec this provider cannot honour (an image it cannot
+    /// run, a network mode it cannot give). `create` may still fail later for reasons found only
+    /// by trying.
+    fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
+        let _ = spec;
+        Ok(())
+    }
+
+    /// Makes the sandbox and starts its daemon; answers with where the daemon will listen. The
+    /// server then waits for the daemon's health, so this need not.
+    fn create(&self, spec: &SandboxSpec) -> impl Future<Output = Result<Endpoint, ProviderError>> + Send;
+
+    /// Removes the sandbox and everything it holds. Deleting one that is gone already is fine.
+    fn delete(&self, id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;
+
+    /// Every sandbox the provider's records hold, running or ended but not yet deleted.
+    fn list(&self) -> impl Future<Output = Result<Vec<Record>, ProviderError>> + Send;
+
+    /// Takes the stream of provider events; called once by the server.
+    fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>>;
+}
