@@ -64,6 +64,9 @@ pub struct ProcessConfig {
     pub state_dir: PathBuf,
     /// The `sandmand` binary (see [`find_daemon`]).
     pub daemon_bin: PathBuf,
+    /// Arguments before the daemon's own, when `daemon_bin` is a binary that embeds the daemon
+    /// behind a first argument (`sandman __sandmand …`).
+    pub daemon_args: Vec<OsString>,
     pub isolate: Isolation,
 }
 
@@ -279,6 +282,7 @@ impl ProcessProvider {
     ) -> Result<(), ProviderError> {
         let Plan { args, env } = plan;
         let mut cmd = tokio::process::Command::new(&self.config.daemon_bin);
+        cmd.args(&self.config.daemon_args);
         cmd.args(&args)
             .env_clear()
             .envs(&env)

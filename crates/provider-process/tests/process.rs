@@ -221,6 +221,7 @@ async fn a_daemon_that_cannot_start_is_reported_with_its_last_words() {
     let p = ProcessProvider::new(ProcessConfig {
         state_dir: state.path().to_path_buf(),
         daemon_bin: fake,
+        daemon_args: Vec::new(),
         isolate: Isolation::Off,
     })
     .unwrap();

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod archive;
 pub mod children;
+pub mod cli;
 pub mod error;
 pub mod exec;
 pub mod extract;

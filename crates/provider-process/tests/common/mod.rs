@@ -49,8 +49,13 @@ pub fn state_dir() -> tempfile::TempDir {
 }
 
 pub fn provider(state: &Path, isolate: Isolation) -> ProcessProvider {
-    ProcessProvider::new(ProcessConfig { state_dir: state.to_path_buf(), daemon_bin: daemon_bin(), isolate })
-        .unwrap_or_else(|e| panic!("cannot make the provider: {e}"))
+    ProcessProvider::new(ProcessConfig {
+        state_dir: state.to_path_buf(),
+        daemon_bin: daemon_bin(),
+        daemon_args: Vec::new(),
+        isolate,
+    })
+    .unwrap_or_else(|e| panic!("cannot make the provider: {e}"))
 }
 
 pub fn socket_of(endpoint: &Endpoint) -> PathBuf {

@@ -1,0 +1,291 @@
+//! The whole service on one machine: the real `sandman serve` with the process provider and real
+//! daemons, driven over HTTP. Covers creation at scale, the proxy (streams and large bodies),
+//! idempotency, reclaiming with reasons, recovery after `kill -9`, auth and bad input.
+#![allow(clippy::unwrap_used)]
+
+mod e2e;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use e2e::{Body, Http, Server, eventually, host, processes_mentioning};
+use http_body_util::BodyExt;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hundred_sandboxes_at_once_each_used_then_nothing_left() {
+    let server = Server::start();
+    let http = server.client();
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let http = http.clone();
+        tasks.push(tokio::spawn(async move {
+            let sb = http.create(json!({"image": "host", "labels": {"n": i.to_string()}})).await;
+            assert_eq!(sb["state"], "ready", "{sb}");
+            let id = sb["id"].as_str().unwrap().to_string();
+            let r = http.exec(&id, json!({"argv": ["/bin/echo", format!("hello {i}")]})).await;
+            assert_eq!(r["stdout"], format!("hello {i}\n"));
+            let put = http
+                .call(
+                    "PUT",
+                    &format!("/v1/sandboxes/{id}/files?path=/tmp/n.txt"),
+                    Body::Stream(Box::new(std::iter::once(Bytes::from(format!("n={i}"))))),
+                )
+                .await;
+            assert_eq!(put.status, 200);
+            let back = http.get(&format!("/v1/sandboxes/{id}/files?path=/tmp/n.txt")).await;
+            assert_eq!(back.body, format!("n={i}"));
+            id
+        }));
+    }
+    let mut ids = Vec::new();
+    for t in tasks {
+        ids.push(t.await.unwrap());
+    }
+    let list = http.get("/v1/sandboxes?state=ready").await.ok();
+    assert_eq!(list["sandboxes"].as_array().unwrap().len(), 100);
+    let mut releases = Vec::new();
+    for id in ids {
+        let http = http.clone();
+        releases.push(tokio::spawn(async move { http.release(&id).await.ok() }));
+    }
+    for r in releases {
+        assert_eq!(r.await.unwrap()["state"], "gone");
+    }
+    let sandboxes = server.state.join("sandboxes");
+    assert!(
+        eventually(Duration::from_secs(10), async || processes_mentioning(&sandboxes.display().to_string()).is_empty())
+            .await,
+        "daemons left: {:?}",
+        processes_mentioning(&sandboxes.display().to_string())
+    );
+    assert!(server.sandbox_dirs().is_empty(), "directories left: {:?}", server.sandbox_dirs());
+}
+
+#[tokio::test]
+async fn streamed_exec_through_the_proxy() {
+    let server = Server::start();
+    let http = server.client();
+    let id = http.create(host()).await["id"].as_str().unwrap().to_string();
+    let resp = http
+        .send(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec/stream"),
+            Body::Json(json!({"command": "echo one; sleep 0.3; echo two; exit 5"})),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "application/x-ndjson");
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    let mut first_at = None;
+    let t0 = std::time::Instant::now();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            text.push_str(&String::from_utf8_lossy(&data));
+            if first_at.is_none() && text.contains("one") {
+                first_at = Some(t0.elapsed());
+            }
+        }
+    }
+    let events: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(events.first().unwrap()["event"], "started");
+    assert_eq!(events.last().unwrap()["event"], "exit");
+    assert_eq!(events.last().unwrap()["exit_code"], 5);
+    assert!(first_at.unwrap() < Duration::from_millis(250), "the first line was held back until the end");
+    http.release(&id).await.ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_100_mib_upload_and_download_do_not_grow_the_server_by_their_size() {
+    let server = Server::start();
+    let http = server.client();
+    let id = http.create(host()).await["id"].as_str().unwrap().to_string();
+    http.exec(&id, json!({"argv": ["/bin/true"]})).await;
+    let before = server.rss_kib();
+    const MIB: usize = 1 << 20;
+    let chunks = (0..100).map(|i| Bytes::from(vec![(i % 251) as u8; MIB]));
+    let put = http
+        .call("PUT", &format!("/v1/sandboxes/{id}/files?path=/tmp/big.bin"), Body::Stream(Box::new(chunks)))
+        .await
+        .ok();
+    assert_eq!(put["size"], 100 * MIB);
+    let resp = http.send("GET", &format!("/v1/sandboxes/{id}/files?path=/tmp/big.bin"), Body::Empty).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut total = 0usize;
+    let mut peak = server.rss_kib();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            total += data.len();
+            peak = peak.max(server.rss_kib());
+        }
+    }
+    assert_eq!(total, 100 * MIB);
+    let growth_mib = peak.saturating_sub(before) / 1024;
+    assert!(growth_mib < 40, "the server grew by {growth_mib} MiB moving 100 MiB through");
+    http.release(&id).await.ok();
+}
+
+#[tokio::test]
+async fn idempotent_create_returns_the_same_sandbox() {
+    let server = Server::start();
+    let http = server.client();
+    let a = http.create(json!({"image": "host", "idempotency_key": "episode-7"})).await;
+    let b = http.create(json!({"image": "host", "idempotency_key": "episode-7"})).await;
+    assert_eq!(a["id"], b["id"]);
+    assert_eq!(http.get("/v1/sandboxes").await.ok()["sandboxes"].as_array().unwrap().len(), 1);
+    http.release(a["id"].as_str().unwrap()).await.ok();
+}
+
+#[tokio::test]
+async fn leases_idle_timeouts_and_job_deletion_reclaim_with_their_reasons() {
+    let server = Server::start();
+    let http = server.client();
+    let lease = http.create(json!({"image": "host", "lease_s": 1})).await["id"].as_str().unwrap().to_string();
+    let idle = http.create(json!({"image": "host", "lease_s": 60, "idle_timeout_s": 1})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    http.post("/v1/jobs/train/heartbeat", json!({})).await.error(404, "not_found");
+    http.call("PUT", "/v1/jobs/train", Body::Json(json!({"lease_s": 1}))).await.ok();
+    let a = http.create(json!({"image": "host", "job": "train"})).await["id"].as_str().unwrap().to_string();
+    let b = http.create(json!({"image": "host", "job": "train"})).await["id"].as_str().unwrap().to_string();
+    // Heartbeats keep the job's sandboxes past their 1 s lease.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let hb = http.post("/v1/jobs/train/heartbeat", json!({})).await.ok();
+        assert_eq!(hb["sandboxes"], 2);
+        let _ = http.post(&format!("/v1/sandboxes/{idle}/keepalive"), json!({})).await;
+    }
+    let state = |v: serde_json::Value| {
+        (v["state"].as_str().unwrap().to_string(), v["reason"].as_str().unwrap_or("").to_string())
+    };
+    assert_eq!(state(http.get(&format!("/v1/sandboxes/{lease}")).await.ok()), ("gone".into(), "lease_expired".into()));
+    assert_eq!(state(http.get(&format!("/v1/sandboxes/{idle}")).await.ok()), ("gone".into(), "idle_expired".into()));
+    assert_eq!(state(http.get(&format!("/v1/sandboxes/{a}")).await.ok()).0, "ready");
+    let err = http.post(&format!("/v1/sandboxes/{lease}/exec"), json!({"argv": ["true"]})).await.error(410, "gone");
+    assert_eq!(err["reason"], "lease_expired");
+    let done = http.call("DELETE", "/v1/jobs/train", Body::Empty).await.ok();
+    assert_eq!(done["sandboxes"], 2);
+    for id in [&a, &b] {
+        assert_eq!(state(http.get(&format!("/v1/sandboxes/{id}")).await.ok()), ("gone".into(), "job_deleted".into()));
+    }
+    let events = http.get("/v1/events").await.ok();
+    let reasons: Vec<&str> = events["events"].as_array().unwrap().iter().filter_map(|e| e["reason"].as_str()).collect();
+    for r in ["lease_expired", "idle_expired", "job_deleted"] {
+        assert!(reasons.contains(&r), "{r} missing from events {reasons:?}");
+    }
+    let metrics = http.get("/metrics").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("sandman_sandboxes_ended_total{reason=\"lease_expired\"} 1"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_kill_9_a_restarted_server_finds_everything_again() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let state = dir.path().join("state");
+    let mut server = Server::start_in(&state, &[]);
+    let http = server.client();
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let sb = http.create(json!({"image": "host", "job": "j", "labels": {"i": i.to_string()}, "lease_s": 300, "idempotency_key": format!("k{i}")})).await;
+        ids.push(sb["id"].as_str().unwrap().to_string());
+    }
+    http.exec(&ids[0], json!({"command": "echo kept > /tmp/mark"})).await;
+    server.kill9();
+    // One daemon dies while the server is away.
+    let victim_pid: i32 = std::fs::read_to_string(state.join(format!("sandboxes/{}/daemon.pid", ids[4])))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    unsafe_free_kill(victim_pid);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let server = Server::start_in(&state, &[]);
+    let http = server.client();
+    let list = http.get("/v1/sandboxes?job=j").await.ok();
+    let all = list["sandboxes"].as_array().unwrap();
+    assert_eq!(all.len(), 5, "{list}");
+    for (i, id) in ids.iter().enumerate().take(4) {
+        let sb = http.get(&format!("/v1/sandboxes/{id}")).await.ok();
+        assert_eq!(sb["state"], "ready", "{sb}");
+        assert_eq!(sb["labels"]["i"], i.to_string());
+        assert_eq!(sb["job"], "j");
+        assert_eq!(sb["lease_s"], 300);
+    }
+    let dead = http.get(&format!("/v1/sandboxes/{}", ids[4])).await.ok();
+    assert_eq!(dead["state"], "failed", "{dead}");
+    assert!(dead["reason"].is_string());
+    // Usable as before, files included.
+    let r = http.exec(&ids[0], json!({"argv": ["/bin/cat", "/tmp/mark"]})).await;
+    assert_eq!(r["stdout"], "kept\n");
+    // The idempotency keys came back too: no duplicate.
+    let again = http.create(json!({"image": "host", "idempotency_key": "k1"})).await;
+    assert_eq!(again["id"], ids[1]);
+    for id in ids.iter().take(4) {
+        http.release(id).await.ok();
+    }
+    assert!(
+        eventually(Duration::from_secs(10), async || processes_mentioning(
+            &state.join("sandboxes").display().to_string()
+        )
+        .is_empty())
+        .await,
+        "daemons left after release"
+    );
+}
+
+fn unsafe_free_kill(pid: i32) {
+    std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap();
+}
+
+#[tokio::test]
+async fn auth_bad_input_and_refused_images() {
+    let server = Server::start();
+    let anon = Http { addr: server.addr.clone(), token: None };
+    assert_eq!(anon.get("/healthz").await.status, 200);
+    anon.get("/v1/sandboxes").await.error(401, "unauthorized");
+    anon.get("/metrics").await.error(401, "unauthorized");
+    let wrong = Http { addr: server.addr.clone(), token: Some("nope".into()) };
+    wrong.post("/v1/sandboxes", host()).await.error(401, "unauthorized");
+
+    let http = server.client();
+    let e = http.post("/v1/sandboxes", json!({"image": "host", "ttl": 5})).await.error(400, "invalid_argument");
+    assert!(e["message"].as_str().unwrap().contains("unknown field `ttl`"));
+    let e = http.post("/v1/sandboxes", json!({"image": "python:3.12"})).await.error(400, "invalid_argument");
+    let msg = e["message"].as_str().unwrap();
+    assert!(msg.contains("docker") && msg.contains("kubernetes"), "{msg}");
+    http.get("/v1/sandboxes/sb-nope").await.error(404, "not_found");
+    http.post("/v1/sandboxes/sb-nope/exec", json!({"argv": ["true"]})).await.error(404, "not_found");
+    http.get("/v1/sandboxes?state=bogus").await.error(400, "invalid_argument");
+    assert!(server.sandbox_dirs().is_empty());
+}
+
+#[tokio::test]
+async fn the_embedded_daemon_serves_when_no_sandmand_is_installed() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let alone = dir.path().join("bin/sandman");
+    std::fs::create_dir_all(alone.parent().unwrap()).unwrap();
+    std::fs::copy(e2e::sandman_bin(), &alone).unwrap();
+    // No `sandmand` beside it, none on PATH, none named by SANDMAN_DAEMON.
+    assert!(!alone.with_file_name("sandmand").exists());
+    let server = temp_env_server(&alone, &dir.path().join("state"));
+    let http = server.client();
+    let id = http.create(host()).await["id"].as_str().unwrap().to_string();
+    let r = http.exec(&id, json!({"argv": ["/bin/echo", "embedded"]})).await;
+    assert_eq!(r["stdout"], "embedded\n");
+    let daemons = processes_mentioning("__sandmand");
+    assert!(!daemons.is_empty(), "the sandbox does not run the embedded daemon");
+    http.release(&id).await.ok();
+}
+
+fn temp_env_server(bin: &std::path::Path, state: &std::path::Path) -> Server {
+    // The variables are changed for the server alone, not for this test process.
+    let path = std::env::var("PATH").unwrap_or_default();
+    let filtered: Vec<&str> = path.split(':').filter(|d| !std::path::Path::new(d).join("sandmand").exists()).collect();
+    Server::start_bin_env(bin, state, &[], &[("PATH", &filtered.join(":"))], &["SANDMAN_DAEMON"])
+}

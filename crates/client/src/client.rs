@@ -1,0 +1,350 @@
+//! [`Client`]: the connection settings, the one place requests are sent and answers checked, and
+//! the server's own calls (sandboxes, jobs, events). Daemon calls are in [`crate::sandbox`].
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue, USER_AGENT};
+use http::{Method, Request, Response, Uri};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use sandman_wire::ErrorBody;
+use sandman_wire::server::{
+    CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, ListQuery, Sandbox,
+    SandboxList, ServerHealth,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::body::{self, ByteStream, NdjsonStream, RequestBody, UploadBody};
+use crate::env;
+use crate::error::ClientError;
+
+/// How long a connect may take before the call fails.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most of an error answer read, to show it; error bodies are small.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+const JSON: &str = "application/json";
+const NDJSON: &str = "application/x-ndjson";
+const OCTET_STREAM: &str = "application/octet-stream";
+const TAR: &str = "application/x-tar";
+
+/// A typed client of the Sandman server. Cheap to clone: clones share one connection pool.
+///
+/// Every call renews the lease of the sandbox it names. Streams ([`NdjsonStream`],
+/// [`ByteStream`]) are read as the server sends them, and dropping one closes its connection.
+#[derive(Clone)]
+pub struct Client {
+    http: HyperClient<HttpConnector, RequestBody>,
+    /// `http://host:port` plus any path prefix, without a trailing slash.
+    base: String,
+    /// `Bearer <token>`, marked sensitive.
+    auth: HeaderValue,
+}
+
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Client").field("base", &self.base).finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    /// A client of the server at `base_url` (`http://127.0.0.1:7777`), authenticating with
+    /// `token`. Nothing is sent until the first call.
+    pub fn new(base_url: &str, token: &str) -> Result<Client, ClientError> {
+        let base = base_url.trim().trim_end_matches('/').to_owned();
+        let uri: Uri = base.parse().map_err(|source| ClientError::InvalidUrl { url: base.clone(), source })?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() || uri.query().is_some() {
+            return Err(ClientError::UnsupportedUrl { url: base });
+        }
+        let mut auth = HeaderValue::from_str(&format!("{} {token}", sandman_wire::AUTHORIZATION_SCHEME))
+            .map_err(|source| ClientError::InvalidToken { source })?;
+        auth.set_sensitive(true);
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        connector.set_nodelay(true);
+        let http = HyperClient::builder(TokioExecutor::new()).build(connector);
+        Ok(Client { http, base, auth })
+    }
+
+    /// A client configured from the environment: `SANDMAN_URL` (default
+    /// [`env::DEFAULT_URL`]) and `SANDMAN_TOKEN`, else the token file the server writes,
+    /// `<state dir>/token` (see [`env::default_state_dir`]).
+    pub fn from_env() -> Result<Client, ClientError> {
+        Client::new(&env::url_from_env(), &env::token_from_env()?)
+    }
+
+    /// The server's URL, as given.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    // ---- the server's calls ----
+
+    /// `GET /healthz`: whether the server is up, and which provider it runs.
+    pub async fn health(&self) -> Result<ServerHealth, ClientError> {
+        self.json(Req::new(Method::GET, "/healthz".into())).await
+    }
+
+    /// `POST /v1/sandboxes`: the sandbox, once ready (or at once when `wait` is false).
+    pub async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, ClientError> {
+        self.json(Req::new(Method::POST, "/v1/sandboxes".into()).json(req)?).await
+    }
+
+    /// `GET /v1/sandboxes/{id}`: a sandbox, also once it has ended.
+    pub async fn get(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(Req::new(Method::GET, sandbox_path(id, ""))).await
+    }
+
+    /// `GET /v1/sandboxes?job=&state=&label=`.
+    pub async fn list(&self, query: &ListQuery) -> Result<Vec<Sandbox>, ClientError> {
+        let list: SandboxList = self.json(Req::new(Method::GET, "/v1/sandboxes".into()).query(query)?).await?;
+        Ok(list.sandboxes)
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`: release the sandbox; answers it as it now is.
+    pub async fn release(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(Req::new(Method::DELETE, sandbox_path(id, ""))).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/keepalive`: renew the lease (the daemon's too).
+    pub async fn keepalive(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(Req::new(Method::POST, sandbox_path(id, "/keepalive"))).await
+    }
+
+    /// `PUT /v1/jobs/{job}`: create or change a job's quota and defaults.
+    pub async fn put_job(&self, name: &str, spec: &JobSpec) -> Result<Job, ClientError> {
+        self.json(Req::new(Method::PUT, job_path(name, "")).json(spec)?).await
+    }
+
+    /// `GET /v1/jobs/{job}`: the job's quota and usage.
+    pub async fn get_job(&self, name: &str) -> Result<Job, ClientError> {
+        self.json(Req::new(Method::GET, job_path(name, ""))).await
+    }
+
+    /// `DELETE /v1/jobs/{job}`: release every sandbox of the job and forget it.
+    pub async fn delete_job(&self, name: &str) -> Result<JobAction, ClientError> {
+        self.json(Req::new(Method::DELETE, job_path(name, ""))).await
+    }
+
+    /// `POST /v1/jobs/{job}/heartbeat`: renew the lease of every sandbox of the job.
+    pub async fn heartbeat(&self, name: &str) -> Result<JobAction, ClientError> {
+        self.json(Req::new(Method::POST, job_path(name, "/heartbeat"))).await
+    }
+
+    /// `GET /v1/events`: the lifecycle events kept so far (`follow` is ignored).
+    pub async fn events(&self, query: &EventsQuery) -> Result<Vec<Event>, ClientError> {
+        let query = EventsQuery { follow: false, ..query.clone() };
+        let list: EventList = self.json(Req::new(Method::GET, "/v1/events".into()).query(&query)?).await?;
+        Ok(list.events)
+    }
+
+    /// `GET /v1/events?follow=true`: lifecycle events as they happen, until the stream is dropped.
+    pub async fn follow_events(&self, query: &EventsQuery) -> Result<NdjsonStream<Event>, ClientError> {
+        let query = EventsQuery { follow: true, ..query.clone() };
+        self.ndjson(Req::new(Method::GET, "/v1/events".into()).query(&query)?, |line| {
+            Ok(match serde_json::from_slice(line)? {
+                EventStreamItem::Sandbox(event) => Some(event),
+                EventStreamItem::Keepalive => None,
+            })
+        })
+        .await
+    }
+
+    // ---- transport: the one place requests are sent and answers checked ----
+
+    /// Sends `req`; answers the response when its status is a success, the error otherwise.
+    async fn send(&self, req: Req) -> Result<(String, Response<Incoming>), ClientError> {
+        let call = req.call();
+        let url = format!("{}{}{}", self.base, req.path, req.query);
+        let uri: Uri = url.parse().map_err(|source| ClientError::InvalidUrl { url: url.clone(), source })?;
+        let mut builder = Request::builder()
+            .method(req.method)
+            .uri(uri)
+            .header(AUTHORIZATION, self.auth.clone())
+            .header(ACCEPT, req.accept)
+            .header(USER_AGENT, concat!("sandman-client/", env!("CARGO_PKG_VERSION")));
+        if let Some(content_type) = req.content_type {
+            builder = builder.header(CONTENT_TYPE, content_type);
+        }
+        let request =
+            builder.body(req.body).map_err(|source| ClientError::BuildRequest { call: call.clone(), source })?;
+        let response = self
+            .http
+            .request(request)
+            .await
+            .map_err(|source| ClientError::Request { url: self.base.clone(), source })?;
+        if response.status().is_success() {
+            return Ok((call, response));
+        }
+        Err(error_of(call, response).await)
+    }
+
+    pub(crate) async fn json<T: DeserializeOwned>(&self, req: Req) -> Result<T, ClientError> {
+        let (call, response) = self.send(req).await?;
+        let bytes = read_all(&call, response.into_body()).await?;
+        serde_json::from_slice(&bytes).map_err(|source| ClientError::Decode { call, source })
+    }
+
+    /// For calls answered with no content (204).
+    pub(crate) async fn unit(&self, req: Req) -> Result<(), ClientError> {
+        let (call, response) = self.send(req).await?;
+        read_all(&call, response.into_body()).await.map(drop)
+    }
+
+    pub(crate) async fn bytes(&self, req: Req) -> Result<Bytes, ClientError> {
+        let (call, response) = self.send(req).await?;
+        read_all(&call, response.into_body()).await
+    }
+
+    pub(crate) async fn stream(&self, req: Req) -> Result<ByteStream, ClientError> {
+        let (call, response) = self.send(req).await?;
+        Ok(ByteStream::new(response.into_body(), call))
+    }
+
+    pub(crate) async fn ndjson<T>(
+        &self,
+        req: Req,
+        decode: fn(&[u8]) -> Result<Option<T>, serde_json::Error>,
+    ) -> Result<NdjsonStream<T>, ClientError> {
+        let (call, response) = self.send(req.accept(NDJSON)).await?;
+        Ok(NdjsonStream::new(response.into_body(), call, decode))
+    }
+}
+
+async fn read_all(call: &str, body: Incoming) -> Result<Bytes, ClientError> {
+    match body.collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(source) => Err(ClientError::Body { call: call.to_owned(), source }),
+    }
+}
+
+/// The error of an answer with an error status: its error body, or what it said instead.
+async fn error_of(call: String, response: Response<Incoming>) -> ClientError {
+    let status = response.status().as_u16();
+    let bytes = match Limited::new(response.into_body(), MAX_ERROR_BODY).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        // A body cut short or too long still has its status to tell.
+        Err(_) => Bytes::new(),
+    };
+    match serde_json::from_slice::<ErrorBody>(&bytes) {
+        Ok(body) => ClientError::Api { status, body },
+        Err(_) => {
+            let text = String::from_utf8_lossy(&bytes);
+            let mut snippet: String = text.trim().chars().take(200).collect();
+            if snippet.is_empty() {
+                snippet = format!("(empty body, {call})");
+            }
+            ClientError::UnexpectedStatus { status, snippet }
+        }
+    }
+}
+
+/// One request, built and encoded before anything is sent.
+pub(crate) struct Req {
+    method: Method,
+    path: String,
+    /// Empty, or `?` and the encoded query.
+    query: String,
+    body: RequestBody,
+    content_type: Option<&'static str>,
+    accept: &'static str,
+}
+
+impl Req {
+    pub(crate) fn new(method: Method, path: String) -> Req {
+        Req { method, path, query: String::new(), body: body::empty(), content_type: None, accept: JSON }
+    }
+
+    /// `METHOD /path`, naming the call in errors.
+    fn call(&self) -> String {
+        format!("{} {}", self.method, self.path)
+    }
+
+    pub(crate) fn query<Q: Serialize>(mut self, query: &Q) -> Result<Req, ClientError> {
+        let encoded = serde_urlencoded::to_string(query)
+            .map_err(|source| ClientError::EncodeQuery { call: self.call(), source })?;
+        self.query = if encoded.is_empty() { String::new() } else { format!("?{encoded}") };
+        Ok(self)
+    }
+
+    pub(crate) fn json<B: Serialize>(mut self, body: &B) -> Result<Req, ClientError> {
+        let bytes = serde_json::to_vec(body).map_err(|source| ClientError::EncodeBody { call: self.call(), source })?;
+        self.body = body::full(Bytes::from(bytes));
+        self.content_type = Some(JSON);
+        Ok(self)
+    }
+
+    pub(crate) fn upload(mut self, body: UploadBody) -> Req {
+        self.body = body.0;
+        self.content_type = Some(OCTET_STREAM);
+        self
+    }
+
+    pub(crate) fn upload_tar(mut self, body: UploadBody) -> Req {
+        self.body = body.0;
+        self.content_type = Some(TAR);
+        self
+    }
+
+    pub(crate) fn accept(mut self, accept: &'static str) -> Req {
+        self.accept = accept;
+        self
+    }
+}
+
+/// `/v1/sandboxes/{id}{rest}`, the id encoded as one path segment.
+pub(crate) fn sandbox_path(id: &str, rest: &str) -> String {
+    format!("/v1/sandboxes/{}{rest}", segment(id))
+}
+
+fn job_path(name: &str, rest: &str) -> String {
+    format!("/v1/jobs/{}{rest}", segment(name))
+}
+
+/// `text` percent-encoded as one path segment: everything but RFC 3986's unreserved characters.
+pub(crate) fn segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_are_encoded() {
+        assert_eq!(segment("sb-42"), "sb-42");
+        assert_eq!(segment("a b/c?d%"), "a%20b%2Fc%3Fd%25");
+        assert_eq!(segment("é"), "%C3%A9");
+        assert_eq!(sandbox_path("x/y", "/exec"), "/v1/sandboxes/x%2Fy/exec");
+    }
+
+    #[test]
+    fn only_plain_http_urls_are_taken() {
+        assert!(Client::new("http://127.0.0.1:7777/", "t").is_ok_and(|c| c.base_url() == "http://127.0.0.1:7777"));
+        assert!(Client::new("http://proxy/sandman", "t").is_ok());
+        assert!(matches!(Client::new("https://x", "t"), Err(ClientError::UnsupportedUrl { .. })));
+        assert!(matches!(Client::new("127.0.0.1:7777", "t"), Err(ClientError::UnsupportedUrl { .. })));
+        assert!(matches!(Client::new("http://a b", "t"), Err(ClientError::InvalidUrl { .. })));
+        assert!(matches!(Client::new("http://x", "t\n"), Err(ClientError::InvalidToken { .. })));
+    }
+
+    #[test]
+    fn debug_never_shows_the_token() {
+        let client = Client::new("http://x", "s3cret");
+        assert!(!format!("{client:?}").contains("s3cret"));
+    }
+}

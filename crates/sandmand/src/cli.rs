@@ -1,0 +1,145 @@
+//! The daemon's command line: flags, isolation before the runtime starts, then [`crate::run`].
+//! The `sandmand` binary is [`main_with`]; `sandman` embeds the same entry point.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::isolate::{self, Isolation, Role};
+use crate::sys::Rlimits;
+use crate::{Ending, Listen, Settings};
+use clap::{Parser, Subcommand};
+
+/// Sandman's in-sandbox daemon: exec, processes, shell sessions, files and archives over HTTP.
+#[derive(Debug, Parser)]
+#[command(name = "sandmand", version)]
+struct Args {
+    /// `host:port` or `unix:/path/to.sock`.
+    #[arg(long, default_value = "0.0.0.0:7778")]
+    listen: Listen,
+    /// Read the bearer token from this file (used when SANDMAN_TOKEN is unset).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// With no authenticated call for this long, kill every process and exit (e.g. 60s).
+    #[arg(long, value_parser = crate::parse_duration)]
+    lease: Option<Duration>,
+    /// Shell for `command` strings and sessions.
+    #[arg(long, default_value = "/bin/sh")]
+    shell: String,
+    /// Default working directory of commands (default: the daemon's own).
+    #[arg(long)]
+    workdir: Option<PathBuf>,
+    /// Largest file or archive upload in bytes (0 = no limit).
+    #[arg(long, default_value_t = 0)]
+    max_upload_bytes: u64,
+    /// Time children get between SIGTERM and SIGKILL when the daemon is asked to stop.
+    #[arg(long, value_parser = crate::parse_duration, default_value = "5s")]
+    shutdown_grace: Duration,
+    /// Log filter (also RUST_LOG), e.g. `info` or `sandmand=debug`.
+    #[arg(long, default_value = "info")]
+    log: String,
+    /// Run as PID 1 of new mount, pid, ipc and uts namespaces, with a fresh /proc (needs root).
+    #[arg(long)]
+    isolate: bool,
+    /// With --isolate, a network namespace too: only `lo`, brought up.
+    #[arg(long, requires = "isolate")]
+    isolate_net: bool,
+    /// With --isolate, bind-mount this directory onto /tmp.
+    #[arg(long, requires = "isolate")]
+    isolate_tmp: Option<PathBuf>,
+    /// RLIMIT_AS (bytes of address space) of every process the daemon starts.
+    #[arg(long, value_name = "BYTES")]
+    rlimit_as: Option<u64>,
+    /// RLIMIT_FSIZE (largest file written, in bytes) of every process the daemon starts.
+    #[arg(long, value_name = "BYTES")]
+    rlimit_fsize: Option<u64>,
+    /// RLIMIT_NOFILE (open files) of every process the daemon starts.
+    #[arg(long, value_name = "N")]
+    rlimit_nofile: Option<u64>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Copy this binary to DEST (for images without a shell or `cp`).
+    Install { dest: PathBuf },
+}
+
+/// Runs the daemon with `argv` (the program name first) and answers its exit code.
+pub fn main_with(argv: Vec<OsString>) -> ExitCode {
+    let args = Args::parse_from(argv);
+    if let Some(Command::Install { dest }) = &args.command {
+        return match crate::install(dest) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: cannot install sandmand to `{}`: {e}", dest.display());
+                ExitCode::from(2)
+            }
+        };
+    }
+    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| args.log.clone());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+    let token = match crate::load_token(std::env::var("SANDMAN_TOKEN").ok(), args.token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => return fail(&e),
+    };
+    // Namespaces before the runtime: forking needs a single-threaded process, and the token is
+    // read first because its file may not be visible afterwards.
+    if args.isolate {
+        let isolation = Isolation { net: args.isolate_net, tmp: args.isolate_tmp.clone() };
+        let mut keep_visible: Vec<&Path> = args.workdir.iter().map(PathBuf::as_path).collect();
+        if let Listen::Unix(socket) = &args.listen {
+            keep_visible.push(socket);
+        }
+        match isolate::enter(&isolation, &keep_visible) {
+            Ok(Role::Daemon) => tracing::info!(net = args.isolate_net, "isolated: PID 1 of new namespaces"),
+            Ok(Role::Waiter(waiter)) => return ExitCode::from(waiter.wait().clamp(0, 255) as u8),
+            Err(e) => return fail(&e),
+        }
+    }
+    let settings = Settings {
+        listen: args.listen,
+        token,
+        lease: args.lease,
+        shell: args.shell,
+        workdir: args.workdir,
+        max_upload_bytes: args.max_upload_bytes,
+        shutdown_grace: args.shutdown_grace,
+        rlimits: Rlimits {
+            address_space: args.rlimit_as,
+            file_size: args.rlimit_fsize,
+            open_files: args.rlimit_nofile,
+        },
+    };
+    // One thread serves: the daemon mostly waits on children and sockets, and a single thread
+    // keeps its idle footprint to a few MiB. File work goes to the blocking pool.
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().max_blocking_threads(16).build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(crate::run(settings)) {
+        Ok(Ending::Stopped) => ExitCode::SUCCESS,
+        Ok(Ending::LeaseExpired) => ExitCode::from(crate::EXIT_LEASE_EXPIRED as u8),
+        Err(e) => fail(&e),
+    }
+}
+
+fn fail(err: &dyn std::error::Error) -> ExitCode {
+    let mut msg = format!("error: {err}");
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        msg.push_str(&format!("\n  caused by: {e}"));
+        cur = e.source();
+    }
+    eprintln!("{msg}");
+    ExitCode::from(2)
+}

@@ -1,0 +1,213 @@
+//! The server's HTTP surface: the route table, bearer-token auth, the tower layers at the edge
+//! (load shedding, a concurrency limit, a timeout for control calls), and the control handlers.
+//! Daemon calls go through [`crate::proxy`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::error_handling::HandleErrorLayer;
+use axum::extract::{Path, Request, State};
+use axum::http::{Method, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use axum::{BoxError, Json};
+use sandman_http::error_response;
+use sandman_http::extract::{ApiJson, ApiQuery};
+use sandman_provider::Provider;
+use sandman_wire::ErrorCode;
+use sandman_wire::server::{
+    CreateSandbox, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, ListQuery, Reason, Sandbox,
+    SandboxList, ServerHealth,
+};
+use tokio::sync::{broadcast, mpsc};
+use tower::ServiceBuilder;
+
+use crate::error::{ServerError, ServerResult};
+use crate::proxy;
+use crate::service::Service;
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Edge limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub request_timeout: Duration,
+    pub max_concurrent: usize,
+}
+
+/// Every call of the server API as (method, path), proxied daemon calls as one wildcard.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/healthz"),
+    ("GET", "/metrics"),
+    ("POST", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes/{id}"),
+    ("DELETE", "/v1/sandboxes/{id}"),
+    ("POST", "/v1/sandboxes/{id}/keepalive"),
+    ("ANY", "/v1/sandboxes/{id}/{*call}"),
+    ("PUT", "/v1/jobs/{job}"),
+    ("GET", "/v1/jobs/{job}"),
+    ("DELETE", "/v1/jobs/{job}"),
+    ("POST", "/v1/jobs/{job}/heartbeat"),
+    ("GET", "/v1/events"),
+];
+
+pub fn router(service: Arc<Service>, limits: Limits) -> Router {
+    let control = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/sandboxes/{id}", get(get_one).delete(release))
+        .route("/v1/sandboxes/{id}/keepalive", post(keepalive))
+        .route("/v1/jobs/{job}", get(get_job).put(put_job).delete(delete_job))
+        .route("/v1/jobs/{job}/heartbeat", post(heartbeat))
+        .route("/v1/events", get(events))
+        .layer(ServiceBuilder::new().layer(HandleErrorLayer::new(edge_error)).timeout(limits.request_timeout));
+    // Proxied calls carry their own timeouts (the daemon enforces `timeout_ms`), and streams may
+    // run for long; they get no edge timeout.
+    let proxied = Router::new().route("/v1/sandboxes/{id}/{*call}", any(proxy::forward));
+    Router::new()
+        .merge(control)
+        .merge(proxied)
+        .route_layer(middleware::from_fn_with_state(service.clone(), authorize))
+        .route("/healthz", get(healthz))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(
+            ServiceBuilder::new()
+                .layer(HandleErrorLayer::new(edge_error))
+                .load_shed()
+                .concurrency_limit(limits.max_concurrent),
+        )
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(service)
+}
+
+/// Answers the edge layers' refusals with the wire error body.
+async fn edge_error(err: BoxError) -> Response {
+    if err.is::<tower::timeout::error::Elapsed>() {
+        error_response(ErrorCode::Timeout, "the request took longer than the server's request timeout", None)
+    } else if err.is::<tower::load_shed::error::Overloaded>() {
+        let mut resp =
+            error_response(ErrorCode::Unavailable, "the server is at its concurrency limit; retry shortly", None);
+        resp.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        resp
+    } else {
+        error_response(ErrorCode::Internal, format!("unhandled edge error: {err}"), None)
+    }
+}
+
+async fn authorize(State(service): State<Arc<Service>>, req: Request, next: Next) -> Response {
+    let presented = sandman_http::bearer(req.headers().get(header::AUTHORIZATION));
+    if !sandman_http::constant_time_eq(presented.as_bytes(), service.token.as_bytes()) {
+        return ServerError::Unauthorized.into_response();
+    }
+    next.run(req).await
+}
+
+async fn healthz(State(service): State<Arc<Service>>) -> Json<ServerHealth> {
+    Json(ServerHealth { status: "ok".into(), version: VERSION.into(), provider: service.provider.name().into() })
+}
+
+async fn metrics(State(service): State<Arc<Service>>) -> Response {
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], service.metrics.encode())
+        .into_response()
+}
+
+async fn create(
+    State(service): State<Arc<Service>>,
+    ApiJson(req): ApiJson<CreateSandbox>,
+) -> ServerResult<Json<Sandbox>> {
+    service.create(req).await.map(Json)
+}
+
+async fn list(
+    State(service): State<Arc<Service>>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> ServerResult<Json<SandboxList>> {
+    Ok(Json(SandboxList { sandboxes: service.list(&q)? }))
+}
+
+async fn get_one(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
+    Ok(Json(service.get(&id)?.to_wire()))
+}
+
+async fn release(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
+    service.release(&id, Reason::Released).await.map(Json)
+}
+
+async fn keepalive(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
+    service.keepalive(&id).map(Json)
+}
+
+async fn put_job(
+    State(service): State<Arc<Service>>,
+    Path(job): Path<String>,
+    ApiJson(spec): ApiJson<JobSpec>,
+) -> ServerResult<Json<Job>> {
+    service.put_job(&job, spec).map(Json)
+}
+
+async fn get_job(State(service): State<Arc<Service>>, Path(job): Path<String>) -> ServerResult<Json<Job>> {
+    service.job(&job).map(Json)
+}
+
+async fn delete_job(State(service): State<Arc<Service>>, Path(job): Path<String>) -> ServerResult<Json<JobAction>> {
+    service.delete_job(&job).await.map(Json)
+}
+
+async fn heartbeat(State(service): State<Arc<Service>>, Path(job): Path<String>) -> ServerResult<Json<JobAction>> {
+    service.heartbeat(&job).map(Json)
+}
+
+/// Events buffered for one follower before it is slowed down.
+const FOLLOW_EVENTS: usize = 256;
+
+async fn events(State(service): State<Arc<Service>>, ApiQuery(q): ApiQuery<EventsQuery>) -> Response {
+    let after = q.after.unwrap_or(0);
+    if !q.follow {
+        return Json(EventList { events: service.events.list(q.job.as_deref(), after) }).into_response();
+    }
+    // Subscribe before reading the backlog so that nothing falls between the two.
+    let mut live = service.events.subscribe();
+    let backlog = service.events.list(q.job.as_deref(), after);
+    let (tx, rx) = mpsc::channel(FOLLOW_EVENTS);
+    let job = q.job.clone();
+    service.tasks.spawn(async move {
+        let mut last = after;
+        for e in backlog {
+            last = e.seq;
+            if tx.send(EventStreamItem::Sandbox(e)).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            tokio::select! {
+                _ = tx.closed() => return,
+                ev = live.recv() => match ev {
+                    Ok(e) if e.seq > last && (job.is_none() || e.job == job) => {
+                        last = e.seq;
+                        if tx.send(EventStreamItem::Sandbox(e)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "an events follower fell behind");
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+            }
+        }
+    });
+    sandman_http::ndjson::response(rx, || EventStreamItem::Keepalive)
+}
+
+async fn not_found(uri: Uri) -> Response {
+    error_response(ErrorCode::NotFound, format!("no such call: {}", uri.path()), None)
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error_response(ErrorCode::InvalidArgument, format!("{method} is not allowed on {}", uri.path()), None)
+}

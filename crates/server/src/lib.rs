@@ -1,0 +1,147 @@
+//! `sandman serve`: the control plane. It makes sandboxes through one provider, tracks their
+//! lifecycle and leases, reclaims the abandoned, and proxies daemon calls. Start at [`run`], then
+//! [`service::Service`] for the lifecycle and [`api::router`] for the calls.
+
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod daemon;
+pub mod error;
+pub mod events;
+pub mod metrics;
+pub mod provider;
+pub mod proxy;
+pub mod sandbox;
+pub mod service;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use config::{ServeArgs, default_state_dir};
+use sandman_provider_process::{Isolation, ProcessConfig, ProcessProvider};
+
+use crate::api::Limits;
+use crate::provider::AnyProvider;
+use crate::service::{Service, Settings};
+
+/// Why the server could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot use the state directory `{path}`")]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("unknown provider `{0}`; this build has: {names}", names = provider::NAMES.join(", "))]
+    UnknownProvider(String),
+    #[error(
+        "cannot find the `sandmand` daemon binary, nor this executable to run the embedded one; pass --daemon PATH"
+    )]
+    NoDaemon,
+    #[error("cannot start the `{name}` provider")]
+    Provider {
+        name: String,
+        #[source]
+        source: sandman_provider::ProviderError,
+    },
+    #[error("cannot recover sandboxes from the provider's records")]
+    Recover(#[source] error::ServerError),
+    #[error("cannot listen on `{addr}`")]
+    Listen {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("serving failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// The first argument that makes the `sandman` binary run as the sandbox daemon.
+pub const EMBEDDED_DAEMON_ARG: &str = "__sandmand";
+
+/// What `run` reports as it starts, for the binary to print.
+#[derive(Debug, Clone)]
+pub struct Started {
+    pub listen: String,
+    pub token: auth::TokenSource,
+    pub recovered: usize,
+    pub found_dead: usize,
+}
+
+/// Builds the provider named by `args`.
+pub fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Result<AnyProvider, ServeError> {
+    match args.provider.as_str() {
+        "process" => {
+            // A `sandmand` of its own when one is given or found; else this very binary, which
+            // embeds the daemon behind `EMBEDDED_DAEMON_ARG`.
+            let (daemon_bin, daemon_args) = match args.daemon.clone().or_else(sandman_provider_process::find_daemon) {
+                Some(bin) => (bin, Vec::new()),
+                None => {
+                    let exe = std::env::current_exe().map_err(|_| ServeError::NoDaemon)?;
+                    (exe, vec![EMBEDDED_DAEMON_ARG.into()])
+                }
+            };
+            tracing::info!(daemon = %daemon_bin.display(), embedded = !daemon_args.is_empty(), "process provider");
+            let config =
+                ProcessConfig { state_dir: state_dir.to_path_buf(), daemon_bin, daemon_args, isolate: Isolation::Auto };
+            ProcessProvider::new(config)
+                .map(AnyProvider::Process)
+                .map_err(|source| ServeError::Provider { name: "process".into(), source })
+        }
+        other => Err(ServeError::UnknownProvider(other.to_string())),
+    }
+}
+
+/// Serves until `shutdown` resolves. `on_start` is told where it listens and what it recovered.
+pub async fn run(
+    args: ServeArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_start: impl FnOnce(&Started),
+) -> Result<(), ServeError> {
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
+    let (token, source) = auth::load_or_generate(std::env::var("SANDMAN_TOKEN").ok(), &state_dir)
+        .map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
+    let provider = build_provider(&args, &state_dir)?;
+    let settings = Settings {
+        default_lease: Duration::from_secs(args.default_lease_s.max(1)),
+        max_ttl: (args.max_ttl_s > 0).then(|| Duration::from_secs(args.max_ttl_s)),
+        ready_timeout: args.ready_timeout(),
+        gone_retention: Duration::from_secs(args.gone_retention_s),
+        state_dir: state_dir.clone(),
+    };
+    let service = Service::new(settings, provider, token);
+    service.start_background();
+    let (recovered, found_dead) = service.recover().await.map_err(ServeError::Recover)?;
+    let limits = Limits {
+        request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
+        max_concurrent: args.max_concurrent_requests.max(1),
+    };
+    let app = api::router(service.clone(), limits);
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
+    let listen = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| args.listen.clone());
+    on_start(&Started { listen, token: source, recovered, found_dead });
+    let result = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+    // Sandboxes outlive the server on purpose: their records stay with the provider and a
+    // restarted server finds them again; their daemons' leases end them if it never returns.
+    service.cancel.cancel();
+    service.tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), service.tasks.wait()).await;
+    result.map_err(ServeError::Serve)
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("shutting down; sandboxes keep running and are found again on the next start");
+}

@@ -1,0 +1,60 @@
+//! `AnyProvider`: the closed set of providers the server can run, dispatched by an enum (no
+//! trait objects), with the fake beside the real ones.
+
+use sandman_provider::fake::FakeProvider;
+use sandman_provider::{Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+use sandman_provider_process::ProcessProvider;
+use tokio::sync::mpsc;
+
+#[derive(Debug)]
+pub enum AnyProvider {
+    Process(ProcessProvider),
+    Fake(FakeProvider),
+}
+
+/// The provider names `--provider` accepts.
+pub const NAMES: &[&str] = &["process"];
+
+impl Provider for AnyProvider {
+    fn name(&self) -> &'static str {
+        match self {
+            AnyProvider::Process(p) => p.name(),
+            AnyProvider::Fake(p) => p.name(),
+        }
+    }
+
+    fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.check(spec),
+            AnyProvider::Fake(p) => p.check(spec),
+        }
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.create(spec).await,
+            AnyProvider::Fake(p) => p.create(spec).await,
+        }
+    }
+
+    async fn delete(&self, id: &str) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.delete(id).await,
+            AnyProvider::Fake(p) => p.delete(id).await,
+        }
+    }
+
+    async fn list(&self) -> Result<Vec<Record>, ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.list().await,
+            AnyProvider::Fake(p) => p.list().await,
+        }
+    }
+
+    fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
+        match self {
+            AnyProvider::Process(p) => p.events(),
+            AnyProvider::Fake(p) => p.events(),
+        }
+    }
+}

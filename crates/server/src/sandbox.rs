@@ -1,0 +1,253 @@
+//! One sandbox as the server tracks it: its spec, its lifecycle state with guarded transitions,
+//! and the three timers (lease, idle, lifetime) that the reaper enforces.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sandman_provider::{Endpoint, SandboxSpec};
+use sandman_wire::server::{Reason, Sandbox as WireSandbox, SandboxState};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::error::ServerError;
+
+/// Milliseconds since the Unix epoch, for the wire.
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Wall-clock milliseconds of a monotonic instant.
+fn wall_ms(at: Instant) -> u64 {
+    let now = Instant::now();
+    let wall = now_ms();
+    if at >= now { wall + (at - now).as_millis() as u64 } else { wall.saturating_sub((now - at).as_millis() as u64) }
+}
+
+/// The lease, idle and lifetime timers of a sandbox. Pure: the reaper asks it when the sandbox
+/// is due and why.
+#[derive(Debug, Clone)]
+pub struct Timers {
+    pub lease: Duration,
+    pub idle: Option<Duration>,
+    pub ttl: Option<Duration>,
+    pub created: Instant,
+    /// The last call on the sandbox (proxied daemon calls, create).
+    pub last_call: Instant,
+    /// The last renewal of the lease (any call, a keepalive, a job heartbeat).
+    pub last_renew: Instant,
+}
+
+impl Timers {
+    pub fn new(now: Instant, lease: Duration, idle: Option<Duration>, ttl: Option<Duration>) -> Self {
+        Timers { lease, idle, ttl, created: now, last_call: now, last_renew: now }
+    }
+
+    pub fn lease_expires(&self) -> Instant {
+        self.last_renew + self.lease
+    }
+
+    pub fn idle_expires(&self) -> Option<Instant> {
+        self.idle.map(|i| self.last_call + i)
+    }
+
+    pub fn ttl_expires(&self) -> Option<Instant> {
+        self.ttl.map(|t| self.created + t)
+    }
+
+    /// The earliest deadline and the reason it would end the sandbox with.
+    pub fn next_deadline(&self) -> (Instant, Reason) {
+        let mut best = (self.lease_expires(), Reason::LeaseExpired);
+        if let Some(i) = self.idle_expires()
+            && i < best.0
+        {
+            best = (i, Reason::IdleExpired);
+        }
+        if let Some(t) = self.ttl_expires()
+            && t <= best.0
+        {
+            best = (t, Reason::TtlExpired);
+        }
+        best
+    }
+
+    /// The reason the sandbox is due at `now`, if it is.
+    pub fn due(&self, now: Instant) -> Option<Reason> {
+        let (at, reason) = self.next_deadline();
+        (at <= now).then_some(reason)
+    }
+
+    /// A call on the sandbox: counts as activity and renews the lease.
+    pub fn call(&mut self, now: Instant) {
+        self.last_call = now;
+        self.last_renew = now;
+    }
+
+    /// A keepalive or heartbeat: renews the lease only.
+    pub fn renew(&mut self, now: Instant) {
+        self.last_renew = now;
+    }
+}
+
+#[derive(Debug)]
+pub struct Inner {
+    pub state: SandboxState,
+    pub reason: Option<Reason>,
+    pub message: Option<String>,
+    pub endpoint: Option<Endpoint>,
+    pub ready_at_ms: Option<u64>,
+    pub ended_at_ms: Option<u64>,
+    pub ended_at: Option<Instant>,
+    pub timers: Timers,
+    /// When the daemon's own lease was last renewed by the server.
+    pub daemon_touched: Instant,
+}
+
+#[derive(Debug)]
+pub struct Sandbox {
+    pub spec: SandboxSpec,
+    pub provider: &'static str,
+    /// Lifecycle and timers. Held only for reads and transitions, never across `.await`.
+    inner: Mutex<Inner>,
+    /// The current state, for creates that wait for readiness.
+    state_tx: watch::Sender<SandboxState>,
+}
+
+impl Sandbox {
+    pub fn new(spec: SandboxSpec, provider: &'static str, state: SandboxState, timers: Timers) -> Self {
+        let now = timers.created;
+        Sandbox {
+            spec,
+            provider,
+            inner: Mutex::new(Inner {
+                state,
+                reason: None,
+                message: None,
+                endpoint: None,
+                ready_at_ms: None,
+                ended_at_ms: None,
+                ended_at: None,
+                timers,
+                daemon_touched: now,
+            }),
+            state_tx: watch::Sender::new(state),
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.spec.id
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn state(&self) -> SandboxState {
+        self.lock().state
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<SandboxState> {
+        self.state_tx.subscribe()
+    }
+
+    /// Moves to `next` if the lifecycle allows it; a wrong transition is a typed error.
+    pub fn transition(
+        &self,
+        next: SandboxState,
+        reason: Option<Reason>,
+        message: Option<String>,
+    ) -> Result<SandboxState, ServerError> {
+        let prev = {
+            let mut inner = self.lock();
+            let prev = inner.state;
+            if !prev.can_become(next) {
+                return Err(ServerError::Conflict(format!(
+                    "sandbox `{}` is {prev}; it cannot become {next}",
+                    self.spec.id
+                )));
+            }
+            inner.state = next;
+            if reason.is_some() {
+                inner.reason = reason;
+            }
+            if message.is_some() {
+                inner.message = message;
+            }
+            match next {
+                SandboxState::Ready => inner.ready_at_ms = Some(now_ms()),
+                SandboxState::Gone | SandboxState::Failed => {
+                    inner.ended_at_ms = Some(now_ms());
+                    inner.ended_at = Some(Instant::now());
+                }
+                _ => {}
+            }
+            prev
+        };
+        self.state_tx.send_replace(next);
+        Ok(prev)
+    }
+
+    /// The error a call on an ended sandbox answers with.
+    pub fn gone_error(&self) -> ServerError {
+        let inner = self.lock();
+        ServerError::Gone {
+            id: self.spec.id.clone(),
+            reason: inner.reason.unwrap_or(Reason::Released),
+            message: inner.message.clone(),
+        }
+    }
+
+    pub fn to_wire(&self) -> WireSandbox {
+        let inner = self.lock();
+        let live = !inner.state.is_terminal();
+        WireSandbox {
+            id: self.spec.id.clone(),
+            image: self.spec.image.clone(),
+            provider: self.provider.to_string(),
+            state: inner.state,
+            reason: inner.reason,
+            message: inner.message.clone(),
+            job: self.spec.job.clone(),
+            labels: self.spec.labels.clone(),
+            profile: self.spec.profile,
+            network: self.spec.network,
+            resources: self.spec.resources.clone(),
+            created_at_ms: self.spec.created_at_ms,
+            ready_at_ms: inner.ready_at_ms,
+            ended_at_ms: inner.ended_at_ms,
+            lease_expires_at_ms: live.then(|| wall_ms(inner.timers.lease_expires())),
+            idle_expires_at_ms: if live { inner.timers.idle_expires().map(wall_ms) } else { None },
+            ttl_expires_at_ms: if live { inner.timers.ttl_expires().map(wall_ms) } else { None },
+            lease_s: inner.timers.lease.as_secs(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_earliest_timer_wins_and_names_itself() {
+        let t0 = Instant::now();
+        let mut t =
+            Timers::new(t0, Duration::from_secs(60), Some(Duration::from_secs(30)), Some(Duration::from_secs(100)));
+        assert_eq!(t.next_deadline(), (t0 + Duration::from_secs(30), Reason::IdleExpired));
+        assert_eq!(t.due(t0 + Duration::from_secs(29)), None);
+        assert_eq!(t.due(t0 + Duration::from_secs(30)), Some(Reason::IdleExpired));
+        // A keepalive renews the lease but is not activity.
+        t.renew(t0 + Duration::from_secs(50));
+        assert_eq!(t.next_deadline().1, Reason::IdleExpired);
+        // A call is both; then the lifetime comes first.
+        t.call(t0 + Duration::from_secs(80));
+        assert_eq!(t.next_deadline(), (t0 + Duration::from_secs(100), Reason::TtlExpired));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_alone() {
+        let t0 = Instant::now();
+        let mut t = Timers::new(t0, Duration::from_secs(10), None, None);
+        t.renew(t0 + Duration::from_secs(8));
+        assert_eq!(t.due(t0 + Duration::from_secs(17)), None);
+        assert_eq!(t.due(t0 + Duration::from_secs(18)), Some(Reason::LeaseExpired));
+    }
+}
