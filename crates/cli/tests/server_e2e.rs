@@ -298,7 +298,11 @@ fn cli(server: &Server, args: &[&str]) -> (i32, String, String) {
         .env("SANDMAN_TOKEN", e2e::TOKEN)
         .output()
         .unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -329,7 +333,9 @@ async fn the_cli_drives_a_real_server() {
 
     // ps and logs of a background process started through the API.
     let http = server.client();
-    http.post(&format!("/v1/sandboxes/{id}/processes"), json!({"command": "echo logged; sleep 30", "tag": "bg"})).await.ok();
+    http.post(&format!("/v1/sandboxes/{id}/processes"), json!({"command": "echo logged; sleep 30", "tag": "bg"}))
+        .await
+        .ok();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (code, out, _) = cli(&server, &["ps", &id]);
     assert_eq!(code, 0);
