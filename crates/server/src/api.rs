@@ -67,21 +67,23 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
     // Proxied calls carry their own timeouts (the daemon enforces `timeout_ms`), and streams may
     // run for long; they get no edge timeout.
     let proxied = Router::new().route("/v1/sandboxes/{id}/{*call}", any(proxy::forward));
-    Router::new()
+    let app = Router::new()
         .merge(control)
         .merge(proxied)
         .route_layer(middleware::from_fn_with_state(service.clone(), authorize))
         .route("/healthz", get(healthz))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(
-            ServiceBuilder::new()
-                .layer(HandleErrorLayer::new(edge_error))
-                .load_shed()
-                .concurrency_limit(limits.max_concurrent),
-        )
         .layer(axum::extract::DefaultBodyLimit::disable())
-        .with_state(service)
+        .with_state(service);
+    // The limit wraps the whole router as one service: `Router::layer` would give every route
+    // and method a semaphore of its own.
+    let limited = ServiceBuilder::new()
+        .layer(HandleErrorLayer::new(edge_error))
+        .load_shed()
+        .concurrency_limit(limits.max_concurrent)
+        .service(app);
+    Router::new().fallback_service(limited)
 }
 
 /// Answers the edge layers' refusals with the wire error body.
@@ -210,4 +212,81 @@ async fn not_found(uri: Uri) -> Response {
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     error_response(ErrorCode::InvalidArgument, format!("{method} is not allowed on {}", uri.path()), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::Settings;
+    use axum::body::Body;
+    use sandman_provider::Endpoint;
+    use sandman_provider::fake::FakeProvider;
+    use tower::ServiceExt;
+
+    fn app(dir: &std::path::Path, limits: Limits) -> Router {
+        let settings = Settings {
+            default_lease: Duration::from_secs(60),
+            max_ttl: None,
+            ready_timeout: Duration::from_secs(30),
+            gone_retention: Duration::from_secs(60),
+            state_dir: dir.to_path_buf(),
+        };
+        // The fake's endpoint answers nothing, so a waiting create waits for the ready timeout.
+        let provider = crate::provider::AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.join("none.sock"))));
+        let service = Service::new(settings, provider, "t".into());
+        router(service, limits)
+    }
+
+    fn req(method: &str, uri: &str, body: &str, token: Option<&str>) -> Request<Body> {
+        let mut b = Request::builder().method(method).uri(uri).header("content-type", "application/json");
+        if let Some(t) = token {
+            b = b.header("authorization", format!("Bearer {t}"));
+        }
+        b.body(Body::from(body.to_string())).unwrap_or_default()
+    }
+
+    async fn answer(app: &Router, r: Request<Body>) -> (u16, serde_json::Value) {
+        let resp = app.clone().oneshot(r).await.unwrap_or_else(|e| match e {});
+        let status = resp.status().as_u16();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap_or_default();
+        (status, serde_json::from_slice(&bytes).unwrap_or_default())
+    }
+
+    #[tokio::test]
+    async fn past_the_concurrency_limit_requests_are_shed_with_the_error_body() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 1 });
+        let slow = app.clone();
+        let first =
+            tokio::spawn(
+                async move { answer(&slow, req("POST", "/v1/sandboxes", r#"{"image":"x"}"#, Some("t"))).await },
+            );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (status, body) = answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (503, Some("unavailable")), "{body}");
+        first.abort();
+    }
+
+    #[tokio::test]
+    async fn control_calls_time_out_with_the_error_body() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_millis(200), max_concurrent: 16 });
+        let (status, body) = answer(&app, req("POST", "/v1/sandboxes", r#"{"image":"x"}"#, Some("t"))).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (408, Some("timeout")), "{body}");
+    }
+
+    #[tokio::test]
+    async fn every_call_but_healthz_needs_the_token() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(5), max_concurrent: 16 });
+        assert_eq!(answer(&app, req("GET", "/healthz", "", None)).await.0, 200);
+        for (m, p) in ROUTES.iter().filter(|(_, p)| *p != "/healthz") {
+            let method = if *m == "ANY" { "POST" } else { m };
+            let uri = p.replace("{id}", "sb-x").replace("{job}", "j").replace("{*call}", "exec");
+            let (status, body) = answer(&app, req(method, &uri, "{}", None)).await;
+            assert_eq!((status, body["error"]["code"].as_str()), (401, Some("unauthorized")), "{m} {p}");
+            let (status, _) = answer(&app, req(method, &uri, "{}", Some("wrong"))).await;
+            assert_eq!(status, 401, "{m} {p}");
+        }
+    }
 }
