@@ -52,6 +52,18 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Proportional set size: shared pages (the static daemon's code, shared by all sandboxes)
+/// divided among the processes that map them.
+fn pss_kib(pid: u32) -> u64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    rollup
+        .lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// A kept-alive HTTP/1.1 connection.
 struct Conn {
     sender: http1::SendRequest<Full<bytes::Bytes>>,
@@ -197,18 +209,22 @@ async fn bench() {
     let exec_secs = t.elapsed().as_secs_f64();
     let server_after = rss_kib(server.pid());
     let mut daemon_kib = Vec::new();
+    let mut daemon_pss = Vec::new();
     for id in &created {
         let pids = std::fs::read_to_string(state.join(format!("sandboxes/{id}/daemon.pid"))).unwrap_or_default();
         if let Some(pid) = pids.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()) {
             // The daemon and, when isolated, the small waiter that started it.
-            let mut total = rss_kib(pid);
+            let (mut rss, mut pss) = (rss_kib(pid), pss_kib(pid));
             for child in children_of(pid) {
-                total += rss_kib(child);
+                rss += rss_kib(child);
+                pss += pss_kib(child);
             }
-            daemon_kib.push(total);
+            daemon_kib.push(rss);
+            daemon_pss.push(pss);
         }
     }
     daemon_kib.sort();
+    daemon_pss.sort();
     let per_sandbox_server = (server_after.saturating_sub(server_before) * 1024) / created.len().max(1) as u64;
     println!();
     println!(
