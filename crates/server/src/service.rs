@@ -492,9 +492,11 @@ impl Service {
 
     pub fn job(&self, name: &str) -> ServerResult<Job> {
         let live = self.job_members(name).iter().filter(|s| !s.state().is_terminal()).count() as u64;
+        // The table is always locked before the jobs (as `create` does), never while holding them.
+        let in_table = self.table().by_job.contains_key(name);
         let jobs = self.jobs();
         let entry = jobs.get(name);
-        if entry.is_none() && live == 0 && !self.table().by_job.contains_key(name) {
+        if entry.is_none() && live == 0 && !in_table {
             return Err(ServerError::NotFound(format!("no job `{name}`")));
         }
         let entry = entry.cloned().unwrap_or_default();
