@@ -111,6 +111,7 @@ async fn info(State(daemon): State<Arc<Daemon>>) -> Json<Info> {
         sessions: daemon.sessions.count(),
         lease_ms: daemon.lease.period().map(|d| d.as_millis() as u64),
         lease_remaining_ms: daemon.lease.remaining().map(|d| d.as_millis() as u64),
+        children_usage: crate::sys::children_usage().ok(),
     })
 }
 

@@ -35,10 +35,10 @@ pub struct Started {
     started: Instant,
 }
 
-/// Starts `launch` with stdin from a pipe (`piped`) or `/dev/null`.
+/// Starts `launch` with stdin from a pipe: kept open for the caller when `piped`, else closed at
+/// once so that the command reads end-of-file. (Not `/dev/null`: an image may have no `/dev`.)
 pub fn start(children: &Children, launch: &Launch, piped: bool) -> DaemonResult<Started> {
-    let stdin = if piped { Stdio::piped() } else { Stdio::null() };
-    let mut cmd = launch.command(stdin);
+    let mut cmd = launch.command(Stdio::piped());
     let (mut child, exit) = children
         .spawn(&mut cmd)
         .map_err(|source| DaemonError::Spawn { program: launch.program().to_string(), source })?;
@@ -50,7 +50,8 @@ pub fn start(children: &Children, launch: &Launch, piped: bool) -> DaemonResult<
         tree::kill_tree(pid);
         return Err(DaemonError::Internal("child has no output pipes".into()));
     };
-    let stdin = match child.stdin.take() {
+    // Dropping the write end of an unwanted stdin closes it: the command reads end-of-file.
+    let stdin = match child.stdin.take().filter(|_| piped) {
         Some(s) => {
             Some(convert(pid, pipe::Sender::from_owned_fd(OwnedFd::from(s))).inspect_err(|_| tree::kill_tree(pid))?)
         }

@@ -50,6 +50,18 @@ pub fn reap_any() -> io::Result<Option<Reaped>> {
     }
 }
 
+/// The summed usage of every child reaped so far, and their largest peak RSS.
+pub fn children_usage() -> io::Result<Usage> {
+    // SAFETY: an all-zero `rusage` is a valid value of this plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: the pointer is to a live, writable local of the right type.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usage_of(&ru))
+}
+
 fn usage_of(ru: &libc::rusage) -> Usage {
     let ms = |tv: libc::timeval| (tv.tv_sec as u64) * 1000 + (tv.tv_usec as u64) / 1000;
     Usage { cpu_user_ms: ms(ru.ru_utime), cpu_system_ms: ms(ru.ru_stime), max_rss_kib: ru.ru_maxrss as u64 }

@@ -96,6 +96,24 @@ impl Daemon {
         panic!("daemon did not become healthy on {}", self.socket.display());
     }
 
+    /// Starts `daemon` (a path inside `root`) under chroot(8) in `root`, listening on `socket`
+    /// (also a path inside `root`).
+    pub async fn start_chrooted(root: &Path, daemon: &str, socket: &str) -> Daemon {
+        let child = Command::new("/usr/sbin/chroot")
+            .arg(root)
+            .args([daemon, "--listen", &format!("unix:{socket}"), "--workdir", "/"])
+            .env_clear()
+            .env("SANDMAN_TOKEN", TOKEN)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let d = Daemon { child, socket: root.join(socket.trim_start_matches('/')), dir };
+        d.wait_ready().await;
+        d
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
