@@ -27,6 +27,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/health"),
     ("GET", "/v1/info"),
     ("POST", "/v1/keepalive"),
+    ("GET", "/v1/conditions"),
     ("POST", "/v1/exec"),
     ("POST", "/v1/exec/stream"),
     ("POST", "/v1/processes"),
@@ -58,6 +59,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
     let authed = Router::new()
         .route("/v1/info", get(info))
         .route("/v1/keepalive", post(keepalive))
+        .route("/v1/conditions", get(crate::observe::conditions))
         .route("/v1/exec", post(exec::exec))
         .route("/v1/exec/stream", post(exec::exec_stream))
         .route("/v1/processes", post(processes::start).get(processes::list))

@@ -12,6 +12,7 @@ pub mod extract;
 pub mod files;
 pub mod isolate;
 pub mod lease;
+pub mod observe;
 #[cfg(feature = "openapi")]
 pub mod openapi;
 pub mod processes;

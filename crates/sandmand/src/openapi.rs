@@ -13,7 +13,7 @@ use utoipa::{Modify, OpenApi};
 #[openapi(
     info(title = "sandmand", description = "Sandman's in-sandbox daemon API. Every call but health needs `Authorization: Bearer <token>`; every error is an ErrorBody."),
     paths(
-        health, info, keepalive, exec, exec_stream,
+        health, info, keepalive, conditions, exec, exec_stream,
         process_start, process_list, process_status, process_delete, process_output, process_stdin,
         process_signal, process_wait,
         session_create, session_list, session_run, session_interrupt, session_delete,
@@ -52,6 +52,8 @@ fn health() {}
 fn info() {}
 #[utoipa::path(post, path = "/v1/keepalive", responses((status = 200, body = Keepalive), (status = 401, body = ErrorBody)))]
 fn keepalive() {}
+#[utoipa::path(get, path = "/v1/conditions", responses((status = 200, body = Observed), (status = 401, body = ErrorBody)))]
+fn conditions() {}
 #[utoipa::path(post, path = "/v1/exec", request_body = ExecRequest,
     responses((status = 200, body = ExecResult), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody)))]
 fn exec() {}

@@ -436,9 +436,15 @@ mod tests {
             &mut cmd,
             Rlimits { address_space: Some(256 << 20), file_size: Some(1 << 20), open_files: Some(64) },
         );
-        let out = cmd.output().unwrap_or_else(|e| panic!("{e}"));
+        // Read the output to its end rather than waiting for the child: another test in this binary
+        // runs the daemon's reaper, which may reap it first (regression: `No child processes`).
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("{e}"));
+        let mut text = String::new();
+        if let Some(mut out) = child.stdout.take() {
+            io::Read::read_to_string(&mut out, &mut text).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let _ = child.wait();
         // `ulimit -v` is in KiB, `ulimit -f` in 512- or 1024-byte blocks depending on the shell.
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.first().copied(), Some("262144"), "{text}");
         assert!(matches!(lines.get(1).copied(), Some("2048" | "1024")), "{text}");

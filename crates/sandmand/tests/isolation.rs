@@ -167,3 +167,16 @@ async fn rlimit_nofile_is_set_on_children() {
     let d = Daemon::start_in(&base(), &["--rlimit-nofile", "64"]).await;
     assert_eq!(stdout(&sh(&d, "ulimit -n").await).trim(), "64");
 }
+
+#[tokio::test]
+async fn conditions_report_what_the_sandbox_sees() {
+    let (d, _tmp) = isolated(&["--isolate-net", "--rlimit-as", "268435456", "--rlimit-nofile", "64"]).await;
+    let c = d.get("/v1/conditions").await.json();
+    assert_eq!(c["network_interfaces"], json!(["lo"]), "{c}");
+    assert_eq!(c["pid1"], true);
+    assert_eq!(c["rlimit_as"], 268435456);
+    assert_eq!(c["rlimit_nofile"], 64);
+    assert_eq!(c["kernel"], std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap().trim());
+    assert_eq!(c["daemon_version"], env!("CARGO_PKG_VERSION"));
+    assert!(c["cpus_available"].as_u64().unwrap() >= 1);
+}

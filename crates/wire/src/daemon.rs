@@ -36,6 +36,11 @@ pub struct Info {
     /// Time left before the lease lapses and the daemon kills everything and exits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_remaining_ms: Option<u64>,
+    /// Summed CPU of every command the daemon has run and reaped so far (with what they waited
+    /// for), and the largest peak RSS among them: `getrusage(RUSAGE_CHILDREN)`. Commands still
+    /// running are not in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub children_usage: Option<Usage>,
 }
 
 /// `POST /v1/keepalive`.
@@ -525,4 +530,48 @@ mod tests {
             serde_json::from_str(r#"{"signal":"TERM"}"#).unwrap_or(SignalRequest { signal: SignalSpec::Number(0) });
         assert_eq!(s.signal, SignalSpec::Name("TERM".into()));
     }
+}
+
+/// `GET /v1/conditions`: what the daemon observes from inside the sandbox. Limits are `None`
+/// when none is set (or none could be read).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Observed {
+    pub daemon_version: String,
+    /// `/proc/sys/kernel/osrelease`.
+    pub kernel: String,
+    /// The first `model name` of `/proc/cpuinfo`.
+    pub cpu_model: String,
+    /// CPUs this process may run on.
+    pub cpus_available: usize,
+    /// cgroup cpu quota in cores (`cpu.max`, or `cpu.cfs_quota_us / cpu.cfs_period_us`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_cpu_limit: Option<f64>,
+    /// cgroup memory limit in bytes (`memory.max` or `memory.limit_in_bytes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_memory_limit: Option<u64>,
+    /// cgroup swap limit in bytes beyond memory (`memory.swap.max`, v2 only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_swap_limit: Option<u64>,
+    /// cgroup process limit (`pids.max`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_pids_limit: Option<u64>,
+    /// Limits the daemon sets on every process it starts (`--rlimit-*`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rlimit_as: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rlimit_fsize: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rlimit_nofile: Option<u64>,
+    /// Network interfaces from `/proc/net/dev`, sorted.
+    pub network_interfaces: Vec<String>,
+    /// `TZ` of the commands' environment, else the target of `/etc/localtime`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    /// `LC_ALL`, else `LANG`, of the commands' environment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub locale: Option<String>,
+    pub hostname: String,
+    /// True when the daemon is PID 1 of its pid namespace.
+    pub pid1: bool,
 }
