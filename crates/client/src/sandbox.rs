@@ -133,7 +133,9 @@ impl Client {
 
     /// `GET /v1/sessions`.
     pub async fn list_sessions(&self, id: &str) -> Result<Vec<SessionInfo>, ClientError> {
-        self.json(Req::new(Method::GET, sandbox_path(id, "/sessions"))).await
+        let list: sandman_wire::daemon::SessionList =
+            self.json(Req::new(Method::GET, sandbox_path(id, "/sessions"))).await?;
+        Ok(list.sessions)
     }
 
     /// `POST /v1/sessions/{session}/run`: run a command in the session's shell.

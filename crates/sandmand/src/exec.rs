@@ -131,6 +131,11 @@ impl OutputSink for EventSink {
         };
         self.tx.send(event).await.is_ok()
     }
+
+    fn abandoned(&self) -> impl Future<Output = ()> + Send + 'static {
+        let tx = self.tx.clone();
+        async move { tx.closed().await }
+    }
 }
 
 pub async fn exec_stream(

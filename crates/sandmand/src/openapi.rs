@@ -86,7 +86,7 @@ fn process_wait() {}
 #[utoipa::path(post, path = "/v1/sessions", request_body = CreateSession,
     responses((status = 201, body = SessionInfo), (status = 400, body = ErrorBody)))]
 fn session_create() {}
-#[utoipa::path(get, path = "/v1/sessions", responses((status = 200, body = Vec<SessionInfo>)))]
+#[utoipa::path(get, path = "/v1/sessions", responses((status = 200, body = SessionList)))]
 fn session_list() {}
 #[utoipa::path(post, path = "/v1/sessions/{id}/run", params(("id" = String, Path)), request_body = SessionRun,
     responses((status = 200, body = SessionRunResult), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]

@@ -68,6 +68,27 @@ pub fn start(children: &Children, launch: &Launch, piped: bool) -> DaemonResult<
 pub trait OutputSink {
     /// Takes one chunk; `false` means nobody wants more (the client left) and the tree is killed.
     fn output(&mut self, stream: StreamName, data: &[u8]) -> impl Future<Output = bool> + Send;
+
+    /// Resolves when nobody wants the output any more even though none is coming (a silent
+    /// command whose client left); the tree is then killed. Never, by default.
+    fn abandoned(&self) -> impl Future<Output = ()> + Send + 'static {
+        std::future::pending()
+    }
+}
+
+/// Kills the tree if the future driving it is dropped before the tree has exited (the call that
+/// started it went away): nothing runs on that nobody can see or stop.
+struct KillOnDrop {
+    pid: i32,
+    armed: bool,
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            tree::kill_tree(self.pid);
+        }
+    }
 }
 
 /// Pumps output into `sink` until the leader has exited and its pipes are drained; kills the
@@ -83,11 +104,18 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
     let mut reaped: Option<Reaped> = None;
     let mut drain_until: Option<Instant> = None;
     let far = Instant::now() + Duration::from_secs(86400 * 365);
+    let mut guard = KillOnDrop { pid, armed: true };
+    let abandon = sink.abandoned();
+    tokio::pin!(abandon);
     loop {
         if reaped.is_some() && !out_open && !err_open {
             break;
         }
         tokio::select! {
+            _ = &mut abandon, if !abandoned && reaped.is_none() => {
+                abandoned = true;
+                tree::kill_tree(pid);
+            },
             r = started.stdout.read(&mut out_buf), if out_open => match r {
                 Ok(n) if n > 0 => {
                     if !abandoned && !sink.output(StreamName::Stdout, &out_buf[..n]).await {
@@ -121,6 +149,7 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
             _ = tokio::time::sleep_until(drain_until.unwrap_or(far)), if drain_until.is_some() => break,
         }
     }
+    guard.armed = reaped.is_none();
     let reaped = reaped.unwrap_or(Reaped { pid, status: 0, usage: Default::default() });
     ExitStatus {
         exit_code: reaped.exit_code(),

@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use sandman_wire::daemon::{CreateSession, SessionInfo, SessionRun, SessionRunResult};
+use sandman_wire::daemon::{CreateSession, SessionInfo, SessionList, SessionRun, SessionRunResult};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::{oneshot, watch};
@@ -210,8 +210,8 @@ pub async fn create(
 }
 
 /// `GET /v1/sessions`.
-pub async fn list(State(d): State<Arc<Daemon>>) -> Json<Vec<SessionInfo>> {
-    Json(d.sessions.list())
+pub async fn list(State(d): State<Arc<Daemon>>) -> Json<SessionList> {
+    Json(SessionList { sessions: d.sessions.list() })
 }
 
 /// `POST /v1/sessions/{id}/run`. A client that goes away mid-run interrupts its command.

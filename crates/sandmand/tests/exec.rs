@@ -197,3 +197,45 @@ async fn concurrent_execs_all_complete() {
         h.await.unwrap();
     }
 }
+
+/// Regression: a silent command (no output to fail sending) outlived its streaming client.
+#[tokio::test]
+async fn a_silent_streamed_exec_whose_client_leaves_is_killed() {
+    let d = Daemon::start().await;
+    let pidfile = d.dir().join("silent.pid");
+    let mut conn = d.connect().await;
+    let resp = conn
+        .send(
+            "POST",
+            "/v1/exec/stream",
+            Some(TOKEN),
+            Body::Json(json!({"command": format!("echo $$ > {}; exec sleep 60", pidfile.display())})),
+        )
+        .await
+        .unwrap();
+    let mut events = Events::new(resp);
+    events.next().await.unwrap();
+    assert!(eventually(Duration::from_secs(5), || pidfile.exists()).await);
+    let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    assert!(alive(pid));
+    drop(events);
+    drop(conn);
+    assert!(eventually(Duration::from_secs(5), || !alive(pid)).await, "silent command {pid} outlived its client");
+}
+
+#[tokio::test]
+async fn an_exec_whose_client_leaves_is_killed() {
+    let d = Daemon::start().await;
+    let pidfile = d.dir().join("plain.pid");
+    let mut conn = d.connect().await;
+    let body = Body::Json(json!({"command": format!("echo $$ > {}; exec sleep 60", pidfile.display())}));
+    let call = tokio::spawn(async move {
+        let _ = conn.send("POST", "/v1/exec", Some(TOKEN), body).await;
+    });
+    assert!(eventually(Duration::from_secs(5), || pidfile.exists()).await);
+    let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    assert!(alive(pid));
+    call.abort();
+    let _ = call.await;
+    assert!(eventually(Duration::from_secs(5), || !alive(pid)).await, "command {pid} outlived its client");
+}

@@ -97,8 +97,8 @@ async fn sessions_are_listed_and_deleted() {
     let d = Daemon::start().await;
     let id = session(&d).await;
     let list = d.get("/v1/sessions").await.json();
-    assert_eq!(list.as_array().unwrap().len(), 1);
-    let pid = list[0]["pid"].as_i64().unwrap() as i32;
+    assert_eq!(list["sessions"].as_array().unwrap().len(), 1);
+    let pid = list["sessions"][0]["pid"].as_i64().unwrap() as i32;
     let del = d.call("DELETE", &format!("/v1/sessions/{id}"), Some(TOKEN), Body::Empty).await.unwrap();
     assert_eq!(del.status, 204);
     assert!(common::eventually(Duration::from_secs(5), || !common::alive(pid)).await);

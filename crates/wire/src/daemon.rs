@@ -337,6 +337,13 @@ pub struct SessionInfo {
     pub alive: bool,
 }
 
+/// `GET /v1/sessions`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SessionList {
+    pub sessions: Vec<SessionInfo>,
+}
+
 /// `POST /v1/sessions/{id}/run`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
