@@ -122,7 +122,17 @@ async fn bench() {
     let daemon_arg = daemon.display().to_string();
     let server = Server::start_in(
         &state,
-        &["--daemon", &daemon_arg, "--max-concurrent-requests", "16384", "--default-lease-s", "3600"],
+        // No admission limit: this measures how fast the provider itself creates.
+        &[
+            "--daemon",
+            &daemon_arg,
+            "--max-concurrent-requests",
+            "16384",
+            "--default-lease-s",
+            "3600",
+            "--create-rate",
+            "0",
+        ],
     );
     let http = server.client();
     println!("sandman service benchmark: daemon {}", daemon.display());

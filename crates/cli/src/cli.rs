@@ -56,6 +56,8 @@ pub enum Command {
     /// Manage jobs: quotas, heartbeats, release-all.
     #[command(subcommand)]
     Job(JobCmd),
+    /// Make images ready ahead of the creates that need them, printing each as it is done.
+    Prepare(PrepareCmd),
 }
 
 /// How a sandbox is made (shared by `create` and `run`).
@@ -98,6 +100,10 @@ pub struct SandboxFlags {
     /// Claim from this warm pool.
     #[arg(long, value_name = "NAME")]
     pub pool: Option<String>,
+    /// A shell command run in the sandbox before it is ready (repeatable, run in order); if one
+    /// fails, the create fails with `setup_failed`.
+    #[arg(long = "setup", value_name = "COMMAND")]
+    pub setup: Vec<String>,
     /// Retrying a create with the same key answers the same sandbox.
     #[arg(long, value_name = "KEY")]
     pub idempotency_key: Option<String>,
@@ -324,6 +330,21 @@ pub struct JobPutCmd {
     /// Default lease of the job's sandboxes, in seconds.
     #[arg(long, value_name = "SECS")]
     pub lease: Option<u64>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PrepareCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    /// The images.
+    #[arg(required = true, value_name = "IMAGE")]
+    pub images: Vec<String>,
+    /// The job the images are for (it tags the server's progress events).
+    #[arg(long, value_name = "JOB")]
+    pub job: Option<String>,
+    /// Print the results as one JSON object.
     #[arg(long)]
     pub json: bool,
 }

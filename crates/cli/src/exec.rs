@@ -14,7 +14,7 @@ use sandman_wire::server::{CreateSandbox, SandboxState};
 
 use crate::cli::{ExecCmd, ExecFlags, RunCmd};
 use crate::report;
-use crate::sandboxes::{check_not_failed, create_request};
+use crate::sandboxes::{check_not_failed, create_request, create_showing_progress, fresh_key};
 
 /// How long `run` waits for the release of its sandbox before leaving it to its lease.
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -110,9 +110,11 @@ pub fn exit_code_of(status: &ExitStatus) -> u8 {
 pub async fn run(client: &Client, cmd: RunCmd) -> anyhow::Result<ExitCode> {
     let exec_req = exec_request(cmd.command, BTreeMap::new(), &cmd.exec)?;
     let mut create = create_request(&cmd.image, &cmd.sandbox, true);
-    create.idempotency_key.get_or_insert_with(run_key);
+    // A key unique to this run: a create retried after an interruption finds its sandbox, and the
+    // create's progress is followed by it.
+    create.idempotency_key.get_or_insert_with(|| fresh_key("run"));
     let sandbox = tokio::select! {
-        created = client.create(&create) => created?,
+        created = create_showing_progress(client, &create) => created?,
         signal = shutdown_signal() => {
             release_interrupted_create(client, create).await;
             return Ok(ExitCode::from(128 + signal));
@@ -162,12 +164,6 @@ async fn release(client: &Client, id: &str) {
             RELEASE_TIMEOUT.as_secs()
         )),
     }
-}
-
-/// A key unique to this run, so that a create retried after an interruption finds its sandbox.
-fn run_key() -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!("sandman-run-{}-{nanos}", std::process::id())
 }
 
 /// The number of the first SIGINT or SIGTERM received from now on.

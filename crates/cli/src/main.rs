@@ -9,6 +9,7 @@ mod cp;
 mod exec;
 mod format;
 mod jobs;
+mod prepare;
 mod procs;
 mod report;
 mod sandboxes;
@@ -60,6 +61,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Ps(cmd) => procs::ps(&connect(&cmd.conn)?, cmd).await,
         Command::Logs(cmd) => procs::logs(&connect(&cmd.conn)?, cmd).await,
         Command::Job(cmd) => jobs::job(&connect(cmd.conn())?, cmd).await,
+        Command::Prepare(cmd) => prepare::prepare(&connect(&cmd.conn)?, cmd).await,
     }
 }
 

@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use futures_util::StreamExt;
-use sandman_client::Client;
-use sandman_wire::server::{CreateSandbox, Event, EventsQuery, ListQuery, Quantity, Resources, Sandbox, SandboxState};
+use sandman_client::{Client, ClientError};
+use sandman_wire::server::{
+    CreateSandbox, Event, EventKind, EventsQuery, ListQuery, Quantity, Resources, Sandbox, SandboxState,
+};
 
 use crate::cli::{CreateCmd, EventsCmd, IdCmd, LsCmd, RmCmd, SandboxFlags};
 use crate::format::{self, age, or_dash, table, timestamp};
@@ -32,6 +34,7 @@ pub fn create_request(image: &str, flags: &SandboxFlags, wait: bool) -> CreateSa
         idle_timeout_s: flags.idle_timeout,
         lease_s: flags.lease,
         pool: flags.pool.clone(),
+        setup: flags.setup.clone(),
         idempotency_key: flags.idempotency_key.clone(),
         wait,
         wait_timeout_s: flags.wait_timeout,
@@ -48,8 +51,39 @@ pub fn check_not_failed(sandbox: &Sandbox) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A fresh idempotency key for one create of `command` (`run`, `create`).
+pub fn fresh_key(command: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("sandman-{command}-{}-{nanos}", std::process::id())
+}
+
+/// Makes the sandbox; while a waiting create is made, prints its progress (an image pull) on
+/// stderr. The server tags that progress with the create's idempotency key, so `req` must have
+/// one. A server that cannot stream it (an older one) only makes the sandbox.
+pub async fn create_showing_progress(client: &Client, req: &CreateSandbox) -> Result<Sandbox, ClientError> {
+    let created = client.create(req);
+    let Some(key) = req.idempotency_key.clone().filter(|_| req.wait) else { return created.await };
+    tokio::pin!(created);
+    let query = EventsQuery { idempotency_key: Some(key), ..EventsQuery::default() };
+    let show = async {
+        let Ok(mut stream) = client.follow_events(&query).await else { return };
+        while let Some(Ok(event)) = stream.next().await {
+            if let Some(message) = event.message {
+                report::status(&message);
+            }
+        }
+    };
+    tokio::select! {
+        created = &mut created => return created,
+        () = show => {}
+    }
+    created.await
+}
+
 pub async fn create(client: &Client, cmd: CreateCmd) -> anyhow::Result<ExitCode> {
-    let sandbox = client.create(&create_request(&cmd.image, &cmd.sandbox, !cmd.no_wait)).await?;
+    let mut req = create_request(&cmd.image, &cmd.sandbox, !cmd.no_wait);
+    req.idempotency_key.get_or_insert_with(|| fresh_key("create"));
+    let sandbox = create_showing_progress(client, &req).await?;
     if cmd.json {
         outln!("{}", format::json(&sandbox)?)?;
     } else {
@@ -197,7 +231,7 @@ pub async fn keepalive(client: &Client, cmd: IdCmd) -> anyhow::Result<ExitCode> 
 }
 
 pub async fn events(client: &Client, cmd: EventsCmd) -> anyhow::Result<ExitCode> {
-    let query = EventsQuery { job: cmd.job, follow: cmd.follow, after: cmd.after };
+    let query = EventsQuery { job: cmd.job, follow: cmd.follow, after: cmd.after, idempotency_key: None };
     let show = |event: &Event| -> anyhow::Result<()> {
         if cmd.json { outln!("{}", serde_json::to_string(event)?) } else { outln!("{}", event_line(event)) }
     };
@@ -214,11 +248,33 @@ pub async fn events(client: &Client, cmd: EventsCmd) -> anyhow::Result<ExitCode>
     Ok(ExitCode::SUCCESS)
 }
 
-/// `2023-11-14T22:13:20Z  #7  sb-1  gone (released)  job=j  message`.
+/// `2023-11-14T22:13:20Z  #7  sb-1  gone (released)  job=j  message`; a queued create adds its
+/// place and wait, an image being prepared shows `prepare IMAGE PHASE`.
 fn event_line(e: &Event) -> String {
-    let mut line = format!("{}  #{}  {}  {}", timestamp(e.time_ms), e.seq, e.sandbox, e.state);
+    let mut line = match e.kind {
+        EventKind::Prepare => format!(
+            "{}  #{}  prepare {}  {}",
+            timestamp(e.time_ms),
+            e.seq,
+            e.image.as_deref().unwrap_or("-"),
+            e.phase.map(|p| format!("{p:?}").to_lowercase()).unwrap_or_default()
+        ),
+        EventKind::Sandbox => format!(
+            "{}  #{}  {}  {}",
+            timestamp(e.time_ms),
+            e.seq,
+            e.sandbox,
+            e.state.map(|s| s.as_str()).unwrap_or("-")
+        ),
+    };
     if let Some(reason) = e.reason {
         line.push_str(&format!(" ({reason})"));
+    }
+    if let Some(position) = e.queue_position {
+        line.push_str(&format!("  position={position}"));
+    }
+    if let Some(wait) = e.estimated_wait_ms {
+        line.push_str(&format!("  wait~{}", format::duration(wait)));
     }
     if let Some(job) = &e.job {
         line.push_str(&format!("  job={job}"));
@@ -293,6 +349,8 @@ mod tests {
             "--no-wait",
             "--lease",
             "30",
+            "--setup",
+            "pip install -e .",
         ])
         .unwrap();
         let crate::cli::Command::Create(cmd) = cli.command else { panic!("not create") };
@@ -302,7 +360,8 @@ mod tests {
             json,
             serde_json::json!({
                 "image": "img", "resources": {"cpu": 2.0}, "env": {"K": "V"}, "labels": {"a": "b"}, "job": "j",
-                "profile": "eval", "network": "none", "lease_s": 30, "wait": false
+                "profile": "eval", "network": "none", "lease_s": 30, "wait": false,
+                "setup": ["pip install -e ."]
             })
         );
     }

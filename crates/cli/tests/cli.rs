@@ -7,15 +7,15 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path as UrlPath, RawQuery, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
+use axum::{Extension, Router};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
@@ -126,15 +126,23 @@ fn error(status: StatusCode, code: &str, message: &str, reason: Option<&str>) ->
     answer(status, json!({ "error": detail }))
 }
 
+/// Told when the progress of a create of [`SLOW_IMAGE`] has all been sent to its follower.
+type ProgressSent = Arc<tokio::sync::Notify>;
+
+/// An image whose create waits until its pull's progress has been streamed.
+const SLOW_IMAGE: &str = "slow:1";
+
 fn app(uploads: Uploads) -> Router {
     Router::new()
         .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/events", get(follow_progress))
         .route("/v1/sandboxes/{id}", get(get_sandbox).delete(release))
         .route("/v1/sandboxes/{id}/exec/stream", post(exec_stream))
         .route("/v1/sandboxes/{id}/stat", get(stat))
         .route("/v1/sandboxes/{id}/files", put(upload))
         .route("/v1/sandboxes/{id}/archive", put(upload))
         .layer(middleware::from_fn(authorize))
+        .layer(Extension(ProgressSent::default()))
         .with_state(uploads)
 }
 
@@ -146,14 +154,49 @@ async fn authorize(req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-async fn create(body: String) -> Response {
+async fn create(Extension(sent): Extension<ProgressSent>, body: String) -> Response {
     let req: Value = serde_json::from_str(&body).unwrap();
+    if req["image"] == SLOW_IMAGE {
+        // Ready once the pull's progress has reached the CLI (a moment after it was sent).
+        tokio::time::timeout(Duration::from_secs(10), sent.notified()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let mut sb = sandbox("sb-7", "ready", None, req["job"].as_str(), 0);
     sb["image"] = req["image"].clone();
     if let Some(labels) = req.get("labels") {
         sb["labels"] = labels.clone();
     }
     answer(StatusCode::OK, sb)
+}
+
+/// `GET /v1/events?follow=true&idempotency_key=K`: two progress lines of a pull tagged with `K`
+/// when `K` starts with `slow-`, else nothing.
+async fn follow_progress(Extension(sent): Extension<ProgressSent>, RawQuery(query): RawQuery) -> Response {
+    let query = query.unwrap_or_default();
+    let key = query.split('&').find_map(|kv| kv.strip_prefix("idempotency_key=")).unwrap().to_owned();
+    assert!(query.split('&').any(|kv| kv == "follow=true"), "{query}");
+    if !key.starts_with("slow-") {
+        let nothing = futures_util::stream::empty::<Result<Bytes, std::io::Error>>();
+        return ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(nothing)).into_response();
+    }
+    let lines: Vec<Result<Bytes, std::io::Error>> = [
+        "pulling slow:1: 0/2 layers",
+        "pulling slow:1: 1/2 layers, 3/8 MiB",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, message)| {
+        let e = json!({"event": "sandbox", "seq": i + 1, "time_ms": now_ms(), "sandbox": "sb-7", "state": "creating",
+                           "message": message, "idempotency_key": key});
+        Ok(Bytes::from(format!("{e}\n")))
+    })
+    .collect();
+    let done = futures_util::stream::once(async move {
+        sent.notify_one();
+        Ok(Bytes::new())
+    });
+    let body = futures_util::stream::StreamExt::chain(futures_util::stream::iter(lines), done);
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], Body::from_stream(body)).into_response()
 }
 
 async fn list(RawQuery(query): RawQuery) -> Response {
@@ -234,6 +277,18 @@ fn create_prints_the_id() {
     assert_eq!(out.code, Some(0), "{out:?}");
     let sb: Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!((sb["id"].as_str(), sb["state"].as_str()), (Some("sb-7"), Some("ready")));
+}
+
+#[test]
+fn create_and_run_show_the_pulls_progress_on_stderr() {
+    let fake = Fake::start();
+    let progress = "pulling slow:1: 0/2 layers\npulling slow:1: 1/2 layers, 3/8 MiB\n";
+    let out = fake.sandman(&["create", SLOW_IMAGE, "--idempotency-key", "slow-1"]);
+    assert_eq!((out.code, out.stdout.as_str(), out.stderr.as_str()), (Some(0), "sb-7\n", progress));
+
+    let out = fake.sandman(&["run", SLOW_IMAGE, "--idempotency-key", "slow-2", "--", "echo", "hi"]);
+    assert_eq!((out.code, out.stdout.as_str()), (Some(3), "echo|hi\n"), "{out:?}");
+    assert_eq!(out.stderr, format!("{progress}warning from the command\n"));
 }
 
 #[test]

@@ -224,8 +224,12 @@ async fn after_kill_9_a_restarted_server_finds_everything_again() {
     let r = http.exec(&ids[0], json!({"argv": ["/bin/cat", "/tmp/mark"]})).await;
     assert_eq!(r["stdout"], "kept\n");
     // The idempotency keys came back too: no duplicate.
-    let again = http.create(json!({"image": "host", "idempotency_key": "k1"})).await;
+    let again = http
+        .create(json!({"image": "host", "job": "j", "labels": {"i": "1"}, "lease_s": 300, "idempotency_key": "k1"}))
+        .await;
     assert_eq!(again["id"], ids[1]);
+    // The same key with another request is refused, not answered with that sandbox.
+    http.post("/v1/sandboxes", json!({"image": "host", "idempotency_key": "k1"})).await.error(409, "conflict");
     for id in ids.iter().take(4) {
         http.release(id).await.ok();
     }

@@ -14,8 +14,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use sandman_wire::ErrorBody;
 use sandman_wire::server::{
-    CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, ListQuery, Sandbox,
-    SandboxList, ServerHealth,
+    CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool,
+    PoolList, PoolSpec, PrepareRequest, PrepareResult, Sandbox, SandboxList, ServerHealth,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -135,6 +135,38 @@ impl Client {
     /// `POST /v1/jobs/{job}/heartbeat`: renew the lease of every sandbox of the job.
     pub async fn heartbeat(&self, name: &str) -> Result<JobAction, ClientError> {
         self.json(Req::new(Method::POST, job_path(name, "/heartbeat"))).await
+    }
+
+    /// `GET /v1/jobs/{job}/usage`: the sums of the job's accounting records.
+    pub async fn job_usage(&self, name: &str) -> Result<JobUsage, ClientError> {
+        self.json(Req::new(Method::GET, job_path(name, "/usage"))).await
+    }
+
+    /// `PUT /v1/pools/{name}`: create or change a warm pool.
+    pub async fn put_pool(&self, name: &str, spec: &PoolSpec) -> Result<Pool, ClientError> {
+        self.json(Req::new(Method::PUT, pool_path(name)).json(spec)?).await
+    }
+
+    /// `GET /v1/pools`: every warm pool with its sizes.
+    pub async fn pools(&self) -> Result<Vec<Pool>, ClientError> {
+        let list: PoolList = self.json(Req::new(Method::GET, "/v1/pools".into())).await?;
+        Ok(list.pools)
+    }
+
+    /// `GET /v1/pools/{name}`.
+    pub async fn pool(&self, name: &str) -> Result<Pool, ClientError> {
+        self.json(Req::new(Method::GET, pool_path(name))).await
+    }
+
+    /// `DELETE /v1/pools/{name}`: forget the pool and release its unclaimed sandboxes.
+    pub async fn delete_pool(&self, name: &str) -> Result<Pool, ClientError> {
+        self.json(Req::new(Method::DELETE, pool_path(name))).await
+    }
+
+    /// `POST /v1/prepare`: make images ready ahead of creates; answers once each is ready or
+    /// has failed.
+    pub async fn prepare(&self, req: &PrepareRequest) -> Result<PrepareResult, ClientError> {
+        self.json(Req::new(Method::POST, "/v1/prepare".into()).json(req)?).await
     }
 
     /// `GET /v1/events`: the lifecycle events kept so far (`follow` is ignored).
@@ -305,6 +337,10 @@ pub(crate) fn sandbox_path(id: &str, rest: &str) -> String {
 
 fn job_path(name: &str, rest: &str) -> String {
     format!("/v1/jobs/{}{rest}", segment(name))
+}
+
+fn pool_path(name: &str) -> String {
+    format!("/v1/pools/{}", segment(name))
 }
 
 /// `text` percent-encoded as one path segment: everything but RFC 3986's unreserved characters.

@@ -7,7 +7,10 @@ use std::sync::{Mutex, PoisonError};
 use sandman_wire::server::Reason;
 use tokio::sync::mpsc;
 
-use crate::{EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+use crate::{
+    EVENT_CAPACITY, Ended, Endpoint, PROGRESS_CAPACITY, Progress, Provider, ProviderError, ProviderEvent, Record,
+    SandboxSpec, report_progress,
+};
 
 /// An image the fake refuses at once, as a provider refuses what it cannot run.
 pub const UNSUPPORTED_IMAGE: &str = "unsupported";
@@ -21,6 +24,11 @@ pub struct FakeProvider {
     events_tx: mpsc::Sender<ProviderEvent>,
     /// Handed to the server once.
     events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
+    /// Progress lines a create of an image reports, by image (as a pull would).
+    pulls: Mutex<BTreeMap<String, Vec<String>>>,
+    progress_tx: mpsc::Sender<Progress>,
+    /// Handed to the server once.
+    progress_rx: Mutex<Option<mpsc::Receiver<Progress>>>,
     /// The endpoint every sandbox gets (the tests point it at a real daemon when they need one).
     endpoint: Endpoint,
 }
@@ -28,11 +36,15 @@ pub struct FakeProvider {
 impl FakeProvider {
     pub fn new(endpoint: Endpoint) -> Self {
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
+        let (progress_tx, progress_rx) = mpsc::channel(PROGRESS_CAPACITY);
         FakeProvider {
             records: Mutex::default(),
             missing_images: Mutex::default(),
             events_tx,
             events_rx: Mutex::new(Some(events_rx)),
+            pulls: Mutex::default(),
+            progress_tx,
+            progress_rx: Mutex::new(Some(progress_rx)),
             endpoint,
         }
     }
@@ -40,6 +52,12 @@ impl FakeProvider {
     /// Makes creates of `image` fail as a failed pull would.
     pub fn fail_image(&self, image: &str) {
         self.missing_images.lock().unwrap_or_else(PoisonError::into_inner).push(image.to_string());
+    }
+
+    /// Makes creates of `image` report `lines` as progress, as a pull would.
+    pub fn pull_progress(&self, image: &str, lines: &[&str]) {
+        let lines = lines.iter().map(|l| l.to_string()).collect();
+        self.pulls.lock().unwrap_or_else(PoisonError::into_inner).insert(image.to_string(), lines);
     }
 
     /// Ends a sandbox as if its backend had killed it, and reports it.
@@ -77,6 +95,12 @@ impl Provider for FakeProvider {
                 message: format!("pull access denied for {}", spec.image),
             });
         }
+        let lines = self.pulls.lock().unwrap_or_else(PoisonError::into_inner).get(&spec.image).cloned();
+        for line in lines.unwrap_or_default() {
+            report_progress(&self.progress_tx, &spec.id, line);
+            // As a pull takes a while: whoever reads the progress sees it while this still creates.
+            tokio::task::yield_now().await;
+        }
         let record = Record { spec: spec.clone(), endpoint: self.endpoint.clone(), ended: None };
         self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
         Ok(self.endpoint.clone())
@@ -93,5 +117,19 @@ impl Provider for FakeProvider {
 
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
         self.events_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    fn progress(&self) -> Option<mpsc::Receiver<Progress>> {
+        self.progress_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    async fn prepare(&self, image: &str) -> Result<(), ProviderError> {
+        if self.missing_images.lock().unwrap_or_else(PoisonError::into_inner).iter().any(|m| m == image) {
+            return Err(ProviderError::Failed {
+                reason: Reason::ImagePullFailed,
+                message: format!("pull access denied for {image}"),
+            });
+        }
+        Ok(())
     }
 }

@@ -81,6 +81,25 @@ pub struct ProviderEvent {
 /// How many provider events may wait for the server before the provider's watcher blocks.
 pub const EVENT_CAPACITY: usize = 1024;
 
+/// A line of progress on a sandbox still being created (an image pull), for whoever waits for it.
+/// Progress has its own channel, apart from [`ProviderEvent`]s: it is lossy (a provider drops a
+/// line when the channel is full, see [`report_progress`]) so that it never slows a create and
+/// never takes the place of a death the server must see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Progress {
+    pub id: String,
+    pub message: String,
+}
+
+/// How many progress lines may wait for the server; more are dropped. Providers throttle their
+/// lines (a few a second per create), so this covers many concurrent pulls.
+pub const PROGRESS_CAPACITY: usize = 256;
+
+/// Sends a progress line without waiting; a full or closed channel drops it.
+pub fn report_progress(tx: &mpsc::Sender<Progress>, id: &str, message: String) {
+    let _ = tx.try_send(Progress { id: id.to_string(), message });
+}
+
 /// Why a provider call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
@@ -118,7 +137,8 @@ impl ProviderError {
 }
 
 /// A sandbox backend. Small on purpose: the server owns the lifecycle, leases, readiness and the
-/// proxy; a provider only makes, finds and removes sandboxes, and reports deaths it sees.
+/// proxy; a provider only makes, finds and removes sandboxes, and reports deaths it sees (and,
+/// optionally, the progress of slow creates).
 pub trait Provider: Send + Sync {
     fn name(&self) -> &'static str;
 
@@ -142,4 +162,19 @@ pub trait Provider: Send + Sync {
 
     /// Takes the stream of provider events; called once by the server.
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>>;
+
+    /// Takes the stream of progress lines of creates; called once by the server. The default is
+    /// none: a provider whose creates are quick has nothing to tell.
+    fn progress(&self) -> Option<mpsc::Receiver<Progress>> {
+        None
+    }
+
+    /// Makes `image` ready ahead of the creates that need it (a pull, on every node that may
+    /// run sandboxes). The server has already passed a spec with this image through
+    /// [`Provider::check`]. The default does nothing: a provider whose images are always
+    /// there (the process provider's `host`) needs nothing more.
+    fn prepare(&self, image: &str) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = image;
+        async { Ok(()) }
+    }
 }

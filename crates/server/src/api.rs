@@ -18,13 +18,14 @@ use sandman_http::extract::{ApiJson, ApiQuery};
 use sandman_provider::Provider;
 use sandman_wire::ErrorCode;
 use sandman_wire::server::{
-    CreateSandbox, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, ListQuery, Reason, Sandbox,
-    SandboxList, ServerHealth,
+    CreateSandbox, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool,
+    PoolList, PoolSpec, PrepareRequest, PrepareResult, Reason, Sandbox, SandboxList, ServerHealth,
 };
 use tokio::sync::{broadcast, mpsc};
 use tower::ServiceBuilder;
 
 use crate::error::{ServerError, ServerResult};
+use crate::events::Filter;
 use crate::proxy;
 use crate::service::Service;
 
@@ -51,6 +52,12 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/jobs/{job}"),
     ("DELETE", "/v1/jobs/{job}"),
     ("POST", "/v1/jobs/{job}/heartbeat"),
+    ("GET", "/v1/jobs/{job}/usage"),
+    ("GET", "/v1/pools"),
+    ("PUT", "/v1/pools/{name}"),
+    ("GET", "/v1/pools/{name}"),
+    ("DELETE", "/v1/pools/{name}"),
+    ("POST", "/v1/prepare"),
     ("GET", "/v1/events"),
 ];
 
@@ -62,6 +69,10 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .route("/v1/sandboxes/{id}/keepalive", post(keepalive))
         .route("/v1/jobs/{job}", get(get_job).put(put_job).delete(delete_job))
         .route("/v1/jobs/{job}/heartbeat", post(heartbeat))
+        .route("/v1/jobs/{job}/usage", get(job_usage))
+        .route("/v1/pools", get(list_pools))
+        .route("/v1/pools/{name}", get(get_pool).put(put_pool).delete(delete_pool))
+        .route("/v1/prepare", post(prepare))
         .route("/v1/events", get(events))
         .layer(ServiceBuilder::new().layer(HandleErrorLayer::new(edge_error)).timeout(limits.request_timeout));
     // Proxied calls carry their own timeouts (the daemon enforces `timeout_ms`), and streams may
@@ -113,6 +124,7 @@ async fn healthz(State(service): State<Arc<Service>>) -> Json<ServerHealth> {
 }
 
 async fn metrics(State(service): State<Arc<Service>>) -> Response {
+    service.refresh_gauges();
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], service.metrics.encode())
         .into_response()
 }
@@ -163,20 +175,52 @@ async fn heartbeat(State(service): State<Arc<Service>>, Path(job): Path<String>)
     service.heartbeat(&job).map(Json)
 }
 
+async fn job_usage(State(service): State<Arc<Service>>, Path(job): Path<String>) -> ServerResult<Json<JobUsage>> {
+    service.job_usage(&job).map(Json)
+}
+
+async fn list_pools(State(service): State<Arc<Service>>) -> Json<PoolList> {
+    Json(PoolList { pools: service.pool_list() })
+}
+
+async fn get_pool(State(service): State<Arc<Service>>, Path(name): Path<String>) -> ServerResult<Json<Pool>> {
+    service.pool(&name).map(Json)
+}
+
+async fn put_pool(
+    State(service): State<Arc<Service>>,
+    Path(name): Path<String>,
+    ApiJson(spec): ApiJson<PoolSpec>,
+) -> ServerResult<Json<Pool>> {
+    service.put_pool(&name, spec).map(Json)
+}
+
+async fn delete_pool(State(service): State<Arc<Service>>, Path(name): Path<String>) -> ServerResult<Json<Pool>> {
+    service.delete_pool(&name).map(Json)
+}
+
+async fn prepare(
+    State(service): State<Arc<Service>>,
+    ApiJson(req): ApiJson<PrepareRequest>,
+) -> ServerResult<Json<PrepareResult>> {
+    service.prepare(req).await.map(Json)
+}
+
 /// Events buffered for one follower before it is slowed down.
 const FOLLOW_EVENTS: usize = 256;
 
 async fn events(State(service): State<Arc<Service>>, ApiQuery(q): ApiQuery<EventsQuery>) -> Response {
     let after = q.after.unwrap_or(0);
+    let filter = Filter { job: q.job.as_deref(), idempotency_key: q.idempotency_key.as_deref() };
     if !q.follow {
-        return Json(EventList { events: service.events.list(q.job.as_deref(), after) }).into_response();
+        return Json(EventList { events: service.events.list(&filter, after) }).into_response();
     }
     // Subscribe before reading the backlog so that nothing falls between the two.
     let mut live = service.events.subscribe();
-    let backlog = service.events.list(q.job.as_deref(), after);
+    let backlog = service.events.list(&filter, after);
     let (tx, rx) = mpsc::channel(FOLLOW_EVENTS);
-    let job = q.job.clone();
     service.tasks.spawn(async move {
+        let filter = Filter { job: q.job.as_deref(), idempotency_key: q.idempotency_key.as_deref() };
         let mut last = after;
         for e in backlog {
             last = e.seq;
@@ -188,7 +232,7 @@ async fn events(State(service): State<Arc<Service>>, ApiQuery(q): ApiQuery<Event
             tokio::select! {
                 _ = tx.closed() => return,
                 ev = live.recv() => match ev {
-                    Ok(e) if e.seq > last && (job.is_none() || e.job == job) => {
+                    Ok(e) if e.seq > last && filter.takes(&e) => {
                         last = e.seq;
                         if tx.send(EventStreamItem::Sandbox(e)).await.is_err() {
                             return;
@@ -229,7 +273,7 @@ mod tests {
             max_ttl: None,
             ready_timeout: Duration::from_secs(30),
             gone_retention: Duration::from_secs(60),
-            state_dir: dir.to_path_buf(),
+            ..Settings::new(dir.to_path_buf())
         };
         // The fake's endpoint answers nothing, so a waiting create waits for the ready timeout.
         let provider = crate::provider::AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.join("none.sock"))));
@@ -248,7 +292,7 @@ mod tests {
     async fn answer(app: &Router, r: Request<Body>) -> (u16, serde_json::Value) {
         let resp = app.clone().oneshot(r).await.unwrap_or_else(|e| match e {});
         let status = resp.status().as_u16();
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap_or_default();
+        let bytes = axum::body::to_bytes(resp.into_body(), 64 << 20).await.unwrap_or_default();
         (status, serde_json::from_slice(&bytes).unwrap_or_default())
     }
 
@@ -282,11 +326,127 @@ mod tests {
         assert_eq!(answer(&app, req("GET", "/healthz", "", None)).await.0, 200);
         for (m, p) in ROUTES.iter().filter(|(_, p)| *p != "/healthz") {
             let method = if *m == "ANY" { "POST" } else { m };
-            let uri = p.replace("{id}", "sb-x").replace("{job}", "j").replace("{*call}", "exec");
+            let uri = p.replace("{id}", "sb-x").replace("{job}", "j").replace("{name}", "p").replace("{*call}", "exec");
             let (status, body) = answer(&app, req(method, &uri, "{}", None)).await;
             assert_eq!((status, body["error"]["code"].as_str()), (401, Some("unauthorized")), "{m} {p}");
             let (status, _) = answer(&app, req(method, &uri, "{}", Some("wrong"))).await;
             assert_eq!(status, 401, "{m} {p}");
         }
+    }
+
+    /// The whole API over a service whose fake sandboxes are ready as soon as they are made,
+    /// admitting `rate` creates a second.
+    fn fake_app(dir: &std::path::Path, rate: f64) -> (Router, Arc<Service>) {
+        let settings = Settings {
+            create_rate: Some(rate),
+            create_burst: 1.0,
+            daemons: crate::service::Daemons::Absent,
+            ..Settings::new(dir.to_path_buf())
+        };
+        let provider = crate::provider::AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.join("none.sock"))));
+        let service = Service::new(settings, provider, "t".into());
+        service.start_background();
+        let limits = Limits { request_timeout: Duration::from_secs(600), max_concurrent: 16 };
+        (router(service.clone(), limits), service)
+    }
+
+    async fn ready_of(app: &Router, job: &str) -> usize {
+        let (status, body) =
+            answer(app, req("GET", &format!("/v1/sandboxes?job={job}&state=ready"), "", Some("t"))).await;
+        assert_eq!(status, 200, "{body}");
+        body["sandboxes"].as_array().map_or(0, Vec::len)
+    }
+
+    /// The issue's burst: 5,000 creates from three jobs through the API, held to the global rate,
+    /// each job's share as its weight says while all three queue; none lost or duplicated;
+    /// every sandbox released at the end.
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_of_5000_creates_from_three_jobs_is_held_to_the_rate_and_shared_by_weight() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let (app, service) = fake_app(dir.path(), 200.0);
+        let jobs = [("w1", 1.0), ("w2", 2.0), ("w5", 5.0)];
+        for (job, weight) in jobs {
+            let body = format!(r#"{{"weight": {weight}}}"#);
+            assert_eq!(answer(&app, req("PUT", &format!("/v1/jobs/{job}"), &body, Some("t"))).await.0, 200);
+        }
+        let mut ids = std::collections::HashSet::new();
+        for i in 0..5000 {
+            let job = jobs[i % 3].0;
+            let body = format!(r#"{{"image": "any", "job": "{job}", "wait": false}}"#);
+            let (status, sb) = answer(&app, req("POST", "/v1/sandboxes", &body, Some("t"))).await;
+            assert_eq!(status, 200, "{sb}");
+            assert!(ids.insert(sb["id"].as_str().unwrap_or_default().to_string()), "a duplicate id");
+        }
+        assert_eq!(ids.len(), 5000);
+        // 10 s at 200/s: about 2,000 admitted while all three jobs still queue (the heaviest
+        // drains its 1,667 at 125/s, in about 13 s).
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let got: Vec<f64> = futures_util::future::join_all(jobs.iter().map(|(j, _)| ready_of(&app, j)))
+            .await
+            .into_iter()
+            .map(|n| n as f64)
+            .collect();
+        let total: f64 = got.iter().sum();
+        assert!((total - 2000.0).abs() <= 5.0, "the rate was not held: {total} in 10 s");
+        for ((job, weight), n) in jobs.iter().zip(&got) {
+            let want = total * weight / 8.0;
+            assert!((n - want).abs() / want < 0.10, "{job}: {n} admitted, its share is {want}");
+        }
+        // The rest, then every sandbox exactly once.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let (_, all) = answer(&app, req("GET", "/v1/sandboxes?state=ready", "", Some("t"))).await;
+        let listed: std::collections::HashSet<String> = all["sandboxes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s["id"].as_str().map(str::to_string))
+            .collect();
+        assert!(listed == ids, "{} sandboxes ready, of {} created", listed.len(), ids.len());
+        let made = match &service.provider {
+            crate::provider::AnyProvider::Fake(f) => f.count(),
+            _ => 0,
+        };
+        assert_eq!(made, 5000);
+        for (job, _) in jobs {
+            let (status, body) = answer(&app, req("DELETE", &format!("/v1/jobs/{job}"), "", Some("t"))).await;
+            assert_eq!(status, 200, "{body}");
+        }
+        let made = match &service.provider {
+            crate::provider::AnyProvider::Fake(f) => f.count(),
+            _ => usize::MAX,
+        };
+        assert_eq!(made, 0, "sandboxes left after their jobs were deleted");
+        let (_, body) = answer(&app, req("GET", "/v1/jobs/w5/usage", "", Some("t"))).await;
+        assert_eq!(body["by_reason"]["job_deleted"], 1666, "{body}");
+        let (_, text) = (200, service.metrics.encode());
+        assert!(text.contains("sandman_creates_admitted_total"), "{text}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_answers_429_with_retry_after() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let settings = Settings {
+            create_rate: Some(1.0),
+            create_burst: 1.0,
+            max_queue: 2,
+            daemons: crate::service::Daemons::Absent,
+            ..Settings::new(dir.path().to_path_buf())
+        };
+        let provider =
+            crate::provider::AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.path().join("none.sock"))));
+        let service = Service::new(settings, provider, "t".into());
+        let app = router(service, Limits { request_timeout: Duration::from_secs(60), max_concurrent: 16 });
+        let body = r#"{"image": "any", "wait": false}"#;
+        for _ in 0..3 {
+            assert_eq!(answer(&app, req("POST", "/v1/sandboxes", body, Some("t"))).await.0, 200);
+        }
+        let resp =
+            app.clone().oneshot(req("POST", "/v1/sandboxes", body, Some("t"))).await.unwrap_or_else(|e| match e {});
+        assert_eq!(resp.status().as_u16(), 429);
+        assert!(resp.headers().get("retry-after").is_some());
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        assert_eq!(v["error"]["code"], "quota_exceeded");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("--max-queue")), "{v}");
     }
 }

@@ -13,10 +13,15 @@ pub struct ServeArgs {
     /// (default: $SANDMAN_STATE_DIR, else $XDG_STATE_HOME/sandman, else ~/.local/state/sandman).
     #[arg(long, env = "SANDMAN_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
-    /// Which provider makes sandboxes: `process` (the embedded default).
+    /// Which provider makes sandboxes: `process` (the embedded default) or `docker` (any image;
+    /// the engine from DOCKER_HOST, else /var/run/docker.sock).
     #[arg(long, default_value = "process")]
     pub provider: String,
-    /// The `sandmand` binary the process provider runs (default: next to `sandman`, else on PATH).
+    /// The kubernetes provider's configuration file (YAML or JSON; see docs/kubernetes.md).
+    #[arg(long, env = "SANDMAN_KUBE_CONFIG")]
+    pub kube_config: Option<PathBuf>,
+    /// The `sandmand` binary the process provider runs, or the static one the docker provider
+    /// mounts into containers (default: next to `sandman`, else on PATH).
     #[arg(long, env = "SANDMAN_DAEMON")]
     pub daemon: Option<PathBuf>,
     /// Lease of a sandbox that asks for none, in seconds.
@@ -37,6 +42,18 @@ pub struct ServeArgs {
     /// Requests served at once; past it, requests are shed with 503.
     #[arg(long, default_value_t = 4096)]
     pub max_concurrent_requests: usize,
+    /// Creates admitted a second over all jobs (0 = unlimited); the rest queue, shared between
+    /// jobs by weight.
+    #[arg(long, default_value_t = crate::service::DEFAULT_CREATE_RATE)]
+    pub create_rate: f64,
+    /// Creates admitted at once after a quiet spell (default: one second of --create-rate). The
+    /// admission timer ticks by the millisecond: a burst under --create-rate / 1000 keeps the
+    /// rate from being reached.
+    #[arg(long)]
+    pub create_burst: Option<f64>,
+    /// Most creates waiting for admission; past it a create gets 429 with Retry-After.
+    #[arg(long, default_value_t = crate::service::DEFAULT_MAX_QUEUE)]
+    pub max_queue: usize,
     /// Log filter (also RUST_LOG).
     #[arg(long, default_value = "info")]
     pub log: String,

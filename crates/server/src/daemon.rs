@@ -156,6 +156,46 @@ pub async fn call(
     Ok(resp.status())
 }
 
+/// Largest daemon answer read whole by the server (setup results, info).
+const MAX_ANSWER: usize = 1 << 20;
+
+/// One call with a JSON body (or none), its JSON answer decoded; failures as text.
+pub async fn call_json<B: serde::Serialize, T: serde::de::DeserializeOwned>(
+    client: &DaemonClient,
+    endpoint: &Endpoint,
+    token: &str,
+    method: http::Method,
+    path: &str,
+    body: Option<&B>,
+) -> Result<T, String> {
+    use http_body_util::BodyExt;
+    let uri = uri(endpoint, path).map_err(|e| e.to_string())?;
+    let mut req =
+        http::Request::builder().method(method).uri(uri).header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+    let body = match body {
+        Some(b) => {
+            req = req.header(http::header::CONTENT_TYPE, "application/json");
+            Body::from(serde_json::to_vec(b).map_err(|e| e.to_string())?)
+        }
+        None => Body::empty(),
+    };
+    let req = req.body(body).map_err(|e| e.to_string())?;
+    let resp = client.request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let bytes = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER)
+        .collect()
+        .await
+        .map_err(|e| format!("reading the answer: {e}"))?
+        .to_bytes();
+    if !status.is_success() {
+        let detail = serde_json::from_slice::<sandman_wire::ErrorBody>(&bytes)
+            .map(|b| b.error.message)
+            .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+        return Err(format!("the daemon answered {status}: {detail}"));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| format!("cannot decode the daemon's answer: {e}"))
+}
+
 /// Waits until the daemon answers its health check, backing off from 5 ms to 100 ms.
 pub async fn wait_healthy(
     client: &DaemonClient,

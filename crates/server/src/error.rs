@@ -21,6 +21,14 @@ pub enum ServerError {
     Timeout(String),
     #[error("{0}")]
     QuotaExceeded(String),
+    /// The admission queue is at its bound: 429 with `Retry-After`.
+    #[error(
+        "the admission queue is full: {queued} creates are waiting, its bound (`--max-queue`); retry in {retry_after_s} s"
+    )]
+    QueueFull { queued: usize, retry_after_s: u64 },
+    /// A body the server had to read (to merge a claim's environment into it) was refused.
+    #[error("{0}")]
+    Body(#[source] sandman_http::extract::BadRequest),
     #[error("{0}")]
     Unavailable(String),
     /// A sandbox failed to come up; the reason says why.
@@ -43,11 +51,12 @@ impl ServerError {
             ServerError::Gone { .. } => ErrorCode::Gone,
             ServerError::Conflict(_) => ErrorCode::Conflict,
             ServerError::Timeout(_) => ErrorCode::Timeout,
-            ServerError::QuotaExceeded(_) => ErrorCode::QuotaExceeded,
+            ServerError::QuotaExceeded(_) | ServerError::QueueFull { .. } => ErrorCode::QuotaExceeded,
+            ServerError::Body(e) => e.code(),
             ServerError::Unavailable(_) => ErrorCode::Unavailable,
             ServerError::Failed { reason, .. } => match reason {
-                Reason::ReadyTimeout => ErrorCode::Timeout,
-                Reason::ImagePullFailed | Reason::Unschedulable => ErrorCode::InvalidArgument,
+                Reason::ReadyTimeout | Reason::QueueTimeout => ErrorCode::Timeout,
+                Reason::ImagePullFailed | Reason::Unschedulable | Reason::SetupFailed => ErrorCode::InvalidArgument,
                 _ => ErrorCode::Unavailable,
             },
             ServerError::Provider(ProviderError::Unsupported(_)) => ErrorCode::InvalidArgument,
@@ -76,7 +85,13 @@ impl IntoResponse for ServerError {
             ServerError::Provider(e) => e.to_string(),
             other => other.to_string(),
         };
-        sandman_http::error_response(code, message, reason.map(Reason::as_str))
+        let mut resp = sandman_http::error_response(code, message, reason.map(Reason::as_str));
+        if let ServerError::QueueFull { retry_after_s, .. } = self
+            && let Ok(v) = http::HeaderValue::from_str(&retry_after_s.max(1).to_string())
+        {
+            resp.headers_mut().insert(http::header::RETRY_AFTER, v);
+        }
+        resp
     }
 }
 
@@ -98,5 +113,12 @@ mod tests {
         assert_eq!(e.code(), ErrorCode::InvalidArgument);
         let f = ServerError::Failed { id: "s".into(), reason: Reason::ReadyTimeout, message: "slow".into() };
         assert_eq!(f.code(), ErrorCode::Timeout);
+    }
+
+    #[test]
+    fn a_full_queue_is_429_with_retry_after() {
+        let resp = ServerError::QueueFull { queued: 10, retry_after_s: 7 }.into_response();
+        assert_eq!(resp.status().as_u16(), 429);
+        assert_eq!(resp.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("7"));
     }
 }

@@ -2,6 +2,8 @@
 //! lifecycle and leases, reclaims the abandoned, and proxies daemon calls. Start at [`run`], then
 //! [`service::Service`] for the lifecycle and [`api::router`] for the calls.
 
+pub mod accounting;
+pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod config;
@@ -9,6 +11,7 @@ pub mod daemon;
 pub mod error;
 pub mod events;
 pub mod metrics;
+pub mod pool;
 pub mod provider;
 pub mod proxy;
 pub mod sandbox;
@@ -18,6 +21,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use config::{ServeArgs, default_state_dir};
+use sandman_provider_docker::{DockerConfig, DockerProvider};
 use sandman_provider_process::{Isolation, ProcessConfig, ProcessProvider};
 
 use crate::api::Limits;
@@ -70,7 +74,7 @@ pub struct Started {
 }
 
 /// Builds the provider named by `args`.
-pub fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Result<AnyProvider, ServeError> {
+pub async fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Result<AnyProvider, ServeError> {
     match args.provider.as_str() {
         "process" => {
             // A `sandmand` of its own when one is given or found; else this very binary, which
@@ -89,6 +93,36 @@ pub fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Result<A
                 .map(AnyProvider::Process)
                 .map_err(|source| ServeError::Provider { name: "process".into(), source })
         }
+        "docker" => {
+            // The daemon is bind-mounted into images with no libc: it must be the static one
+            // (checked by the provider, which names ./scripts/build-daemon when it is not).
+            let daemon_bin = args.daemon.clone().or_else(sandman_provider_process::find_daemon).ok_or_else(|| {
+                ServeError::Provider {
+                    name: "docker".into(),
+                    source: sandman_provider::ProviderError::Unsupported(
+                        "the docker provider needs the static sandmand: build it with ./scripts/build-daemon and \
+                         pass --daemon target/static/x86_64-unknown-linux-gnu/daemon/sandmand"
+                            .into(),
+                    ),
+                }
+            })?;
+            let config = DockerConfig::new(state_dir.to_path_buf(), daemon_bin);
+            DockerProvider::connect(config)
+                .await
+                .map(AnyProvider::Docker)
+                .map_err(|source| ServeError::Provider { name: "docker".into(), source })
+        }
+        "kubernetes" => {
+            let config = match &args.kube_config {
+                Some(path) => sandman_provider_kube::KubeConfig::from_file(path)
+                    .map_err(|e| ServeError::Provider { name: "kubernetes".into(), source: e.into() })?,
+                None => sandman_provider_kube::KubeConfig::default(),
+            };
+            sandman_provider_kube::KubeProvider::connect(config)
+                .await
+                .map(|p| AnyProvider::Kube(Box::new(p)))
+                .map_err(|source| ServeError::Provider { name: "kubernetes".into(), source })
+        }
         other => Err(ServeError::UnknownProvider(other.to_string())),
     }
 }
@@ -103,13 +137,17 @@ pub async fn run(
     std::fs::create_dir_all(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     let (token, source) = auth::load_or_generate(std::env::var("SANDMAN_TOKEN").ok(), &state_dir)
         .map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
-    let provider = build_provider(&args, &state_dir)?;
+    let provider = build_provider(&args, &state_dir).await?;
     let settings = Settings {
         default_lease: Duration::from_secs(args.default_lease_s.max(1)),
         max_ttl: (args.max_ttl_s > 0).then(|| Duration::from_secs(args.max_ttl_s)),
         ready_timeout: args.ready_timeout(),
         gone_retention: Duration::from_secs(args.gone_retention_s),
         state_dir: state_dir.clone(),
+        create_rate: (args.create_rate > 0.0).then_some(args.create_rate),
+        create_burst: args.create_burst.unwrap_or(args.create_rate).max(1.0),
+        max_queue: args.max_queue,
+        daemons: service::Daemons::Real,
     };
     let service = Service::new(settings, provider, token);
     service.start_background();

@@ -6,7 +6,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use sandman_wire::server::{Reason, SandboxState};
+use sandman_wire::server::{Reason, SandboxState, UsageRecord};
+use std::sync::atomic::AtomicU64;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProviderLabel {
@@ -23,6 +24,37 @@ pub struct StateLabel {
     pub state: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct JobLabel {
+    pub job: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct JobReasonLabel {
+    pub job: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    pub pool: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolStateLabel {
+    pub pool: String,
+    pub state: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ViaLabel {
+    /// `immediate` (nothing was queueing) or `queue`.
+    pub via: String,
+}
+
+type FloatCounter = Counter<f64, AtomicU64>;
+type FloatGauge = Gauge<f64, AtomicU64>;
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
@@ -32,6 +64,21 @@ pub struct Metrics {
     pub create_to_ready: Histogram,
     pub proxied: Counter,
     pub heartbeats: Counter,
+    // ---- admission ----
+    pub queue_depth: Gauge,
+    pub queue_wait: Histogram,
+    pub queue_rejected: Counter,
+    pub admitted: Family<ViaLabel, Counter>,
+    pub create_rate_allowed: FloatGauge,
+    pub create_rate_achieved: FloatGauge,
+    // ---- pools ----
+    pub claim_latency: Histogram,
+    pub pool_claims: Family<PoolLabel, Counter>,
+    pub pool_sandboxes: Family<PoolStateLabel, Gauge>,
+    // ---- accounting ----
+    pub job_sandbox_seconds: Family<JobLabel, FloatCounter>,
+    pub job_cpu_seconds: Family<JobLabel, FloatCounter>,
+    pub job_ended: Family<JobReasonLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -50,11 +97,89 @@ impl Default for Metrics {
         registry.register("create_to_ready_seconds", "Time from create to ready", create_to_ready.clone());
         registry.register("proxied_requests", "Daemon calls proxied to sandboxes", proxied.clone());
         registry.register("job_heartbeats", "Job heartbeats received", heartbeats.clone());
+        let queue_depth = Gauge::default();
+        let queue_wait =
+            Histogram::new([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]);
+        let queue_rejected = Counter::default();
+        let admitted = Family::<ViaLabel, Counter>::default();
+        let create_rate_allowed = FloatGauge::default();
+        let create_rate_achieved = FloatGauge::default();
+        let claim_latency =
+            Histogram::new([0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0]);
+        let pool_claims = Family::<PoolLabel, Counter>::default();
+        let pool_sandboxes = Family::<PoolStateLabel, Gauge>::default();
+        let job_sandbox_seconds = Family::<JobLabel, FloatCounter>::default();
+        let job_cpu_seconds = Family::<JobLabel, FloatCounter>::default();
+        let job_ended = Family::<JobReasonLabel, Counter>::default();
+        registry.register("admission_queue_depth", "Creates waiting in the admission queue", queue_depth.clone());
+        registry.register(
+            "admission_queue_wait_seconds",
+            "Time creates waited in the admission queue",
+            queue_wait.clone(),
+        );
+        registry.register(
+            "admission_rejected",
+            "Creates refused because the admission queue was full",
+            queue_rejected.clone(),
+        );
+        registry.register("creates_admitted", "Creates admitted, at once or from the queue", admitted.clone());
+        registry.register(
+            "create_rate_allowed_per_second",
+            "The global create rate (0 = unlimited)",
+            create_rate_allowed.clone(),
+        );
+        registry.register(
+            "create_rate_achieved_per_second",
+            "Creates admitted per second over the last 10 s",
+            create_rate_achieved.clone(),
+        );
+        registry.register(
+            "pool_claim_seconds",
+            "Time from a create to its claim of a warm sandbox",
+            claim_latency.clone(),
+        );
+        registry.register("pool_claims", "Creates served from a warm pool, by pool", pool_claims.clone());
+        registry.register(
+            "pool_sandboxes",
+            "Sandboxes of each warm pool, by state (ready, creating, claimed)",
+            pool_sandboxes.clone(),
+        );
+        registry.register(
+            "job_sandbox_seconds",
+            "Wall seconds of ended sandboxes, by job",
+            job_sandbox_seconds.clone(),
+        );
+        registry.register(
+            "job_cpu_seconds",
+            "CPU seconds of ended sandboxes where reported, by job",
+            job_cpu_seconds.clone(),
+        );
+        registry.register("job_sandboxes_ended", "Ended sandboxes, by job and reason", job_ended.clone());
         // Every state shows, at zero when empty.
         for s in SandboxState::ALL {
             let _ = sandboxes.get_or_create(&StateLabel { state: s.as_str().into() });
         }
-        Metrics { registry, created, ended, sandboxes, create_to_ready, proxied, heartbeats }
+        Metrics {
+            registry,
+            created,
+            ended,
+            sandboxes,
+            create_to_ready,
+            proxied,
+            heartbeats,
+            queue_depth,
+            queue_wait,
+            queue_rejected,
+            admitted,
+            create_rate_allowed,
+            create_rate_achieved,
+            claim_latency,
+            pool_claims,
+            pool_sandboxes,
+            job_sandbox_seconds,
+            job_cpu_seconds,
+            job_ended,
+        }
     }
 }
 
@@ -74,6 +199,34 @@ impl Metrics {
 
     pub fn ended(&self, reason: Reason) {
         self.ended.get_or_create(&ReasonLabel { reason: reason.as_str().into() }).inc();
+    }
+
+    /// The counters of one accounting record.
+    pub fn accounted(&self, rec: &UsageRecord) {
+        let job = rec.job.clone().unwrap_or_default();
+        self.job_sandbox_seconds.get_or_create(&JobLabel { job: job.clone() }).inc_by(rec.wall_seconds);
+        if let Some(cpu) = rec.cpu_seconds {
+            self.job_cpu_seconds.get_or_create(&JobLabel { job: job.clone() }).inc_by(cpu);
+        }
+        self.job_ended.get_or_create(&JobReasonLabel { job, reason: rec.reason.as_str().into() }).inc();
+    }
+
+    /// Sets the gauges of one pool's sizes.
+    pub fn pool_sizes(&self, pool: &str, ready: u64, creating: u64, claimed: u64) {
+        for (state, n) in [("ready", ready), ("creating", creating), ("claimed", claimed)] {
+            self.pool_sandboxes.get_or_create(&PoolStateLabel { pool: pool.into(), state: state.into() }).set(n as i64);
+        }
+    }
+
+    /// Drops a deleted pool's gauges.
+    pub fn pool_removed(&self, pool: &str) {
+        for state in ["ready", "creating", "claimed"] {
+            self.pool_sandboxes.remove(&PoolStateLabel { pool: pool.into(), state: state.into() });
+        }
+    }
+
+    pub fn admitted(&self, via: &str, n: u64) {
+        self.admitted.get_or_create(&ViaLabel { via: via.into() }).inc_by(n);
     }
 
     pub fn encode(&self) -> String {

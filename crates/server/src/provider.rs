@@ -2,23 +2,30 @@
 //! trait objects), with the fake beside the real ones.
 
 use sandman_provider::fake::FakeProvider;
-use sandman_provider::{Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+use sandman_provider::{Endpoint, Progress, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+use sandman_provider_docker::DockerProvider;
+use sandman_provider_kube::KubeProvider;
 use sandman_provider_process::ProcessProvider;
 use tokio::sync::mpsc;
 
 #[derive(Debug)]
 pub enum AnyProvider {
     Process(ProcessProvider),
+    Docker(DockerProvider),
+    // Boxed: the kube client and its caches make it several times larger than the others.
+    Kube(Box<KubeProvider>),
     Fake(FakeProvider),
 }
 
 /// The provider names `--provider` accepts.
-pub const NAMES: &[&str] = &["process"];
+pub const NAMES: &[&str] = &["process", "docker", "kubernetes"];
 
 impl Provider for AnyProvider {
     fn name(&self) -> &'static str {
         match self {
             AnyProvider::Process(p) => p.name(),
+            AnyProvider::Docker(p) => p.name(),
+            AnyProvider::Kube(p) => p.name(),
             AnyProvider::Fake(p) => p.name(),
         }
     }
@@ -26,6 +33,8 @@ impl Provider for AnyProvider {
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
         match self {
             AnyProvider::Process(p) => p.check(spec),
+            AnyProvider::Docker(p) => p.check(spec),
+            AnyProvider::Kube(p) => p.check(spec),
             AnyProvider::Fake(p) => p.check(spec),
         }
     }
@@ -33,6 +42,8 @@ impl Provider for AnyProvider {
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
         match self {
             AnyProvider::Process(p) => p.create(spec).await,
+            AnyProvider::Docker(p) => p.create(spec).await,
+            AnyProvider::Kube(p) => p.create(spec).await,
             AnyProvider::Fake(p) => p.create(spec).await,
         }
     }
@@ -40,6 +51,8 @@ impl Provider for AnyProvider {
     async fn delete(&self, id: &str) -> Result<(), ProviderError> {
         match self {
             AnyProvider::Process(p) => p.delete(id).await,
+            AnyProvider::Docker(p) => p.delete(id).await,
+            AnyProvider::Kube(p) => p.delete(id).await,
             AnyProvider::Fake(p) => p.delete(id).await,
         }
     }
@@ -47,6 +60,8 @@ impl Provider for AnyProvider {
     async fn list(&self) -> Result<Vec<Record>, ProviderError> {
         match self {
             AnyProvider::Process(p) => p.list().await,
+            AnyProvider::Docker(p) => p.list().await,
+            AnyProvider::Kube(p) => p.list().await,
             AnyProvider::Fake(p) => p.list().await,
         }
     }
@@ -54,7 +69,27 @@ impl Provider for AnyProvider {
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
         match self {
             AnyProvider::Process(p) => p.events(),
+            AnyProvider::Docker(p) => p.events(),
+            AnyProvider::Kube(p) => p.events(),
             AnyProvider::Fake(p) => p.events(),
+        }
+    }
+
+    fn progress(&self) -> Option<mpsc::Receiver<Progress>> {
+        match self {
+            AnyProvider::Process(p) => p.progress(),
+            AnyProvider::Docker(p) => p.progress(),
+            AnyProvider::Kube(p) => p.progress(),
+            AnyProvider::Fake(p) => p.progress(),
+        }
+    }
+
+    async fn prepare(&self, image: &str) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.prepare(image).await,
+            AnyProvider::Docker(p) => p.prepare(image).await,
+            AnyProvider::Kube(p) => p.prepare(image).await,
+            AnyProvider::Fake(p) => p.prepare(image).await,
         }
     }
 }

@@ -1,6 +1,10 @@
 //! `/v1/sandboxes/{id}/…`: every daemon call, forwarded to the sandbox's daemon with its own
-//! token. Bodies stream both ways; nothing is buffered whole.
+//! token. Bodies stream both ways; nothing is buffered whole, but for one case: the JSON body
+//! of a call that starts a command (exec, a process, a session) on a sandbox claimed from a
+//! warm pool with an environment of its own, which is read (up to the JSON limit) to merge
+//! that environment into its `env`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -27,7 +31,8 @@ pub async fn forward(
     Path((id, rest)): Path<(String, String)>,
     req: Request,
 ) -> ServerResult<Response> {
-    let (endpoint, token) = service.call_target(&id)?;
+    let target = service.call_target(&id)?;
+    let (endpoint, token) = (target.endpoint, target.token);
     service.metrics.proxied.inc();
     let path_and_query = match req.uri().query() {
         Some(q) => format!("/v1/{rest}?{q}"),
@@ -35,7 +40,20 @@ pub async fn forward(
     };
     let uri =
         daemon::uri(&endpoint, &path_and_query).map_err(|e| ServerError::InvalidArgument(format!("bad path: {e}")))?;
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
+    let body = if !target.env.is_empty()
+        && parts.method == http::Method::POST
+        && starts_command(&rest)
+        && is_json(&parts.headers)
+    {
+        let bytes = sandman_http::extract::read_limited(body, sandman_http::extract::MAX_JSON_BODY)
+            .await
+            .map_err(ServerError::Body)?;
+        parts.headers.remove(header::CONTENT_LENGTH);
+        Body::from(merge_env(bytes, &target.env))
+    } else {
+        body
+    };
     let mut out = http::Request::builder().method(parts.method).uri(uri);
     if let Some(headers) = out.headers_mut() {
         for (name, value) in &parts.headers {
@@ -63,4 +81,49 @@ pub async fn forward(
         parts.headers.remove(h);
     }
     Ok(Response::from_parts(parts, Body::new(body)).into_response())
+}
+
+/// The daemon calls whose JSON body has an `env` for the command they start.
+fn starts_command(call: &str) -> bool {
+    matches!(call.trim_end_matches('/'), "exec" | "exec/stream" | "processes" | "sessions")
+}
+
+fn is_json(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_none_or(|v| v.trim_start().to_ascii_lowercase().starts_with("application/json"))
+}
+
+/// The body with `env` added to its `env` object, the body's own values winning; a body that is
+/// not a JSON object goes on unchanged, for the daemon to refuse.
+fn merge_env(body: bytes::Bytes, env: &BTreeMap<String, String>) -> bytes::Bytes {
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return body;
+    };
+    let slot = obj.entry("env").or_insert_with(|| serde_json::Value::Object(Default::default()));
+    let Some(map) = slot.as_object_mut() else { return body };
+    for (k, v) in env {
+        map.entry(k.clone()).or_insert_with(|| serde_json::Value::String(v.clone()));
+    }
+    serde_json::to_vec(&obj).map(bytes::Bytes::from).unwrap_or(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claimers_env_is_merged_under_the_calls_own() {
+        let env = BTreeMap::from([("A".to_string(), "claim".to_string()), ("B".to_string(), "claim".to_string())]);
+        let out = merge_env(bytes::Bytes::from_static(br#"{"argv":["env"],"env":{"B":"call"}}"#), &env);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!(v["env"], serde_json::json!({"A": "claim", "B": "call"}));
+        let out = merge_env(bytes::Bytes::from_static(br#"{"command":"env"}"#), &env);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!(v["env"]["A"], "claim");
+        let raw = bytes::Bytes::from_static(b"not json");
+        assert_eq!(merge_env(raw.clone(), &env), raw);
+        assert!(starts_command("exec/stream") && starts_command("sessions") && !starts_command("sessions/s1/run"));
+    }
 }

@@ -1,7 +1,8 @@
 //! One sandbox as the server tracks it: its spec, its lifecycle state with guarded transitions,
 //! and the three timers (lease, idle, lifetime) that the reaper enforces.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sandman_provider::{Endpoint, SandboxSpec};
@@ -106,6 +107,15 @@ pub struct Inner {
 pub struct Sandbox {
     pub spec: SandboxSpec,
     pub provider: &'static str,
+    /// Shell commands run through the daemon before it is reported ready.
+    pub setup: Vec<String>,
+    /// The claimer's environment, merged into the `env` of its exec, process and session calls
+    /// (a claimed pool sandbox's daemon keeps the pool's environment).
+    pub env_overlay: Arc<BTreeMap<String, String>>,
+    /// When a create claimed it from its pool.
+    pub claimed_ms: Option<u64>,
+    /// For a claimed sandbox, when its pool made it.
+    pub pool_created_ms: Option<u64>,
     /// Lifecycle and timers. Held only for reads and transitions, never across `.await`.
     inner: Mutex<Inner>,
     /// The current state, for creates that wait for readiness.
@@ -118,6 +128,10 @@ impl Sandbox {
         Sandbox {
             spec,
             provider,
+            setup: Vec::new(),
+            env_overlay: Arc::default(),
+            claimed_ms: None,
+            pool_created_ms: None,
             inner: Mutex::new(Inner {
                 state,
                 reason: None,
@@ -135,6 +149,16 @@ impl Sandbox {
 
     pub fn id(&self) -> &str {
         &self.spec.id
+    }
+
+    /// The warm pool it was made for, from its labels.
+    pub fn pool(&self) -> Option<&str> {
+        self.spec.labels.get(crate::pool::POOL_LABEL).map(String::as_str)
+    }
+
+    /// A pool's sandbox that no create has claimed: the pool keeps it alive, no timer ends it.
+    pub fn is_unclaimed_pool_member(&self) -> bool {
+        self.pool().is_some() && self.claimed_ms.is_none()
     }
 
     pub fn lock(&self) -> MutexGuard<'_, Inner> {

@@ -1,26 +1,34 @@
-//! `Service`, the control plane's state and lifecycle: creating sandboxes (idempotently),
-//! bringing them to ready, releasing and reclaiming them with a reason, jobs and heartbeats,
-//! recovery from the provider's records after a restart, and the one reaper for every timer.
-//! Start at [`Service::create`].
+//! `Service`, the control plane's state and lifecycle: admitting creates (the global rate, job
+//! quotas and weights, the bounded queue; see [`crate::admission`]), claiming from warm pools
+//! and refilling them ([`crate::pool`]), bringing sandboxes to ready (setup commands included),
+//! releasing and reclaiming them with a reason and an accounting record, jobs and heartbeats,
+//! preparing images, recovery from the provider's records after a restart, and the one reaper
+//! for every timer. Start at [`Service::create`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use sandman_provider::{Endpoint, Provider, ProviderEvent, SandboxSpec, ServerMeta};
+use futures_util::StreamExt;
+use sandman_provider::{Endpoint, Progress, Provider, ProviderEvent, SandboxSpec, ServerMeta};
+use sandman_wire::daemon::{ExecRequest, ExecResult, Info, Usage};
 use sandman_wire::server::{
-    CreateSandbox, Job, JobAction, JobSpec, ListQuery, Reason, Sandbox as WireSandbox, SandboxState,
+    CreateSandbox, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolSpec, PreparePhase, PrepareRequest,
+    PrepareResult, PreparedImage, Reason, Sandbox as WireSandbox, SandboxState, UsageRecord,
 };
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::accounting::Accounting;
+use crate::admission::{Admission, Offer, RateMeter, Tenant, Ticket};
 use crate::daemon::{self, DaemonClient};
 use crate::error::{ServerError, ServerResult};
 use crate::events::Events;
-use crate::metrics::{Metrics, ProviderLabel};
+use crate::metrics::{Metrics, PoolLabel, ProviderLabel};
+use crate::pool::{self, Claim, ClaimJournal, POOL_LABEL, Pools, Put};
 use crate::provider::AnyProvider;
 use crate::sandbox::{Sandbox, Timers, now_ms};
 
@@ -31,14 +39,64 @@ pub struct Settings {
     pub max_ttl: Option<Duration>,
     pub ready_timeout: Duration,
     pub gone_retention: Duration,
-    /// Where jobs are kept across restarts.
+    /// Where jobs, pools, claims and accounting are kept across restarts.
     pub state_dir: PathBuf,
+    /// Creates admitted a second, over all jobs (`None`: unlimited).
+    pub create_rate: Option<f64>,
+    /// Creates admitted at once after a quiet spell.
+    pub create_burst: f64,
+    /// Most creates waiting for admission; past it a create gets 429 with `Retry-After`.
+    pub max_queue: usize,
+    pub daemons: Daemons,
+}
+
+impl Settings {
+    /// The defaults of `sandman serve`, keeping state in `state_dir`.
+    pub fn new(state_dir: PathBuf) -> Self {
+        Settings {
+            default_lease: Duration::from_secs(600),
+            max_ttl: Some(Duration::from_secs(86400)),
+            ready_timeout: Duration::from_secs(120),
+            gone_retention: Duration::from_secs(3600),
+            state_dir,
+            create_rate: Some(DEFAULT_CREATE_RATE),
+            create_burst: DEFAULT_CREATE_RATE,
+            max_queue: DEFAULT_MAX_QUEUE,
+            daemons: Daemons::Real,
+        }
+    }
+}
+
+/// `--create-rate` by default.
+pub const DEFAULT_CREATE_RATE: f64 = 50.0;
+/// `--max-queue` by default.
+pub const DEFAULT_MAX_QUEUE: usize = 10_000;
+
+/// Whether the provider's sandboxes run a daemon the server talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Daemons {
+    /// Every sandbox runs `sandmand`: readiness is its health check; setup commands, usage and
+    /// lease renewals go to it.
+    Real,
+    /// The provider's sandboxes have no daemon (the fake provider, in tests and benchmarks of
+    /// admission and pools): a sandbox is ready once the provider has made it, nothing is sent
+    /// to a daemon, and a setup command fails the sandbox with `setup_failed`.
+    Absent,
 }
 
 /// Extra time the daemon's own lease gets beyond the server's, so the server reclaims first.
 pub const DAEMON_LEASE_SLACK_S: u64 = 60;
 /// Daemon keepalives the server sends at once on behalf of heartbeats.
 const KEEPALIVE_CONCURRENCY: usize = 64;
+/// Images prepared at once by one `POST /v1/prepare`.
+const PREPARE_CONCURRENCY: usize = 4;
+/// Most images one `POST /v1/prepare` takes.
+const MAX_PREPARE_IMAGES: usize = 256;
+/// Output kept from a setup command, and how much of its tail a failure message shows.
+const SETUP_OUTPUT_BYTES: u64 = 64 * 1024;
+const SETUP_TAIL_CHARS: usize = 2000;
+/// How long a release waits for the daemon's usage figures before going on without them.
+const USAGE_TIMEOUT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Default)]
 struct Table {
@@ -49,6 +107,28 @@ struct Table {
     by_job: HashMap<String, HashSet<String>>,
 }
 
+impl Table {
+    fn insert(&mut self, sb: &Arc<Sandbox>) {
+        let id = sb.id().to_string();
+        if let Some(k) = &sb.spec.server.idempotency_key {
+            self.by_key.insert(k.clone(), id.clone());
+        }
+        if let Some(job) = &sb.spec.job {
+            self.by_job.entry(job.clone()).or_default().insert(id.clone());
+        }
+        self.by_id.insert(id, sb.clone());
+    }
+
+    fn live_of_job(&self, job: &str) -> u64 {
+        self.by_job
+            .get(job)
+            .into_iter()
+            .flatten()
+            .filter(|id| self.by_id.get(*id).is_some_and(|s| !s.state().is_terminal()))
+            .count() as u64
+    }
+}
+
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 struct JobEntry {
     spec: JobSpec,
@@ -56,19 +136,50 @@ struct JobEntry {
     last_heartbeat_ms: Option<u64>,
 }
 
+/// A create request, checked and turned into what it makes.
+#[derive(Debug)]
+struct Parsed {
+    spec: SandboxSpec,
+    lease: Duration,
+    idle: Option<Duration>,
+    ttl: Option<Duration>,
+}
+
+/// How a create was served.
+#[derive(Debug)]
+enum Served {
+    /// A retry under a known idempotency key.
+    Existing,
+    /// Claimed from this pool; it runs the claimer's setup first when `setup` is true.
+    Claimed { pool: String, setup: bool },
+    /// A new sandbox, admitted at once or queued.
+    Fresh(Offer),
+}
+
 #[derive(Debug)]
 pub struct Service {
     pub settings: Settings,
     pub provider: AnyProvider,
     pub token: String,
-    /// Every sandbox known, with its indexes. Never held across `.await`.
+    /// Every sandbox known, with its indexes. Never held across `.await`. Lock order: table,
+    /// then jobs, then pools, then admission.
     table: Mutex<Table>,
     /// Jobs by name. Never held across `.await`.
     jobs: Mutex<BTreeMap<String, JobEntry>>,
+    /// Warm pools and their unclaimed members. Never held across `.await`.
+    pools: Mutex<Pools>,
+    /// Rates, tenants and the queue of creates. Never held across `.await`.
+    admission: Mutex<Admission>,
+    /// Wakes the admission task when a create is queued or a rate changes.
+    admission_wake: Notify,
+    /// Creates admitted over the last seconds, for the achieved-rate gauge.
+    meter: Mutex<RateMeter>,
+    claims: ClaimJournal,
+    pub accounting: Accounting,
     pub events: Events,
     pub metrics: Metrics,
     pub daemons: DaemonClient,
-    /// Creates in flight, reclaims, keepalives: every task the service spawns.
+    /// Creates in flight, reclaims, keepalives, refills: every task the service spawns.
     pub tasks: TaskTracker,
     pub cancel: CancellationToken,
     /// When each sandbox should next be looked at by the reaper: (when, id). A renewal does not
@@ -81,21 +192,37 @@ pub struct Service {
 
 impl Service {
     pub fn new(settings: Settings, provider: AnyProvider, token: String) -> Arc<Self> {
+        let now = Instant::now();
         let jobs = load_jobs(&settings.state_dir);
+        let mut admission = Admission::new(settings.create_rate, settings.create_burst, settings.max_queue, now);
+        for (name, entry) in &jobs {
+            admission.set_tenant(Tenant::Job(name.clone()), entry.spec.weight, entry.spec.create_rate, now);
+        }
+        let metrics = Metrics::default();
+        metrics.create_rate_allowed.set(admission.rate().unwrap_or(0.0));
+        let pools = Pools::new(pool::load_specs(&settings.state_dir));
+        let claims = ClaimJournal::open(&settings.state_dir);
+        let accounting = Accounting::open(&settings.state_dir);
         Arc::new(Service {
-            settings,
             provider,
             token,
             table: Mutex::default(),
             jobs: Mutex::new(jobs),
+            pools: Mutex::new(pools),
+            admission: Mutex::new(admission),
+            admission_wake: Notify::new(),
+            meter: Mutex::new(RateMeter::new(now)),
+            claims,
+            accounting,
             events: Events::default(),
-            metrics: Metrics::default(),
+            metrics,
             daemons: daemon::client(),
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
             schedule: Mutex::default(),
             reaper_wake: Notify::new(),
             keepalives: Arc::new(Semaphore::new(KEEPALIVE_CONCURRENCY)),
+            settings,
         })
     }
 
@@ -107,10 +234,24 @@ impl Service {
         self.jobs.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts the reaper and the watcher of provider events.
+    fn pools(&self) -> MutexGuard<'_, Pools> {
+        self.pools.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn admission(&self) -> MutexGuard<'_, Admission> {
+        self.admission.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn meter(&self) -> MutexGuard<'_, RateMeter> {
+        self.meter.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts the reaper, the admission task and the watcher of provider events.
     pub fn start_background(self: &Arc<Self>) {
         let me = self.clone();
         self.tasks.spawn(async move { me.reaper().await });
+        let me = self.clone();
+        self.tasks.spawn(async move { me.admission_loop().await });
         if let Some(mut rx) = self.provider.events() {
             let me = self.clone();
             self.tasks.spawn(async move {
@@ -119,6 +260,20 @@ impl Service {
                         _ = me.cancel.cancelled() => return,
                         ev = rx.recv() => match ev {
                             Some(ev) => me.provider_event(ev).await,
+                            None => return,
+                        },
+                    }
+                }
+            });
+        }
+        if let Some(mut rx) = self.provider.progress() {
+            let me = self.clone();
+            self.tasks.spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = me.cancel.cancelled() => return,
+                        p = rx.recv() => match p {
+                            Some(p) => me.provider_progress(p),
                             None => return,
                         },
                     }
@@ -159,13 +314,41 @@ impl Service {
         Ok(out)
     }
 
+    /// Fills in a create that names a pool from the pool's spec, refusing one that asks for
+    /// other sandboxes than the pool makes.
+    fn apply_pool(req: &mut CreateSandbox, name: &str, pool: &PoolSpec) -> ServerResult<()> {
+        let differs = |what: &str, theirs: String, ours: String| {
+            ServerError::InvalidArgument(format!(
+                "the create names pool `{name}`, whose {what} is {ours}, not {theirs}"
+            ))
+        };
+        if req.image.is_empty() {
+            req.image = pool.image.clone();
+        } else if req.image != pool.image {
+            return Err(differs("image", format!("`{}`", req.image), format!("`{}`", pool.image)));
+        }
+        if req.resources == Default::default() {
+            req.resources = pool.resources.clone();
+        } else if req.resources != pool.resources {
+            return Err(differs("resources", format!("{:?}", req.resources), format!("{:?}", pool.resources)));
+        }
+        if req.profile == Default::default() {
+            req.profile = pool.profile;
+        } else if req.profile != pool.profile {
+            return Err(differs("profile", format!("{:?}", req.profile), format!("{:?}", pool.profile)));
+        }
+        if req.network == Default::default() {
+            req.network = pool.network;
+        } else if req.network != pool.network {
+            return Err(differs("network", format!("{:?}", req.network), format!("{:?}", pool.network)));
+        }
+        Ok(())
+    }
+
     /// Checks a create request and turns it into a spec.
-    fn parse_create(
-        &self,
-        req: &CreateSandbox,
-    ) -> ServerResult<(SandboxSpec, Duration, Option<Duration>, Option<Duration>)> {
+    fn parse_create(&self, req: &CreateSandbox) -> ServerResult<Parsed> {
         if req.image.trim().is_empty() {
-            return Err(ServerError::InvalidArgument("`image` is required".into()));
+            return Err(ServerError::InvalidArgument("`image` is required (or `pool`)".into()));
         }
         if let Some(p) = &req.provider
             && p != self.provider.name()
@@ -175,25 +358,17 @@ impl Service {
                 self.provider.name()
             )));
         }
-        if req.pool.is_some() {
-            return Err(ServerError::InvalidArgument("warm pools are not available on this server".into()));
-        }
-        for (name, q) in [("cpu", &req.resources.cpu), ("memory", &req.resources.memory), ("disk", &req.resources.disk)]
-        {
-            if let Some(q) = q {
-                q.value().map_err(|e| ServerError::InvalidArgument(format!("resources.{name}: {e}")))?;
-            }
-        }
-        for k in req.env.keys() {
-            if k.is_empty() || k.contains('=') || k.contains('\0') {
-                return Err(ServerError::InvalidArgument(format!("invalid environment variable name `{k}`")));
-            }
-        }
+        check_resources(&req.resources)?;
+        check_env(&req.env)?;
         for k in req.labels.keys() {
             if k.is_empty() || k.len() > 63 || !k.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c)) {
                 return Err(ServerError::InvalidArgument(format!("invalid label key `{k}`")));
             }
+            if k.starts_with("sandman.dev/") {
+                return Err(ServerError::InvalidArgument(format!("label key `{k}` is reserved for the server")));
+            }
         }
+        check_setup(&req.setup)?;
         if let Some(job) = &req.job
             && (job.is_empty() || job.contains('/'))
         {
@@ -219,9 +394,8 @@ impl Service {
             Some(0) => return Err(ServerError::InvalidArgument("`idle_timeout_s` must be at least 1".into())),
             other => other.map(Duration::from_secs),
         };
-        let id = format!("sb-{}", &random_hex()[..12]);
         let spec = SandboxSpec {
-            id,
+            id: new_id(),
             image: req.image.clone(),
             resources: req.resources.clone(),
             env: req.env.clone(),
@@ -239,18 +413,50 @@ impl Service {
                 idempotency_key: req.idempotency_key.clone(),
             },
         };
-        Ok((spec, Duration::from_secs(lease_s), idle, ttl))
+        Ok(Parsed { spec, lease: Duration::from_secs(lease_s), idle, ttl })
     }
 
-    /// Creates a sandbox (or finds the one created under the same idempotency key) and, unless
-    /// `wait` is false, answers once it is ready or has failed.
-    pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> ServerResult<WireSandbox> {
-        let (spec, lease, idle, ttl) = self.parse_create(&req)?;
-        self.provider.check(&spec).map_err(ServerError::Provider)?;
-        let wait = req.wait.then(|| {
-            req.wait_timeout_s.map(Duration::from_secs).unwrap_or(self.settings.ready_timeout + Duration::from_secs(5))
-        });
-        let (sandbox, fresh) = {
+    /// Refuses a create that would take `job` past its `max_sandboxes`.
+    fn check_quota(&self, table: &Table, job: Option<&str>) -> ServerResult<()> {
+        let Some(job) = job else { return Ok(()) };
+        let Some(max) = self.jobs().get(job).and_then(|j| j.spec.max_sandboxes) else { return Ok(()) };
+        let live = table.live_of_job(job);
+        if live >= max {
+            return Err(ServerError::QuotaExceeded(format!(
+                "job `{job}` has {live} live sandboxes, its max_sandboxes quota"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Creates a sandbox (or finds the one created under the same idempotency key, or claims
+    /// one from a warm pool) and, unless `wait` is false, answers once it is ready or has
+    /// failed, or `wait_timeout_s` has passed.
+    pub async fn create(self: &Arc<Self>, mut req: CreateSandbox) -> ServerResult<WireSandbox> {
+        let started = Instant::now();
+        let pool = self.pools().for_create(&req, self.provider.name());
+        if let Some(name) = req.pool.clone() {
+            let Some((_, spec)) = &pool else {
+                return Err(ServerError::InvalidArgument(format!(
+                    "no pool `{name}`; create it with PUT /v1/pools/{name}"
+                )));
+            };
+            Self::apply_pool(&mut req, &name, spec)?;
+        }
+        let parsed = self.parse_create(&req)?;
+        self.provider.check(&parsed.spec).map_err(ServerError::Provider)?;
+        let deadline = req.wait_timeout_s.map(|s| started + Duration::from_secs(s));
+        // A claim needs a pool whose sandboxes' daemons keep a lease as long as this one's.
+        let claimable = pool
+            .as_ref()
+            .filter(|(_, p)| parsed.spec.server.lease_s <= self.pool_lease_s(p))
+            .map(|(name, p)| (name.clone(), p.setup.clone()));
+        // A cold create from a named pool runs the pool's setup, then the request's.
+        let cold_setup: Vec<String> = match (&req.pool, &pool) {
+            (Some(_), Some((_, p))) => p.setup.iter().chain(&req.setup).cloned().collect(),
+            _ => req.setup.clone(),
+        };
+        let (sandbox, served) = {
             let mut table = self.table();
             let existing = req
                 .idempotency_key
@@ -259,75 +465,198 @@ impl Service {
                 .and_then(|id| table.by_id.get(id))
                 .cloned();
             match existing {
-                Some(sb) => (sb, false),
+                Some(sb) => {
+                    same_request(&sb, &req)?;
+                    (sb, Served::Existing)
+                }
                 None => {
-                    if let Some(job) = &spec.job
-                        && let Some(max) = self.jobs().get(job).and_then(|j| j.spec.max_sandboxes)
-                    {
-                        let live = table
-                            .by_job
-                            .get(job)
-                            .into_iter()
-                            .flatten()
-                            .filter(|id| table.by_id.get(*id).is_some_and(|s| !s.state().is_terminal()))
-                            .count() as u64;
-                        if live >= max {
-                            return Err(ServerError::QuotaExceeded(format!(
-                                "job `{job}` has {live} live sandboxes, its max_sandboxes quota"
-                            )));
+                    self.check_quota(&table, parsed.spec.job.as_deref())?;
+                    let claimed = claimable.and_then(|(name, pool_setup)| {
+                        let setup = if req.setup == pool_setup { Vec::new() } else { req.setup.clone() };
+                        self.claim_locked(&mut table, &name, &parsed, &req, setup)
+                            .map(|(sb, setup)| (sb, Served::Claimed { pool: name, setup }))
+                    });
+                    match claimed {
+                        Some(c) => c,
+                        None => {
+                            let tenant = Tenant::of_job(parsed.spec.job.as_deref());
+                            let offer = self.admission().offer(tenant, &parsed.spec.id, Instant::now());
+                            let state = match offer {
+                                Offer::Admitted => SandboxState::Creating,
+                                Offer::Queued { .. } => SandboxState::Queued,
+                                Offer::Full { retry_after } => {
+                                    self.metrics.queue_rejected.inc();
+                                    return Err(ServerError::QueueFull {
+                                        queued: self.admission().queued(),
+                                        retry_after_s: retry_after.as_secs().max(1),
+                                    });
+                                }
+                            };
+                            let timers = Timers::new(Instant::now(), parsed.lease, parsed.idle, parsed.ttl);
+                            let mut sb = Sandbox::new(parsed.spec, self.provider.name(), state, timers);
+                            sb.setup = cold_setup;
+                            let sb = Arc::new(sb);
+                            table.insert(&sb);
+                            (sb, Served::Fresh(offer))
                         }
                     }
-                    let timers = Timers::new(Instant::now(), lease, idle, ttl);
-                    let sb = Arc::new(Sandbox::new(spec.clone(), self.provider.name(), SandboxState::Creating, timers));
-                    table.by_id.insert(spec.id.clone(), sb.clone());
-                    if let Some(k) = &req.idempotency_key {
-                        table.by_key.insert(k.clone(), spec.id.clone());
-                    }
-                    if let Some(job) = &spec.job {
-                        table.by_job.entry(job.clone()).or_default().insert(spec.id.clone());
-                    }
-                    (sb, true)
                 }
             }
         };
-        if fresh {
-            self.metrics.created.get_or_create(&ProviderLabel { provider: self.provider.name().into() }).inc();
-            self.metrics.moved(None, SandboxState::Creating);
-            self.events.emit(sandbox.id(), sandbox.spec.job.as_deref(), SandboxState::Creating, None, None);
-            if let Some(job) = &sandbox.spec.job
-                && let Some(j) = self.jobs().get_mut(job)
-            {
-                j.created += 1;
+        match served {
+            Served::Existing => {}
+            Served::Claimed { pool, setup } => self.claimed(&sandbox, &pool, setup, started),
+            Served::Fresh(offer) => {
+                self.count_created(&sandbox, true);
+                match offer {
+                    Offer::Queued { position, wait } => {
+                        self.metrics.moved(None, SandboxState::Queued);
+                        self.events.emit_queued(sandbox.id(), sandbox.spec.job.as_deref(), position, wait);
+                        self.admission_wake.notify_one();
+                    }
+                    _ => {
+                        self.metrics.moved(None, SandboxState::Creating);
+                        self.metrics.admitted("immediate", 1);
+                        self.meter().add(Instant::now(), 1);
+                        self.events.emit(sandbox.id(), sandbox.spec.job.as_deref(), SandboxState::Creating, None, None);
+                        let me = self.clone();
+                        let sb = sandbox.clone();
+                        self.tasks.spawn(async move { me.bring_up(sb).await });
+                    }
+                }
+                if let Some((name, _)) = &pool {
+                    // A create the pool could not serve: make sure it is refilling.
+                    self.refill(name);
+                }
             }
-            let me = self.clone();
-            let sb = sandbox.clone();
-            self.tasks.spawn(async move { me.bring_up(sb).await });
         }
-        let Some(limit) = wait else { return Ok(sandbox.to_wire()) };
-        let mut rx = sandbox.subscribe();
-        let settled =
-            tokio::time::timeout(limit, rx.wait_for(|s| !matches!(s, SandboxState::Queued | SandboxState::Creating)))
-                .await;
-        match (settled, sandbox.state()) {
-            (Err(_), _) => Err(ServerError::Timeout(format!(
-                "sandbox `{}` is not ready after {} s; it is still being created (GET it later)",
-                sandbox.id(),
-                limit.as_secs()
-            ))),
-            (_, SandboxState::Ready) => Ok(sandbox.to_wire()),
-            (_, SandboxState::Failed) => {
-                let inner = sandbox.lock();
+        if !req.wait {
+            return Ok(sandbox.to_wire());
+        }
+        self.wait_settled(&sandbox, deadline).await
+    }
+
+    /// Counts a new sandbox of its job; `made` when the provider makes it (not a claim).
+    fn count_created(&self, sb: &Sandbox, made: bool) {
+        if made {
+            self.metrics.created.get_or_create(&ProviderLabel { provider: self.provider.name().into() }).inc();
+        }
+        if let Some(job) = &sb.spec.job
+            && let Some(j) = self.jobs().get_mut(job)
+        {
+            j.created += 1;
+        }
+    }
+
+    /// Waits until the sandbox is ready or has ended. With a deadline, the whole wait (queue
+    /// included) is bounded, and a create still queued at it is taken off the queue; without,
+    /// the queue is waited out, then the ready timeout.
+    async fn wait_settled(self: &Arc<Self>, sb: &Arc<Sandbox>, deadline: Option<Instant>) -> ServerResult<WireSandbox> {
+        let mut rx = sb.subscribe();
+        let settled = |s: &SandboxState| !matches!(s, SandboxState::Queued | SandboxState::Creating);
+        let limit = self.settings.ready_timeout + Duration::from_secs(5);
+        let in_time = match deadline {
+            Some(at) => tokio::time::timeout_at(at, rx.wait_for(settled)).await.is_ok(),
+            None => {
+                let _ = rx.wait_for(|s| *s != SandboxState::Queued).await;
+                tokio::time::timeout(limit, rx.wait_for(settled)).await.is_ok()
+            }
+        };
+        if !in_time {
+            if sb.state() == SandboxState::Queued {
+                let message = "its wait_timeout_s passed while it was queued for admission".to_string();
+                if self.cancel_queued(sb, Reason::QueueTimeout, Some(message)) {
+                    return Err(ServerError::Timeout(format!(
+                        "sandbox `{}` was still queued for admission at its wait_timeout_s; it was taken off the queue (queue_timeout)",
+                        sb.id()
+                    )));
+                }
+            }
+            let by = match deadline {
+                Some(_) => "by its wait_timeout_s".to_string(),
+                None => format!("after {} s", limit.as_secs()),
+            };
+            return Err(ServerError::Timeout(format!(
+                "sandbox `{}` is not ready {by}; it is still being created (GET it later)",
+                sb.id()
+            )));
+        }
+        match sb.state() {
+            SandboxState::Ready => Ok(sb.to_wire()),
+            SandboxState::Failed => {
+                let inner = sb.lock();
                 Err(ServerError::Failed {
-                    id: sandbox.id().to_string(),
+                    id: sb.id().to_string(),
                     reason: inner.reason.unwrap_or(Reason::ProviderError),
                     message: inner.message.clone().unwrap_or_default(),
                 })
             }
-            _ => Err(sandbox.gone_error()),
+            _ => Err(sb.gone_error()),
         }
     }
 
-    /// Makes the sandbox in the provider and waits for its daemon.
+    /// Takes a queued create off the queue and ends it with `reason`; false when it was no
+    /// longer queued (admission took it first).
+    fn cancel_queued(self: &Arc<Self>, sb: &Arc<Sandbox>, reason: Reason, message: Option<String>) -> bool {
+        self.admission().remove(sb.id());
+        match sb.transition(SandboxState::Gone, Some(reason), message) {
+            Ok(prev) => {
+                self.ended(sb, prev, None);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    // ---- admission ----
+
+    /// One task admits every queued create: it sleeps until the next token is due (the global
+    /// one, or a job's own) or a create is queued, then admits what the rates allow.
+    async fn admission_loop(self: Arc<Self>) {
+        loop {
+            let now = Instant::now();
+            let (admitted, next) = self.admission().admit(now);
+            if !admitted.is_empty() {
+                let n = admitted.len() as u64;
+                self.metrics.admitted("queue", n);
+                self.meter().add(now, n);
+            }
+            for (_, ticket) in admitted {
+                self.start_admitted(ticket, now);
+            }
+            let sleep = async {
+                match next {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                _ = self.admission_wake.notified() => {}
+                _ = sleep => {}
+            }
+        }
+    }
+
+    fn start_admitted(self: &Arc<Self>, ticket: Ticket, now: Instant) {
+        let Ok(sb) = self.get(&ticket.id) else { return };
+        let waited = now.saturating_duration_since(ticket.enqueued);
+        // A create released or timed out meanwhile has left `queued` already: nothing to do.
+        let Ok(prev) = sb.transition(SandboxState::Creating, None, None) else { return };
+        self.metrics.moved(Some(prev), SandboxState::Creating);
+        self.metrics.queue_wait.observe(waited.as_secs_f64());
+        self.events.emit(
+            sb.id(),
+            sb.spec.job.as_deref(),
+            SandboxState::Creating,
+            None,
+            Some(format!("admitted after {} ms in the queue", waited.as_millis())),
+        );
+        let me = self.clone();
+        self.tasks.spawn(async move { me.bring_up(sb).await });
+    }
+
+    /// Makes the sandbox in the provider, waits for its daemon, runs its setup commands.
     async fn bring_up(self: Arc<Self>, sb: Arc<Sandbox>) {
         let started = Instant::now();
         let endpoint = match self.provider.create(&sb.spec).await {
@@ -344,48 +673,134 @@ impl Service {
             let _ = self.provider.delete(sb.id()).await;
             return;
         }
-        let limit = self.settings.ready_timeout.saturating_sub(started.elapsed());
-        match daemon::wait_healthy(&self.daemons, &endpoint, &sb.spec.token, limit).await {
-            Ok(()) => match sb.transition(SandboxState::Ready, None, None) {
-                Ok(prev) => {
-                    {
-                        let mut inner = sb.lock();
-                        let now = Instant::now();
-                        inner.timers.call(now);
-                        inner.daemon_touched = now;
-                    }
-                    self.metrics.moved(Some(prev), SandboxState::Ready);
-                    self.metrics.create_to_ready.observe(started.elapsed().as_secs_f64());
-                    self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, None);
-                    self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
-                }
-                Err(_) => {
-                    let _ = self.provider.delete(sb.id()).await;
-                }
-            },
-            Err(last) => {
+        if self.settings.daemons == Daemons::Real {
+            let limit = self.settings.ready_timeout.saturating_sub(started.elapsed());
+            if let Err(last) = daemon::wait_healthy(&self.daemons, &endpoint, &sb.spec.token, limit).await {
                 let msg =
                     format!("the daemon did not answer within {} s: {last}", self.settings.ready_timeout.as_secs());
                 self.fail(&sb, Reason::ReadyTimeout, msg).await;
+                return;
+            }
+        }
+        if let Err(msg) = self.run_setup(&sb, &endpoint, &sb.setup).await {
+            self.fail(&sb, Reason::SetupFailed, msg).await;
+            return;
+        }
+        match sb.transition(SandboxState::Ready, None, None) {
+            Ok(prev) => {
+                {
+                    let mut inner = sb.lock();
+                    let now = Instant::now();
+                    inner.timers.call(now);
+                    inner.daemon_touched = now;
+                }
+                self.metrics.moved(Some(prev), SandboxState::Ready);
+                self.metrics.create_to_ready.observe(started.elapsed().as_secs_f64());
+                self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, None);
+                self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
+                if let Some(name) = sb.pool().filter(|_| sb.claimed_ms.is_none())
+                    && !self.pools().joined(name, sb.id())
+                {
+                    // Its pool was deleted or changed while it came up.
+                    let _ = self.release(sb.id(), Reason::Released).await;
+                }
+            }
+            Err(_) => {
+                let _ = self.provider.delete(sb.id()).await;
             }
         }
     }
 
+    /// Runs setup commands in order through the daemon; the first that fails (or cannot run)
+    /// fails the sandbox with its output's tail.
+    async fn run_setup(&self, sb: &Sandbox, endpoint: &Endpoint, commands: &[String]) -> Result<(), String> {
+        for cmd in commands {
+            if self.settings.daemons == Daemons::Absent {
+                return Err(format!("setup command `{cmd}` cannot run: this server's sandboxes have no daemon"));
+            }
+            let req = ExecRequest {
+                command: Some(cmd.clone()),
+                timeout_ms: Some(self.settings.ready_timeout.as_millis() as u64),
+                max_output_bytes: Some(SETUP_OUTPUT_BYTES),
+                ..Default::default()
+            };
+            let result: ExecResult =
+                daemon::call_json(&self.daemons, endpoint, &sb.spec.token, http::Method::POST, "/v1/exec", Some(&req))
+                    .await
+                    .map_err(|e| format!("setup command `{cmd}` could not run: {e}"))?;
+            if result.status.exit_code == Some(0) {
+                continue;
+            }
+            let how = match (result.status.timed_out, result.status.exit_code, result.status.signal) {
+                (true, _, _) => format!("timed out after {} s", self.settings.ready_timeout.as_secs()),
+                (_, Some(code), _) => format!("exited with {code}"),
+                (_, None, Some(sig)) => format!("was killed by signal {sig}"),
+                _ => "failed".to_string(),
+            };
+            let output = if result.stderr.trim().is_empty() { &result.stdout } else { &result.stderr };
+            return Err(format!("setup command `{cmd}` {how}: {}", tail(output.trim_end(), SETUP_TAIL_CHARS)));
+        }
+        Ok(())
+    }
+
     /// Ends a sandbox that could not be brought up (or died), cleaning up the provider's side.
-    async fn fail(&self, sb: &Arc<Sandbox>, reason: Reason, message: String) {
-        let Ok(prev) = sb.transition(SandboxState::Failed, Some(reason), Some(message.clone())) else { return };
-        self.metrics.moved(Some(prev), SandboxState::Failed);
-        self.metrics.ended(reason);
-        self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Failed, Some(reason), Some(message));
+    async fn fail(self: &Arc<Self>, sb: &Arc<Sandbox>, reason: Reason, message: String) {
+        let Ok(prev) = sb.transition(SandboxState::Failed, Some(reason), Some(message)) else { return };
+        self.ended(sb, prev, None);
         if let Err(e) = self.provider.delete(sb.id()).await {
             tracing::warn!(sandbox = sb.id(), error = %e, "cleanup after failure failed");
+        }
+    }
+
+    /// After a sandbox's move to `gone` or `failed` from `prev`: the gauges and counters, the
+    /// event, the accounting record, its pool's bookkeeping, and its retention.
+    fn ended(self: &Arc<Self>, sb: &Arc<Sandbox>, prev: SandboxState, usage: Option<Usage>) {
+        let (state, reason, message, ready_ms, ended_ms) = {
+            let inner = sb.lock();
+            (
+                inner.state,
+                inner.reason.unwrap_or(Reason::Released),
+                inner.message.clone(),
+                inner.ready_at_ms,
+                inner.ended_at_ms.unwrap_or_else(now_ms),
+            )
+        };
+        self.metrics.moved(Some(prev), state);
+        self.metrics.ended(reason);
+        self.events.emit(sb.id(), sb.spec.job.as_deref(), state, Some(reason), message.clone());
+        let record = UsageRecord {
+            sandbox: sb.id().to_string(),
+            job: sb.spec.job.clone(),
+            image: sb.spec.image.clone(),
+            provider: sb.provider.to_string(),
+            pool: sb.pool().map(str::to_string),
+            claimed_ms: sb.claimed_ms,
+            created_ms: sb.spec.created_at_ms,
+            ready_ms,
+            ended_ms,
+            state,
+            reason,
+            wall_seconds: ended_ms.saturating_sub(sb.spec.created_at_ms) as f64 / 1000.0,
+            cpu_seconds: usage.map(|u| (u.cpu_user_ms + u.cpu_system_ms) as f64 / 1000.0),
+            peak_memory_kib: usage.map(|u| u.max_rss_kib),
+            pool_idle_seconds: sb.claimed_ms.zip(sb.pool_created_ms).map(|(c, p)| c.saturating_sub(p) as f64 / 1000.0),
+        };
+        self.accounting.record(&record, &self.metrics);
+        if let Some(name) = sb.pool().filter(|_| sb.claimed_ms.is_none()) {
+            let failed = (state == SandboxState::Failed).then(|| message.unwrap_or_else(|| reason.to_string()));
+            self.pools().left(name, sb.id(), failed.as_deref(), Instant::now());
+            self.refill(name);
         }
         self.schedule_check(sb.id(), Instant::now() + self.settings.gone_retention);
     }
 
-    /// Releases a sandbox with `reason`. Releasing one that has ended answers `gone`.
-    pub async fn release(&self, id: &str, reason: Reason) -> ServerResult<WireSandbox> {
+    /// Releases a sandbox with `reason`. Releasing one that has ended answers `gone`; one still
+    /// queued is taken off the queue and is gone at once.
+    pub async fn release(self: &Arc<Self>, id: &str, reason: Reason) -> ServerResult<WireSandbox> {
         let sb = self.get(id)?;
+        if sb.state() == SandboxState::Queued && self.cancel_queued(&sb, reason, None) {
+            return Ok(sb.to_wire());
+        }
         let prev = match sb.transition(SandboxState::Releasing, Some(reason), None) {
             Ok(prev) => prev,
             Err(_) if sb.state().is_terminal() => return Err(sb.gone_error()),
@@ -393,6 +808,7 @@ impl Service {
         };
         self.metrics.moved(Some(prev), SandboxState::Releasing);
         self.events.emit(id, sb.spec.job.as_deref(), SandboxState::Releasing, Some(reason), None);
+        let usage = if prev == SandboxState::Ready { self.usage_of(&sb).await } else { None };
         let result = self.provider.delete(id).await;
         let (next, reason, message) = match result {
             Ok(()) => (SandboxState::Gone, reason, None),
@@ -401,17 +817,35 @@ impl Service {
                 (SandboxState::Failed, Reason::ProviderError, Some(format!("release failed: {e}")))
             }
         };
-        if sb.transition(next, Some(reason), message.clone()).is_ok() {
-            self.metrics.moved(Some(SandboxState::Releasing), next);
-            self.metrics.ended(reason);
-            self.events.emit(id, sb.spec.job.as_deref(), next, Some(reason), message);
+        if sb.transition(next, Some(reason), message).is_ok() {
+            self.ended(&sb, SandboxState::Releasing, usage);
         }
-        self.schedule_check(id, Instant::now() + self.settings.gone_retention);
         Ok(sb.to_wire())
     }
 
-    /// The daemon endpoint and token of a ready sandbox, for a proxied call; counts as a call.
-    pub fn call_target(&self, id: &str) -> ServerResult<(Endpoint, String)> {
+    /// What the daemon reports its finished commands used, asked just before a release.
+    async fn usage_of(&self, sb: &Sandbox) -> Option<Usage> {
+        if self.settings.daemons == Daemons::Absent {
+            return None;
+        }
+        let endpoint = sb.lock().endpoint.clone()?;
+        let call = daemon::call_json::<(), Info>(
+            &self.daemons,
+            &endpoint,
+            &sb.spec.token,
+            http::Method::GET,
+            "/v1/info",
+            None,
+        );
+        match tokio::time::timeout(USAGE_TIMEOUT, call).await {
+            Ok(Ok(info)) => info.children_usage,
+            _ => None,
+        }
+    }
+
+    /// The daemon endpoint, token and claimer's environment of a ready sandbox, for a proxied
+    /// call; counts as a call.
+    pub fn call_target(&self, id: &str) -> ServerResult<CallTarget> {
         let sb = self.get(id)?;
         let mut inner = sb.lock();
         match inner.state {
@@ -427,7 +861,7 @@ impl Service {
         inner.daemon_touched = now;
         let endpoint =
             inner.endpoint.clone().ok_or_else(|| ServerError::Internal(format!("sandbox `{id}` has no endpoint")))?;
-        Ok((endpoint, sb.spec.token.clone()))
+        Ok(CallTarget { endpoint, token: sb.spec.token.clone(), env: sb.env_overlay.clone() })
     }
 
     /// Renews the lease of a live sandbox, passing the renewal on to its daemon when the
@@ -453,7 +887,7 @@ impl Service {
             }
             due.then(|| inner.endpoint.clone()).flatten()
         };
-        if let Some(endpoint) = touch {
+        if let Some(endpoint) = touch.filter(|_| self.settings.daemons == Daemons::Real) {
             let me = self.clone();
             let token = sb.spec.token.clone();
             let id = sb.id().to_string();
@@ -473,10 +907,15 @@ impl Service {
         if name.is_empty() || name.contains('/') {
             return Err(ServerError::InvalidArgument(format!("invalid job name `{name}`")));
         }
-        if spec.create_rate.is_some() || spec.weight.is_some() {
-            return Err(ServerError::InvalidArgument(
-                "`create_rate` and `weight` need admission control, which this server does not run; set `max_sandboxes` and `lease_s`".into(),
-            ));
+        if let Some(r) = spec.create_rate
+            && !(r.is_finite() && r > 0.0)
+        {
+            return Err(ServerError::InvalidArgument(format!("`create_rate` must be a positive number, not {r}")));
+        }
+        if let Some(w) = spec.weight
+            && !(w.is_finite() && w > 0.0)
+        {
+            return Err(ServerError::InvalidArgument(format!("`weight` must be a positive number, not {w}")));
         }
         if spec.lease_s == Some(0) {
             return Err(ServerError::InvalidArgument("`lease_s` must be at least 1".into()));
@@ -484,19 +923,22 @@ impl Service {
         {
             let mut jobs = self.jobs();
             let entry = jobs.entry(name.to_string()).or_default();
-            entry.spec = spec;
+            entry.spec = spec.clone();
             save_jobs(&self.settings.state_dir, &jobs);
         }
+        self.admission().set_tenant(Tenant::Job(name.to_string()), spec.weight, spec.create_rate, Instant::now());
+        self.admission_wake.notify_one();
         self.job(name)
     }
 
     pub fn job(&self, name: &str) -> ServerResult<Job> {
         let live = self.job_members(name).iter().filter(|s| !s.state().is_terminal()).count() as u64;
-        // The table is always locked before the jobs (as `create` does), never while holding them.
-        let in_table = self.table().by_job.contains_key(name);
+        // `job_members` locks the table before the jobs are locked (as `create` does), never while
+        // holding them.
         let jobs = self.jobs();
         let entry = jobs.get(name);
-        if entry.is_none() && live == 0 && !in_table {
+        // A job exists while it has a spec (PUT) or live sandboxes; ended ones are history.
+        if entry.is_none() && live == 0 {
             return Err(ServerError::NotFound(format!("no job `{name}`")));
         }
         let entry = entry.cloned().unwrap_or_default();
@@ -507,6 +949,17 @@ impl Service {
             created: entry.created,
             last_heartbeat_ms: entry.last_heartbeat_ms,
         })
+    }
+
+    /// The sums of the job's accounting records, and its live sandboxes.
+    pub fn job_usage(&self, name: &str) -> ServerResult<JobUsage> {
+        let live = self.job_members(name).iter().filter(|s| !s.state().is_terminal()).count() as u64;
+        let known = self.jobs().contains_key(name);
+        match self.accounting.usage(name) {
+            Some(u) => Ok(JobUsage { live, ..u }),
+            None if known || live > 0 => Ok(JobUsage { job: name.to_string(), live, ..Default::default() }),
+            None => Err(ServerError::NotFound(format!("no job `{name}`"))),
+        }
     }
 
     fn job_members(&self, name: &str) -> Vec<Arc<Sandbox>> {
@@ -533,8 +986,11 @@ impl Service {
         Ok(JobAction { job: name.to_string(), sandboxes: n })
     }
 
-    /// Releases every sandbox of the job (reason `job_deleted`) and forgets its quota.
-    pub async fn delete_job(&self, name: &str) -> ServerResult<JobAction> {
+    /// Releases every sandbox of the job (reason `job_deleted`), those it was still queueing
+    /// included, and forgets its quota.
+    pub async fn delete_job(self: &Arc<Self>, name: &str) -> ServerResult<JobAction> {
+        // Off the queue first, all at once, so that nothing of the job is admitted meanwhile.
+        let queued = self.admission().remove_tenant(&Tenant::Job(name.to_string()));
         let members = self.job_members(name);
         let known = {
             let mut jobs = self.jobs();
@@ -547,6 +1003,7 @@ impl Service {
         if members.is_empty() && !known {
             return Err(ServerError::NotFound(format!("no job `{name}`")));
         }
+        tracing::info!(job = name, queued = queued.len(), "deleting a job");
         let live: Vec<_> = members.into_iter().filter(|s| !s.state().is_terminal()).collect();
         let releases = live.iter().map(|sb| self.release(sb.id(), Reason::JobDeleted));
         let results = futures_util::future::join_all(releases).await;
@@ -554,16 +1011,395 @@ impl Service {
         Ok(JobAction { job: name.to_string(), sandboxes: n })
     }
 
+    // ---- warm pools ----
+
+    /// The longest lease a claim from this pool may have: its members' daemons keep that long
+    /// plus the slack.
+    fn pool_lease_s(&self, spec: &PoolSpec) -> u64 {
+        spec.lease_s.unwrap_or(self.settings.default_lease.as_secs()).max(1)
+    }
+
+    /// Creates or changes a pool; it fills in the background.
+    pub fn put_pool(self: &Arc<Self>, name: &str, spec: PoolSpec) -> ServerResult<Pool> {
+        if name.is_empty() || name.len() > 63 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(ServerError::InvalidArgument(format!(
+                "invalid pool name `{name}`: up to 63 letters, digits, `-`, `_` and `.`"
+            )));
+        }
+        if spec.image.trim().is_empty() {
+            return Err(ServerError::InvalidArgument("`image` is required".into()));
+        }
+        if let Some(p) = &spec.provider
+            && p != self.provider.name()
+        {
+            return Err(ServerError::InvalidArgument(format!(
+                "provider `{p}` is not served here; this server runs the `{}` provider",
+                self.provider.name()
+            )));
+        }
+        let max = spec.max.unwrap_or(spec.min_ready);
+        if max < spec.min_ready || max > pool::MAX_POOL_SIZE {
+            return Err(ServerError::InvalidArgument(format!(
+                "`max` ({max}) must be at least `min_ready` ({}) and at most {}",
+                spec.min_ready,
+                pool::MAX_POOL_SIZE
+            )));
+        }
+        if spec.lease_s == Some(0) {
+            return Err(ServerError::InvalidArgument("`lease_s` must be at least 1".into()));
+        }
+        check_resources(&spec.resources)?;
+        check_env(&spec.env)?;
+        check_setup(&spec.setup)?;
+        let probe = self.pool_member_spec(name, &spec);
+        self.provider.check(&probe).map_err(ServerError::Provider)?;
+        let outcome = {
+            let mut pools = self.pools();
+            let outcome = pools.put(name, spec);
+            pool::save_specs(&self.settings.state_dir, &pools.specs());
+            outcome
+        };
+        let gone = match outcome {
+            Put::Created => Vec::new(),
+            Put::Resized { excess } => excess,
+            Put::Replaced { old } => old,
+        };
+        self.release_in_background(gone, format!("pool `{name}` changed"));
+        self.refill(name);
+        self.pool(name)
+    }
+
+    /// Forgets a pool and releases its unclaimed sandboxes; claimed ones are their claimers'.
+    pub fn delete_pool(self: &Arc<Self>, name: &str) -> ServerResult<Pool> {
+        let report = self.pool(name)?;
+        let removed = {
+            let mut pools = self.pools();
+            let removed = pools.remove(name);
+            pool::save_specs(&self.settings.state_dir, &pools.specs());
+            removed
+        };
+        if let Some(p) = removed {
+            self.release_in_background(
+                p.ready.into_iter().chain(p.creating).collect(),
+                format!("pool `{name}` deleted"),
+            );
+        }
+        self.metrics.pool_removed(name);
+        Ok(report)
+    }
+
+    fn release_in_background(self: &Arc<Self>, ids: Vec<String>, why: String) {
+        if ids.is_empty() {
+            return;
+        }
+        tracing::info!(sandboxes = ids.len(), why, "releasing unclaimed pool sandboxes");
+        let me = self.clone();
+        self.tasks.spawn(async move {
+            let releases = ids.iter().map(|id| me.release(id, Reason::Released));
+            futures_util::future::join_all(releases).await;
+        });
+    }
+
+    pub fn pool(&self, name: &str) -> ServerResult<Pool> {
+        self.pool_list()
+            .into_iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| ServerError::NotFound(format!("no pool `{name}`")))
+    }
+
+    /// Every pool with its sizes; also sets the pool gauges.
+    pub fn pool_list(&self) -> Vec<Pool> {
+        let mut claimed: HashMap<String, u64> = HashMap::new();
+        for sb in self.table().by_id.values() {
+            if let (Some(p), Some(_)) = (sb.pool(), sb.claimed_ms)
+                && !sb.state().is_terminal()
+            {
+                *claimed.entry(p.to_string()).or_default() += 1;
+            }
+        }
+        let pools = self.pools();
+        pools
+            .iter()
+            .map(|(name, p)| {
+                let pool = Pool {
+                    name: name.clone(),
+                    spec: p.spec.clone(),
+                    ready: p.ready.len() as u64,
+                    creating: p.creating.len() as u64,
+                    claimed: claimed.get(name).copied().unwrap_or(0),
+                    claims: p.claims,
+                    last_error: p.last_error.clone(),
+                };
+                self.metrics.pool_sizes(name, pool.ready, pool.creating, pool.claimed);
+                pool
+            })
+            .collect()
+    }
+
+    /// The spec of a new member of pool `name`: no job, the pool's label, a lease the pool
+    /// renews while it is unclaimed.
+    fn pool_member_spec(&self, name: &str, spec: &PoolSpec) -> SandboxSpec {
+        let lease_s = self.pool_lease_s(spec);
+        SandboxSpec {
+            id: new_id(),
+            image: spec.image.clone(),
+            resources: spec.resources.clone(),
+            env: spec.env.clone(),
+            labels: BTreeMap::from([(POOL_LABEL.to_string(), name.to_string())]),
+            job: None,
+            profile: spec.profile,
+            network: spec.network,
+            token: random_hex(),
+            daemon_lease_s: lease_s + DAEMON_LEASE_SLACK_S,
+            created_at_ms: now_ms(),
+            server: ServerMeta { lease_s, idle_timeout_s: None, ttl_s: None, idempotency_key: None },
+        }
+    }
+
+    /// Brings the pool back to `min_ready` through admission (as the pool's own tenant,
+    /// counted against no job). While its refills fail, it backs off and tries again later.
+    fn refill(self: &Arc<Self>, name: &str) {
+        let now = Instant::now();
+        let (specs, setup, retry) = {
+            let mut pools = self.pools();
+            let (n, retry) = pools.deficit(name, now);
+            let Some(p) = pools.get(name) else { return };
+            let spec = p.spec.clone();
+            let specs: Vec<SandboxSpec> = (0..n).map(|_| self.pool_member_spec(name, &spec)).collect();
+            for s in &specs {
+                pools.reserve(name, &s.id);
+            }
+            (specs, spec.setup, retry)
+        };
+        if let Some(at) = retry {
+            let me = self.clone();
+            let name = name.to_string();
+            self.tasks.spawn(async move {
+                tokio::select! {
+                    _ = me.cancel.cancelled() => {}
+                    _ = tokio::time::sleep_until(at) => me.refill(&name),
+                }
+            });
+            return;
+        }
+        let mut specs = specs.into_iter();
+        while let Some(spec) = specs.next() {
+            let lease = Duration::from_secs(spec.server.lease_s);
+            let id = spec.id.clone();
+            let (sb, offer) = {
+                let mut table = self.table();
+                let offer = self.admission().offer(Tenant::Pool(name.to_string()), &id, now);
+                let state = match offer {
+                    Offer::Admitted => SandboxState::Creating,
+                    Offer::Queued { .. } => SandboxState::Queued,
+                    Offer::Full { .. } => {
+                        drop(table);
+                        // Give back this and the remaining reservations, and try again later.
+                        let mut pools = self.pools();
+                        pools.left(name, &id, Some("the admission queue is full"), now);
+                        for rest in specs {
+                            pools.left(name, &rest.id, None, now);
+                        }
+                        drop(pools);
+                        self.refill(name);
+                        return;
+                    }
+                };
+                let mut sb = Sandbox::new(spec, self.provider.name(), state, Timers::new(now, lease, None, None));
+                sb.setup = setup.clone();
+                let sb = Arc::new(sb);
+                table.insert(&sb);
+                (sb, offer)
+            };
+            self.count_created(&sb, true);
+            match offer {
+                Offer::Queued { position, wait } => {
+                    self.metrics.moved(None, SandboxState::Queued);
+                    self.events.emit_queued(sb.id(), None, position, wait);
+                    self.admission_wake.notify_one();
+                }
+                _ => {
+                    self.metrics.moved(None, SandboxState::Creating);
+                    self.metrics.admitted("immediate", 1);
+                    self.meter().add(now, 1);
+                    self.events.emit(
+                        sb.id(),
+                        None,
+                        SandboxState::Creating,
+                        None,
+                        Some(format!("refilling pool `{name}`")),
+                    );
+                    let me = self.clone();
+                    self.tasks.spawn(async move { me.bring_up(sb).await });
+                }
+            }
+        }
+    }
+
+    fn refill_all(self: &Arc<Self>) {
+        let names: Vec<String> = self.pools().iter().map(|(n, _)| n.clone()).collect();
+        for name in names {
+            self.refill(&name);
+        }
+    }
+
+    /// Claims a ready member of pool `name` for this create, under the table's lock: pops it
+    /// from the pool's ready queue and registers it again under the claimer's job, labels,
+    /// lease, lifetime and key (same id, daemon and endpoint; nothing is recreated). Answers
+    /// it, and whether it still has the claimer's `setup` to run (then it is `creating`).
+    fn claim_locked(
+        &self,
+        table: &mut Table,
+        name: &str,
+        parsed: &Parsed,
+        req: &CreateSandbox,
+        setup: Vec<String>,
+    ) -> Option<(Arc<Sandbox>, bool)> {
+        loop {
+            let id = self.pools().claim(name)?;
+            let Some(old) = table.by_id.get(&id).cloned() else { continue };
+            if old.state() != SandboxState::Ready || old.claimed_ms.is_some() {
+                continue;
+            }
+            let now = Instant::now();
+            let claimed_ms = now_ms();
+            let mut labels = req.labels.clone();
+            labels.insert(POOL_LABEL.to_string(), name.to_string());
+            let spec = SandboxSpec {
+                id: id.clone(),
+                labels,
+                job: req.job.clone(),
+                created_at_ms: claimed_ms,
+                server: parsed.spec.server.clone(),
+                ..old.spec.clone()
+            };
+            let has_setup = !setup.is_empty();
+            let state = if has_setup { SandboxState::Creating } else { SandboxState::Ready };
+            let mut sb = Sandbox::new(
+                spec,
+                self.provider.name(),
+                state,
+                Timers::new(now, parsed.lease, parsed.idle, parsed.ttl),
+            );
+            sb.setup = setup;
+            sb.env_overlay = Arc::new(req.env.clone());
+            sb.claimed_ms = Some(claimed_ms);
+            sb.pool_created_ms = Some(old.spec.created_at_ms);
+            {
+                let mut inner = sb.lock();
+                inner.endpoint = old.lock().endpoint.clone();
+                inner.daemon_touched = old.lock().daemon_touched;
+                if !has_setup {
+                    inner.ready_at_ms = Some(claimed_ms);
+                }
+            }
+            let sb = Arc::new(sb);
+            table.insert(&sb);
+            return Some((sb, has_setup));
+        }
+    }
+
+    /// After a claim, outside the table's lock: the journal, metrics, event, timers; the
+    /// claimer's setup, when it has one; and the pool's refill.
+    fn claimed(self: &Arc<Self>, sb: &Arc<Sandbox>, pool: &str, setup: bool, started: Instant) {
+        self.claims.append(&Claim {
+            spec: sb.spec.clone(),
+            env: (*sb.env_overlay).clone(),
+            claimed_ms: sb.claimed_ms.unwrap_or_else(now_ms),
+            pool_created_ms: sb.pool_created_ms.unwrap_or(0),
+        });
+        self.count_created(sb, false);
+        self.metrics.pool_claims.get_or_create(&PoolLabel { pool: pool.to_string() }).inc();
+        let message = Some(format!("claimed from pool `{pool}`"));
+        if setup {
+            self.metrics.moved(Some(SandboxState::Ready), SandboxState::Creating);
+            self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Creating, None, message);
+            let me = self.clone();
+            let sb = sb.clone();
+            self.tasks.spawn(async move { me.finish_claim(sb).await });
+        } else {
+            self.metrics.claim_latency.observe(started.elapsed().as_secs_f64());
+            self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, message);
+            self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
+        }
+        self.refill(pool);
+    }
+
+    /// Runs a claimer's setup commands in its claimed sandbox, then reports it ready.
+    async fn finish_claim(self: Arc<Self>, sb: Arc<Sandbox>) {
+        let Some(endpoint) = sb.lock().endpoint.clone() else { return };
+        if let Err(msg) = self.run_setup(&sb, &endpoint, &sb.setup).await {
+            self.fail(&sb, Reason::SetupFailed, msg).await;
+            return;
+        }
+        if let Ok(prev) = sb.transition(SandboxState::Ready, None, None) {
+            sb.lock().timers.call(Instant::now());
+            self.metrics.moved(Some(prev), SandboxState::Ready);
+            self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, None);
+            self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
+        }
+    }
+
+    // ---- preparing images ----
+
+    /// Makes images ready ahead of the creates that need them, a few at once, reporting each
+    /// image's progress as events; answers once every image is ready or has failed.
+    pub async fn prepare(&self, req: PrepareRequest) -> ServerResult<PrepareResult> {
+        if req.images.is_empty() || req.images.len() > MAX_PREPARE_IMAGES {
+            return Err(ServerError::InvalidArgument(format!(
+                "`images` must name between 1 and {MAX_PREPARE_IMAGES} images"
+            )));
+        }
+        if let Some(img) = req.images.iter().find(|i| i.trim().is_empty()) {
+            return Err(ServerError::InvalidArgument(format!("invalid image name `{img}`")));
+        }
+        let job = req.job.as_deref();
+        let one = |image: String| async move {
+            let started = Instant::now();
+            self.events.emit_prepare(&image, job, PreparePhase::Started, None);
+            // Checked as a create of the image would be: a provider refuses images it cannot run.
+            let mut probe = self.pool_member_spec("prepare", &PoolSpec::default());
+            probe.image = image.clone();
+            let result = match self.provider.check(&probe) {
+                Err(e) => Err(e),
+                Ok(()) => self.provider.prepare(&image).await,
+            };
+            let message = result.err().map(|e| e.to_string());
+            let phase = if message.is_some() { PreparePhase::Failed } else { PreparePhase::Ready };
+            self.events.emit_prepare(&image, job, phase, message.clone());
+            PreparedImage { image, ok: message.is_none(), message, duration_ms: started.elapsed().as_millis() as u64 }
+        };
+        let images: Vec<PreparedImage> =
+            futures_util::stream::iter(req.images.clone()).map(one).buffered(PREPARE_CONCURRENCY).collect().await;
+        Ok(PrepareResult { images })
+    }
+
+    // ---- metrics ----
+
+    /// Brings the gauges computed on demand up to date (queue depth, achieved rate, pool
+    /// sizes); called before every scrape.
+    pub fn refresh_gauges(&self) {
+        self.metrics.queue_depth.set(self.admission().queued() as i64);
+        self.metrics.create_rate_achieved.set(self.meter().rate(Instant::now()));
+        let _ = self.pool_list();
+    }
+
     // ---- recovery and provider events ----
 
-    /// Finds every sandbox in the provider's records again after a (re)start.
+    /// Finds every sandbox in the provider's records again after a (re)start: claimed pool
+    /// sandboxes as their claimers made them (from the claims file), unclaimed ones back in
+    /// their pools, then refills the pools.
     pub async fn recover(self: &Arc<Self>) -> ServerResult<(usize, usize)> {
         let records = self.provider.list().await.map_err(ServerError::Provider)?;
+        let mut claims = self.claims.take_found();
+        let mut live_claims = Vec::new();
+        let mut orphans = Vec::new();
         let (mut live, mut dead) = (0, 0);
         let now = Instant::now();
         let now_wall = now_ms();
         for record in records {
-            let spec = record.spec;
+            let claim = claims.remove(&record.spec.id);
+            let spec = claim.as_ref().map_or(record.spec, |c| c.spec.clone());
             let age = Duration::from_millis(now_wall.saturating_sub(spec.created_at_ms));
             let lease = Duration::from_secs(spec.server.lease_s.max(1));
             let mut timers = Timers::new(
@@ -573,20 +1409,20 @@ impl Service {
                 spec.server.ttl_s.map(Duration::from_secs),
             );
             timers.created = now.checked_sub(age).unwrap_or(now);
-            let sb = Arc::new(Sandbox::new(spec.clone(), self.provider.name(), SandboxState::Creating, timers));
+            let mut sb = Sandbox::new(spec.clone(), self.provider.name(), SandboxState::Creating, timers);
+            if let Some(c) = &claim {
+                sb.env_overlay = Arc::new(c.env.clone());
+                sb.claimed_ms = Some(c.claimed_ms);
+                sb.pool_created_ms = Some(c.pool_created_ms);
+            }
+            let sb = Arc::new(sb);
             sb.lock().endpoint = Some(record.endpoint);
             {
                 let mut table = self.table();
                 if table.by_id.contains_key(&spec.id) {
                     continue;
                 }
-                table.by_id.insert(spec.id.clone(), sb.clone());
-                if let Some(k) = &spec.server.idempotency_key {
-                    table.by_key.insert(k.clone(), spec.id.clone());
-                }
-                if let Some(job) = &spec.job {
-                    table.by_job.entry(job.clone()).or_default().insert(spec.id.clone());
-                }
+                table.insert(&sb);
             }
             self.metrics.moved(None, SandboxState::Creating);
             match record.ended {
@@ -611,10 +1447,20 @@ impl Service {
                         // Renew the daemon's lease now: it may have been counting down while
                         // the server was away.
                         self.renew_daemon_now(&sb);
+                        if let Some(c) = claim {
+                            live_claims.push(c);
+                        } else if let Some(name) = sb.pool()
+                            && !self.pools().adopt(name, sb.id(), &sb.spec)
+                        {
+                            orphans.push(sb.id().to_string());
+                        }
                     }
                 }
             }
         }
+        self.claims.compact(&live_claims);
+        self.release_in_background(orphans, "its pool is gone or full".into());
+        self.refill_all();
         Ok((live, dead))
     }
 
@@ -623,7 +1469,22 @@ impl Service {
         self.renew(sb);
     }
 
-    async fn provider_event(&self, ev: ProviderEvent) {
+    /// A line of progress on a create (an image pull): logged, and an event for whoever waits.
+    fn provider_progress(&self, p: Progress) {
+        let Ok(sb) = self.get(&p.id) else { return };
+        if sb.state() != SandboxState::Creating {
+            return;
+        }
+        tracing::info!(sandbox = p.id, message = p.message, "creating");
+        self.events.emit_progress(
+            sb.id(),
+            sb.spec.job.as_deref(),
+            sb.spec.server.idempotency_key.as_deref(),
+            p.message,
+        );
+    }
+
+    async fn provider_event(self: &Arc<Self>, ev: ProviderEvent) {
         let Ok(sb) = self.get(&ev.id) else { return };
         let state = sb.state();
         if state.is_terminal() || state == SandboxState::Releasing {
@@ -705,6 +1566,12 @@ impl Service {
             return;
         }
         match due {
+            // The pool keeps its unclaimed sandboxes: renew their leases, the daemon's too.
+            Some(_) if sb.is_unclaimed_pool_member() => {
+                sb.lock().timers.renew(now);
+                self.renew_daemon_now(&sb);
+                self.schedule_check(id, sb.lock().timers.next_deadline().0);
+            }
             Some(reason) => {
                 tracing::info!(sandbox = id, %reason, "reclaiming");
                 let me = self.clone();
@@ -719,7 +1586,10 @@ impl Service {
 
     fn forget(&self, sb: &Sandbox) {
         let mut table = self.table();
-        table.by_id.remove(sb.id());
+        // A claimed pool sandbox replaced its pool's record of it under the same id.
+        if table.by_id.get(sb.id()).is_some_and(|s| std::ptr::eq(s.as_ref(), sb)) {
+            table.by_id.remove(sb.id());
+        }
         if let Some(k) = &sb.spec.server.idempotency_key
             && table.by_key.get(k).map(String::as_str) == Some(sb.id())
         {
@@ -740,6 +1610,92 @@ impl Service {
     pub fn count(&self) -> usize {
         self.table().by_id.len()
     }
+
+    /// Creates waiting for admission.
+    pub fn queued(&self) -> usize {
+        self.admission().queued()
+    }
+}
+
+/// Where a proxied call goes, and the claimer's environment merged into it.
+#[derive(Debug, Clone)]
+pub struct CallTarget {
+    pub endpoint: Endpoint,
+    pub token: String,
+    pub env: Arc<BTreeMap<String, String>>,
+}
+
+fn check_resources(r: &sandman_wire::server::Resources) -> ServerResult<()> {
+    for (name, q) in [("cpu", &r.cpu), ("memory", &r.memory), ("disk", &r.disk)] {
+        if let Some(q) = q {
+            q.value().map_err(|e| ServerError::InvalidArgument(format!("resources.{name}: {e}")))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_env(env: &BTreeMap<String, String>) -> ServerResult<()> {
+    for k in env.keys() {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(ServerError::InvalidArgument(format!("invalid environment variable name `{k}`")));
+        }
+    }
+    Ok(())
+}
+
+fn check_setup(setup: &[String]) -> ServerResult<()> {
+    if setup.len() > 64 {
+        return Err(ServerError::InvalidArgument("`setup` takes at most 64 commands".into()));
+    }
+    if setup.iter().any(|c| c.trim().is_empty() || c.contains('\0')) {
+        return Err(ServerError::InvalidArgument("every `setup` command must be a non-empty shell string".into()));
+    }
+    Ok(())
+}
+
+/// The last `n` characters of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let count = text.chars().count();
+    if count <= n {
+        return text.to_string();
+    }
+    let skip: String = text.chars().skip(count - n).collect();
+    format!("…{skip}")
+}
+
+fn new_id() -> String {
+    format!("sb-{}", &random_hex()[..12])
+}
+
+/// Refuses a retried create whose idempotency key names a sandbox made from a different request:
+/// answering that sandbox would hand the caller something it did not ask for.
+fn same_request(sb: &Sandbox, req: &CreateSandbox) -> ServerResult<()> {
+    let have = sb.to_wire();
+    let mut differs = Vec::new();
+    if have.image != req.image {
+        differs.push("image");
+    }
+    if have.job != req.job {
+        differs.push("job");
+    }
+    if have.profile != req.profile {
+        differs.push("profile");
+    }
+    if have.network != req.network {
+        differs.push("network");
+    }
+    if have.labels != req.labels {
+        differs.push("labels");
+    }
+    if differs.is_empty() {
+        return Ok(());
+    }
+    Err(ServerError::Conflict(format!(
+        "idempotency key `{}` was used for sandbox `{}` with a different {}",
+        req.idempotency_key.as_deref().unwrap_or_default(),
+        have.id,
+        differs.join(", ")
+    )))
 }
 
 fn jobs_file(state_dir: &std::path::Path) -> PathBuf {
@@ -772,24 +1728,44 @@ mod tests {
     use super::*;
     use sandman_provider::fake::FakeProvider;
 
-    fn service(dir: &std::path::Path) -> Arc<Service> {
-        let settings = Settings {
+    fn settings(dir: &std::path::Path) -> Settings {
+        Settings {
             default_lease: Duration::from_secs(30),
             max_ttl: None,
             ready_timeout: Duration::from_secs(5),
             gone_retention: Duration::from_secs(60),
-            state_dir: dir.to_path_buf(),
-        };
+            ..Settings::new(dir.to_path_buf())
+        }
+    }
+
+    fn service_with(settings: Settings) -> Arc<Service> {
+        let dir = settings.state_dir.clone();
         let provider = AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.join("nowhere.sock"))));
         let s = Service::new(settings, provider, "t".into());
         s.start_background();
         s
     }
 
+    fn service(dir: &std::path::Path) -> Arc<Service> {
+        service_with(settings(dir))
+    }
+
+    /// A service whose fake sandboxes are ready as soon as the provider has made them, with a
+    /// global create rate of `rate` a second, bursts of one.
+    fn admitting(dir: &std::path::Path, rate: f64, max_queue: usize) -> Arc<Service> {
+        service_with(Settings {
+            create_rate: Some(rate),
+            create_burst: 1.0,
+            max_queue,
+            daemons: Daemons::Absent,
+            ..settings(dir)
+        })
+    }
+
     fn fake(s: &Service) -> &FakeProvider {
         match &s.provider {
             AnyProvider::Fake(f) => f,
-            AnyProvider::Process(_) => unreachable!(),
+            _ => unreachable!(),
         }
     }
 
@@ -921,6 +1897,32 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_reused_idempotency_key_with_another_request_is_a_conflict() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = service(dir.path());
+        let req = CreateSandbox {
+            image: "any".into(),
+            wait: false,
+            idempotency_key: Some("k2".into()),
+            ..Default::default()
+        };
+        s.create(req.clone()).await.unwrap_or_else(|e| panic!("{e}"));
+        let other = CreateSandbox { image: "other".into(), ..req };
+        let err = s.create(other).await.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("different image"), "{err}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deleted_job_is_not_found() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = service(dir.path());
+        ready_sandbox(&s, "sb-d1", Some("gone-job"), 100, None, None).await;
+        assert!(s.job("gone-job").is_ok());
+        s.delete_job("gone-job").await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(s.job("gone-job"), Err(ServerError::NotFound(_))));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn idempotent_creates_return_one_sandbox() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let s = service(dir.path());
@@ -950,7 +1952,9 @@ mod tests {
             Err(e @ ServerError::QuotaExceeded(_)) => assert!(e.to_string().contains("max_sandboxes"), "{e}"),
             other => panic!("expected quota_exceeded, got {other:?}"),
         }
-        assert!(s.put_job("q", JobSpec { create_rate: Some(5.0), ..Default::default() }).is_err());
+        assert!(s.put_job("q", JobSpec { create_rate: Some(-5.0), ..Default::default() }).is_err());
+        assert!(s.put_job("q", JobSpec { weight: Some(0.0), ..Default::default() }).is_err());
+        assert!(s.put_job("q", JobSpec { create_rate: Some(5.0), weight: Some(2.0), ..Default::default() }).is_ok());
     }
 
     #[tokio::test(start_paused = true)]
@@ -965,5 +1969,307 @@ mod tests {
             (w.state, w.reason, w.message.as_deref()),
             (SandboxState::Failed, Some(Reason::OomKilled), Some("OOMKilled"))
         );
+    }
+
+    fn create_req(job: Option<&str>, wait: bool) -> CreateSandbox {
+        CreateSandbox { image: "any".into(), wait, job: job.map(str::to_string), ..Default::default() }
+    }
+
+    fn states_of(s: &Service, job: &str) -> HashMap<SandboxState, usize> {
+        let mut out = HashMap::new();
+        let q = ListQuery { job: Some(job.into()), ..Default::default() };
+        for sb in s.list(&q).unwrap_or_default() {
+            *out.entry(sb.state).or_default() += 1;
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn two_jobs_queueing_share_the_create_rate_by_weight() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 100.0, 100_000);
+        s.put_job("light", JobSpec { weight: Some(1.0), ..Default::default() }).unwrap_or_else(|e| panic!("{e}"));
+        s.put_job("heavy", JobSpec { weight: Some(3.0), ..Default::default() }).unwrap_or_else(|e| panic!("{e}"));
+        let mut ids = HashSet::new();
+        for _ in 0..1500 {
+            for job in ["light", "heavy"] {
+                let sb = s.create(create_req(Some(job), false)).await.unwrap_or_else(|e| panic!("{e}"));
+                assert!(ids.insert(sb.id));
+            }
+        }
+        // 10 s of a 100/s rate: about 1000 creates, while both jobs still queue.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        settle().await;
+        let light = states_of(&s, "light").get(&SandboxState::Ready).copied().unwrap_or(0) as f64;
+        let heavy = states_of(&s, "heavy").get(&SandboxState::Ready).copied().unwrap_or(0) as f64;
+        assert!((light + heavy - 1000.0).abs() <= 3.0, "the global rate was not held: {}", light + heavy);
+        let ratio = heavy / light;
+        assert!((ratio - 3.0).abs() / 3.0 < 0.10, "heavy/light = {ratio} ({light} vs {heavy})");
+        assert_eq!(fake(&s).count() as f64, light + heavy, "every admitted create made exactly one sandbox");
+        assert_eq!(s.queued() as f64, 3000.0 - light - heavy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_the_queue_bound_a_create_is_refused_with_a_retry_time() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1.0, 5);
+        for _ in 0..6 {
+            s.create(create_req(None, false)).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        match s.create(create_req(None, false)).await {
+            Err(ServerError::QueueFull { queued: 5, retry_after_s }) => assert!(retry_after_s >= 1),
+            other => panic!("expected a full queue, got {other:?}"),
+        }
+        assert_eq!(s.count(), 6, "the refused create left nothing behind");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_create_still_queued_at_its_wait_timeout_is_taken_off_the_queue() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 0.1, 100);
+        s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
+        let req = CreateSandbox { wait_timeout_s: Some(2), ..create_req(Some("j"), true) };
+        match s.create(req).await {
+            Err(ServerError::Timeout(m)) => assert!(m.contains("queue_timeout"), "{m}"),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert_eq!(states_of(&s, "j").get(&SandboxState::Gone), Some(&1));
+        let gone = s.list(&ListQuery { job: Some("j".into()), ..Default::default() }).unwrap_or_default();
+        assert_eq!(gone[0].reason, Some(Reason::QueueTimeout));
+        assert_eq!(s.queued(), 0);
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        let made = fake(&s).list().await.unwrap_or_default();
+        assert_eq!(made.len(), 1);
+        assert!(made.iter().all(|r| r.spec.job.is_none()), "the timed-out create was made anyway");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_job_create_rate_and_quota_hold_while_others_go_on() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        let spec = JobSpec { max_sandboxes: Some(30), create_rate: Some(2.0), ..Default::default() };
+        s.put_job("capped", spec).unwrap_or_else(|e| panic!("{e}"));
+        for _ in 0..30 {
+            s.create(create_req(Some("capped"), false)).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        // Queued creates count against the quota.
+        match s.create(create_req(Some("capped"), false)).await {
+            Err(e @ ServerError::QuotaExceeded(_)) => assert!(e.to_string().contains("max_sandboxes"), "{e}"),
+            other => panic!("expected quota_exceeded, got {other:?}"),
+        }
+        for _ in 0..50 {
+            s.create(create_req(Some("free"), false)).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        settle().await;
+        // Its bucket: 2 at once, then 2 a second.
+        let capped = states_of(&s, "capped").get(&SandboxState::Ready).copied().unwrap_or(0);
+        assert!((11..=13).contains(&capped), "capped job got {capped} in 5 s");
+        assert_eq!(states_of(&s, "free").get(&SandboxState::Ready), Some(&50));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_job_deleted_mid_burst_releases_what_it_had_and_what_it_queued() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 10.0, 10_000);
+        for _ in 0..100 {
+            s.create(create_req(Some("doomed"), false)).await.unwrap_or_else(|e| panic!("{e}"));
+            s.create(create_req(Some("other"), false)).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        settle().await;
+        let before = states_of(&s, "doomed");
+        assert!(before.get(&SandboxState::Ready).is_some_and(|n| *n >= 5), "{before:?}");
+        assert!(before.get(&SandboxState::Queued).is_some_and(|n| *n >= 80), "{before:?}");
+        let action = s.delete_job("doomed").await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(action.sandboxes, 100);
+        let after = s.list(&ListQuery { job: Some("doomed".into()), ..Default::default() }).unwrap_or_default();
+        assert!(after.iter().all(|sb| sb.state == SandboxState::Gone && sb.reason == Some(Reason::JobDeleted)));
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        settle().await;
+        let made: Vec<_> = fake(&s).list().await.unwrap_or_default();
+        assert!(made.iter().all(|r| r.spec.job.as_deref() == Some("other")), "a deleted job's create was made");
+        assert_eq!(s.job_usage("other").map(|u| u.live).ok(), Some(100));
+    }
+
+    fn pool_spec(min: u64) -> PoolSpec {
+        PoolSpec { image: "any".into(), min_ready: min, ..Default::default() }
+    }
+
+    async fn pool_ready(s: &Service, name: &str) -> u64 {
+        settle().await;
+        s.pool(name).map(|p| p.ready).unwrap_or(0)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pool_fills_claims_hand_out_distinct_sandboxes_and_it_refills() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        s.put_pool("warm", pool_spec(20)).unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(pool_ready(&s, "warm").await, 20);
+        let mut claims = Vec::new();
+        for i in 0..20 {
+            let s = s.clone();
+            claims.push(tokio::spawn(async move {
+                let req = CreateSandbox {
+                    pool: Some("warm".into()),
+                    image: String::new(),
+                    job: Some("j".into()),
+                    labels: BTreeMap::from([("n".to_string(), i.to_string())]),
+                    env: BTreeMap::from([("TASK".to_string(), i.to_string())]),
+                    ..Default::default()
+                };
+                s.create(req).await.unwrap_or_else(|e| panic!("{e}"))
+            }));
+        }
+        let mut ids = HashSet::new();
+        for c in claims {
+            let sb = c.await.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(sb.state, SandboxState::Ready);
+            assert_eq!(sb.labels.get(POOL_LABEL).map(String::as_str), Some("warm"));
+            let n = sb.labels.get("n").cloned().unwrap_or_default();
+            let target = s.call_target(&sb.id).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(target.env.get("TASK"), Some(&n), "the claimer's env is kept for its calls");
+            assert!(ids.insert(sb.id), "a sandbox was handed out twice");
+        }
+        assert_eq!(s.job("j").map(|j| j.live).ok(), Some(20));
+        let p = s.pool("warm").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((p.claimed, p.claims), (20, 20));
+        // Claims made no sandbox of their own: 20 made to fill, 20 to refill.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(pool_ready(&s, "warm").await, 20);
+        assert_eq!(fake(&s).count(), 40);
+        // A claimed sandbox is its job's: its lease reclaims it, while the pool's idle ones stay.
+        tokio::time::sleep(Duration::from_secs(31)).await;
+        settle().await;
+        // Never PUT and with no live sandbox left, the job no longer exists.
+        assert!(matches!(s.job("j"), Err(ServerError::NotFound(_))));
+        assert_eq!(pool_ready(&s, "warm").await, 20);
+        // Deleting the pool releases its unclaimed sandboxes.
+        s.delete_pool("warm").unwrap_or_else(|e| panic!("{e}"));
+        settle().await;
+        assert_eq!(fake(&s).count(), 0);
+        assert!(s.pool("warm").is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_create_matching_a_pool_claims_from_it_and_a_pool_that_cannot_fill_backs_off() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        s.put_pool("warm", pool_spec(2)).unwrap_or_else(|e| panic!("{e}"));
+        settle().await;
+        let sb = s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sb.labels.get(POOL_LABEL).map(String::as_str), Some("warm"), "not claimed");
+        fake(&s).fail_image("ghost");
+        s.put_pool("broken", PoolSpec { image: "ghost".into(), min_ready: 3, ..Default::default() })
+            .unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        settle().await;
+        let p = s.pool("broken").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(p.ready, 0);
+        assert!(p.last_error.is_some_and(|e| e.contains("ghost")));
+        // Backing off: a handful of tries in 30 s, not a hot loop.
+        let failed = s.metrics.encode();
+        let tries = failed
+            .lines()
+            .find(|l| l.starts_with("sandman_sandboxes_ended_total{reason=\"image_pull_failed\"}"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+        assert!((3..=40).contains(&tries), "{tries} failed refills in 30 s");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn setup_commands_that_cannot_run_fail_the_sandbox_with_their_reason() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        let req = CreateSandbox { setup: vec!["pip install x".into()], ..create_req(Some("j"), true) };
+        match s.create(req).await {
+            Err(ServerError::Failed { reason: Reason::SetupFailed, message, .. }) => {
+                assert!(message.contains("pip install x"), "{message}")
+            }
+            other => panic!("expected setup_failed, got {other:?}"),
+        }
+        settle().await;
+        assert_eq!(fake(&s).count(), 0);
+        let u = s.job_usage("j").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((u.sandboxes, u.by_reason.get("setup_failed")), (1, Some(&1)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prepare_reports_each_image() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        fake(&s).fail_image("ghost");
+        let req = PrepareRequest {
+            images: vec!["any".into(), "ghost".into(), sandman_provider::fake::UNSUPPORTED_IMAGE.into()],
+            job: Some("j".into()),
+        };
+        let out = s.prepare(req).await.unwrap_or_else(|e| panic!("{e}"));
+        let oks: Vec<bool> = out.images.iter().map(|i| i.ok).collect();
+        assert_eq!(oks, [true, false, false]);
+        assert!(out.images[1].message.as_deref().is_some_and(|m| m.contains("pull access denied")));
+        let events = s.events.list(&crate::events::Filter { job: Some("j"), idempotency_key: None }, 0);
+        assert_eq!(events.len(), 6);
+        assert!(events.iter().all(|e| e.kind == sandman_wire::server::EventKind::Prepare && e.image.is_some()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_ended_sandbox_has_an_accounting_record() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        let a = s.create(create_req(Some("acct"), true)).await.unwrap_or_else(|e| panic!("{e}"));
+        let _b = s.create(create_req(Some("acct"), true)).await.unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        s.release(&a.id, Reason::Released).await.unwrap_or_else(|e| panic!("{e}"));
+        s.delete_job("acct").await.unwrap_or_else(|e| panic!("{e}"));
+        let u = s.job_usage("acct").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((u.sandboxes, u.live), (2, 0));
+        assert_eq!((u.by_reason.get("released"), u.by_reason.get("job_deleted")), (Some(&1), Some(&1)));
+        let lines = std::fs::read_to_string(dir.path().join(crate::accounting::FILE)).unwrap_or_default();
+        let recs: Vec<UsageRecord> = lines.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        assert_eq!(recs.len(), 2);
+        assert!(recs.iter().all(|r| r.provider == "fake" && r.ready_ms.is_some() && r.cpu_seconds.is_none()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pulls_progress_is_an_event_of_its_create_tagged_with_the_idempotency_key() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        fake(&s).pull_progress("slow:1", &["pulling slow:1: 0/2 layers", "pulling slow:1: 1/2 layers, 3/8 MiB"]);
+        let mut live = s.events.subscribe();
+        let req = CreateSandbox {
+            image: "slow:1".into(),
+            idempotency_key: Some("k-1".into()),
+            job: Some("j".into()),
+            wait: true,
+            ..Default::default()
+        };
+        let sb = s.create(req).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sb.state, SandboxState::Ready);
+        let mut seen = Vec::new();
+        while seen.len() < 2 {
+            let e = tokio::time::timeout(Duration::from_secs(5), live.recv())
+                .await
+                .unwrap_or_else(|_| panic!("no progress event; saw {seen:?}"))
+                .unwrap_or_else(|e| panic!("{e}"));
+            if e.idempotency_key.is_some() {
+                seen.push(e);
+            }
+        }
+        let filter = crate::events::Filter { job: None, idempotency_key: Some("k-1") };
+        let listed = s.events.list(&filter, 0);
+        assert_eq!(listed, seen, "GET /v1/events?idempotency_key= lists what followers saw");
+        for e in &listed {
+            assert_eq!(
+                (e.sandbox.as_str(), e.state, e.job.as_deref()),
+                (sb.id.as_str(), Some(SandboxState::Creating), Some("j"))
+            );
+        }
+        assert_eq!(listed[1].message.as_deref(), Some("pulling slow:1: 1/2 layers, 3/8 MiB"));
+        // Another create's events are not tagged: the filter leaves them out.
+        s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.events.list(&filter, 0).len(), 2);
     }
 }

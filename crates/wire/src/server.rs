@@ -90,10 +90,16 @@ pub enum Reason {
     Evicted,
     NodeLost,
     ProviderError,
+    /// A setup command of the create (or of its pool) exited non-zero; the message has the
+    /// command and the tail of its output.
+    SetupFailed,
+    /// The create's `wait_timeout_s` passed while it was still queued for admission; it was
+    /// taken off the queue and nothing was created.
+    QueueTimeout,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 15] = [
         Reason::Released,
         Reason::LeaseExpired,
         Reason::IdleExpired,
@@ -107,6 +113,8 @@ impl Reason {
         Reason::Evicted,
         Reason::NodeLost,
         Reason::ProviderError,
+        Reason::SetupFailed,
+        Reason::QueueTimeout,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -124,6 +132,8 @@ impl Reason {
             Reason::Evicted => "evicted",
             Reason::NodeLost => "node_lost",
             Reason::ProviderError => "provider_error",
+            Reason::SetupFailed => "setup_failed",
+            Reason::QueueTimeout => "queue_timeout",
         }
     }
 }
@@ -221,7 +231,9 @@ impl Quantity {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandbox {
-    /// The task image; `host` for the process provider.
+    /// The task image; `host` for the process provider. May be left out when `pool` names a
+    /// pool (the pool's image is used).
+    #[serde(default)]
     pub image: String,
     /// Which provider (default: the server's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -248,15 +260,23 @@ pub struct CreateSandbox {
     /// Reclaim after this long with no call, keepalive or job heartbeat.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_s: Option<u64>,
+    /// Claim a ready sandbox from this warm pool (a create whose image, resources, profile and
+    /// network match a pool claims from it without naming it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<String>,
+    /// Shell commands run in order through the daemon before the sandbox is reported ready; a
+    /// non-zero exit fails the sandbox with `setup_failed`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub setup: Vec<String>,
     /// A retried create with the same key returns the same sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
     /// Answer once the sandbox is ready (default) or at once.
     #[serde(default = "yes")]
     pub wait: bool,
-    /// Give up waiting for readiness after this long (default: the server's ready timeout).
+    /// Give up waiting after this long, time in the admission queue included (default: no
+    /// limit while queued, then the server's ready timeout). A create still queued when it
+    /// passes is taken off the queue and ends with `queue_timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_timeout_s: Option<u64>,
 }
@@ -364,21 +384,76 @@ pub struct JobAction {
     pub sandboxes: u64,
 }
 
-/// One lifecycle event of `GET /v1/events`.
+/// What an event is about.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A sandbox changed state (or, while `queued`, its place in the queue): `sandbox` and
+    /// `state` are set.
+    #[default]
+    Sandbox,
+    /// Progress of `POST /v1/prepare` for one image: `image` and `phase` are set.
+    Prepare,
+}
+
+impl EventKind {
+    pub fn is_sandbox(&self) -> bool {
+        *self == EventKind::Sandbox
+    }
+}
+
+/// Where the preparation of one image is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum PreparePhase {
+    Started,
+    /// The image is ready where the provider runs sandboxes.
+    Ready,
+    /// The provider could not prepare it; `message` says why.
+    Failed,
+}
+
+/// One event of `GET /v1/events`: a sandbox's lifecycle (kind `sandbox`, the default, left out
+/// on the wire) or an image's preparation (kind `prepare`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Event {
     /// Increasing number of the event since the server started.
     pub seq: u64,
     pub time_ms: u64,
+    #[serde(default, skip_serializing_if = "EventKind::is_sandbox")]
+    pub kind: EventKind,
+    /// The sandbox (kind `sandbox`); empty, and left out, for other kinds.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sandbox: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
-    pub state: SandboxState,
+    /// The sandbox's new state (always set for kind `sandbox`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<SandboxState>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<Reason>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// For a `queued` sandbox: about how many creates will be admitted before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<u64>,
+    /// For a `queued` sandbox: about how long until it is admitted, from its job's share of the
+    /// create rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_wait_ms: Option<u64>,
+    /// For kind `prepare`: the image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// For kind `prepare`: where that image is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<PreparePhase>,
+    /// On the progress of a `creating` sandbox (`message` says how an image pull goes): the
+    /// idempotency key of the create, so that its caller can follow it before it knows the id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 /// Query of `GET /v1/events`.
@@ -394,6 +469,9 @@ pub struct EventsQuery {
     /// Only events after this sequence number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after: Option<u64>,
+    /// Only the events that carry this idempotency key: the progress of that create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 /// `GET /v1/events` without `follow`.
@@ -410,6 +488,150 @@ pub struct EventList {
 pub enum EventStreamItem {
     Sandbox(Event),
     Keepalive,
+}
+
+/// `PUT /v1/pools/{name}`: a warm pool of ready sandboxes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    pub image: String,
+    /// Which provider (default: the server's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    #[serde(default)]
+    pub resources: Resources,
+    #[serde(default)]
+    pub profile: Profile,
+    #[serde(default)]
+    pub network: Network,
+    /// Environment the pool's sandboxes start with; a claim adds its own on top.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Sandboxes kept ready, unclaimed.
+    pub min_ready: u64,
+    /// Most unclaimed sandboxes (ready or being created) at once (default: `min_ready`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<u64>,
+    /// Shell commands run in each sandbox before it joins the pool as ready.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub setup: Vec<String>,
+    /// The longest lease a claim may ask for (default: the server's `--default-lease-s`); a
+    /// create asking for more is created cold instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_s: Option<u64>,
+}
+
+/// A warm pool and its sizes, as `GET /v1/pools` reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Pool {
+    pub name: String,
+    pub spec: PoolSpec,
+    /// Ready and unclaimed.
+    pub ready: u64,
+    /// Being created (or queued for admission) to refill the pool.
+    pub creating: u64,
+    /// Claimed from the pool and still alive.
+    pub claimed: u64,
+    /// Claims served since the server started.
+    pub claims: u64,
+    /// The last failure to refill the pool, while refills are failing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// `GET /v1/pools`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolList {
+    pub pools: Vec<Pool>,
+}
+
+/// `POST /v1/prepare`: make images ready ahead of the creates that need them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PrepareRequest {
+    pub images: Vec<String>,
+    /// The job the images are for; its name tags the progress events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+}
+
+/// How the preparation of one image ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PreparedImage {
+    pub image: String,
+    pub ok: bool,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    pub duration_ms: u64,
+}
+
+/// The answer of `POST /v1/prepare`, once every image is ready or has failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PrepareResult {
+    pub images: Vec<PreparedImage>,
+}
+
+/// The accounting record of one sandbox, written when it ends: one JSON line of
+/// `<state-dir>/accounting.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UsageRecord {
+    pub sandbox: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    pub image: String,
+    pub provider: String,
+    /// The warm pool the sandbox was made for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// When a create claimed it from its pool (absent for a pool sandbox that ended unclaimed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimed_ms: Option<u64>,
+    /// Milliseconds since the Unix epoch.
+    pub created_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_ms: Option<u64>,
+    pub ended_ms: u64,
+    pub state: SandboxState,
+    pub reason: Reason,
+    /// From creation to the end; for a claimed sandbox, from the claim (its time idle in the
+    /// pool is not its job's).
+    pub wall_seconds: f64,
+    /// CPU (user + system) of the sandbox's finished commands, where the daemon reported it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_seconds: Option<f64>,
+    /// Largest peak resident set of any finished command, where the daemon reported it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_memory_kib: Option<u64>,
+    /// For a claimed sandbox: how long it was ready in its pool before the claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_idle_seconds: Option<f64>,
+}
+
+/// `GET /v1/jobs/{job}/usage`: the sum of the job's accounting records.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JobUsage {
+    pub job: String,
+    /// Sandboxes of the job that have ended (and so have a record).
+    pub sandboxes: u64,
+    /// Sandboxes of the job alive now (not yet in the sums).
+    pub live: u64,
+    /// Ended sandboxes by reason.
+    pub by_reason: BTreeMap<String, u64>,
+    pub sandbox_seconds: f64,
+    pub cpu_seconds: f64,
+    /// How many records carried CPU and memory figures.
+    pub with_usage: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_memory_kib: Option<u64>,
 }
 
 /// `GET /healthz`.
@@ -460,5 +682,44 @@ mod tests {
         assert_eq!(c.profile, Profile::Default);
         let err = serde_json::from_str::<CreateSandbox>(r#"{"image":"host","ttl":5}"#).err().map(|e| e.to_string());
         assert!(err.unwrap_or_default().contains("unknown field `ttl`"));
+    }
+
+    #[test]
+    fn sandbox_events_keep_their_shape_and_prepare_events_have_theirs() {
+        let e = Event {
+            seq: 1,
+            time_ms: 2,
+            kind: EventKind::Sandbox,
+            sandbox: "sb-1".into(),
+            job: None,
+            state: Some(SandboxState::Queued),
+            reason: None,
+            message: None,
+            queue_position: Some(3),
+            estimated_wait_ms: Some(60),
+            idempotency_key: None,
+            image: None,
+            phase: None,
+        };
+        let v = serde_json::to_value(&e).unwrap_or_default();
+        assert_eq!(
+            v,
+            serde_json::json!({"seq": 1, "time_ms": 2, "sandbox": "sb-1", "state": "queued", "queue_position": 3, "estimated_wait_ms": 60})
+        );
+        let p: Event =
+            serde_json::from_str(r#"{"seq":5,"time_ms":6,"kind":"prepare","image":"python:3.12","phase":"ready"}"#)
+                .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (p.kind, p.sandbox.as_str(), p.state, p.phase),
+            (EventKind::Prepare, "", None, Some(PreparePhase::Ready))
+        );
+    }
+
+    #[test]
+    fn a_create_from_a_pool_needs_no_image() {
+        let c: CreateSandbox = serde_json::from_str(r#"{"pool":"py","setup":["pip install x"]}"#).unwrap_or_default();
+        assert_eq!((c.image.as_str(), c.pool.as_deref(), c.setup.len()), ("", Some("py"), 1));
+        let err = serde_json::from_str::<PoolSpec>(r#"{"image":"host","min_ready":1,"size":2}"#).err();
+        assert!(err.map(|e| e.to_string()).unwrap_or_default().contains("unknown field `size`"));
     }
 }

@@ -1,0 +1,445 @@
+//! The Kubernetes provider: one pod per sandbox, the static `sandmand` injected into the
+//! unmodified task image (init container, node directory or image volume), one shared watch of
+//! every sandbox pod, API writes paced by a token bucket. Start at [`KubeProvider`]; the pod is
+//! built in [`pod`], its status read in [`status`], and `docs/kubernetes.md` is the guide.
+
+pub mod api;
+pub mod config;
+pub mod pace;
+pub mod pod;
+pub mod status;
+mod watch;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPort, NetworkPolicySpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use sandman_provider::{EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+use sandman_wire::server::Reason;
+use tokio::sync::{OnceCell, mpsc, watch as tokio_watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use crate::api::KubeError;
+use crate::api::{KubeApi, chain};
+pub use crate::config::{ConfigError, Injection, KubeConfig, PullPolicy, TokenDelivery};
+use crate::pace::Pacer;
+use crate::pod::{LABEL_MANAGED_BY, LABEL_NETWORK, MANAGED_BY, daemon_addr, label_value, pod_name};
+use crate::status::{PodState, classify};
+use crate::watch::Tracker;
+
+/// Name of the NetworkPolicy that cuts off `network: none` and `eval` sandboxes.
+pub const NETWORK_NONE_POLICY: &str = "sandman-network-none";
+
+/// The Kubernetes provider. Its state of record is the cluster: each sandbox is a pod labelled
+/// with its id and job and annotated with its spec, and its token is in a Secret the pod owns,
+/// so a second instance (a restarted or replicated server) finds every sandbox with
+/// [`Provider::list`].
+#[derive(Debug)]
+pub struct KubeProvider {
+    config: KubeConfig,
+    api: KubeApi,
+    tracker: Arc<Tracker>,
+    /// Every sandbox pod, as the shared watch last saw it.
+    store: Store<Pod>,
+    /// Handed to the server once.
+    events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
+    /// Set once the NetworkPolicy for `network: none` has been applied.
+    policy: OnceCell<()>,
+    /// The watch task; cancelled on shutdown (the pods stay for the next server).
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl KubeProvider {
+    /// Checks the configuration and starts the shared watch of this instance's sandbox pods in
+    /// `config.namespace`. Needs a tokio runtime; touches nothing in the cluster.
+    pub fn new(client: kube::Client, config: KubeConfig) -> Result<Self, ProviderError> {
+        config.validate().map_err(|e| ProviderError::Unsupported(e.to_string()))?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            ProviderError::Backend("the kubernetes provider must be started inside a tokio runtime".into())
+        })?;
+        let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
+        let tracker = Arc::new(Tracker::default());
+        let (store, writer) = reflector::store();
+        let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &config.namespace);
+        let tasks = TaskTracker::new();
+        let cancel = CancellationToken::new();
+        tasks.spawn_on(
+            watch::run(pods, pod::selector(&config.instance), writer, tracker.clone(), events_tx, cancel.clone()),
+            &runtime,
+        );
+        let pacer = Pacer::new(config.write_qps, config.write_burst);
+        tracing::info!(
+            namespace = %config.namespace,
+            instance = %config.instance,
+            injection = ?config.injection,
+            write_qps = config.write_qps,
+            write_burst = config.write_burst,
+            "kubernetes provider"
+        );
+        Ok(KubeProvider {
+            api: KubeApi::new(client, &config.namespace, pacer),
+            config,
+            tracker,
+            store,
+            events_rx: Mutex::new(Some(events_rx)),
+            policy: OnceCell::new(),
+            tasks,
+            cancel,
+        })
+    }
+
+    /// Connects with the client the environment gives (in a pod: its service account; else
+    /// `$KUBECONFIG` or `~/.kube/config`), then [`KubeProvider::new`].
+    pub async fn connect(config: KubeConfig) -> Result<Self, ProviderError> {
+        let client = kube::Client::try_default()
+            .await
+            .map_err(|e| ProviderError::Backend(format!("cannot reach the Kubernetes API server: {}", chain(&e))))?;
+        Self::new(client, config)
+    }
+
+    pub fn config(&self) -> &KubeConfig {
+        &self.config
+    }
+
+    /// Waits until the shared watch has listed the pods once.
+    pub async fn wait_synced(&self) {
+        let _ = self.store.wait_until_ready().await;
+    }
+
+    /// Stops the watch (the pods keep running, for the next server) and waits for it to end.
+    pub async fn shutdown(&self) {
+        self.cancel.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    /// Releases every sandbox of `job` with one `deletecollection` by label; answers the ids of
+    /// the sandboxes whose pods it deleted.
+    pub async fn delete_job(&self, job: &str) -> Result<Vec<String>, ProviderError> {
+        self.tracker.mark_job_deleting(&label_value(job));
+        let selector = pod::job_selector(&self.config.instance, job);
+        let pods = self.api.delete_pods(&selector, self.config.termination_grace_s).await?;
+        let ids: Vec<String> = pods.iter().filter_map(|p| pod::sandbox_id(&p.metadata).map(str::to_string)).collect();
+        for id in &ids {
+            self.tracker.mark_deleting(id);
+        }
+        tracing::info!(job, pods = ids.len(), "released a job's sandboxes");
+        Ok(ids)
+    }
+
+    /// The sandbox's pod as the shared watch last saw it.
+    pub fn watched_pod(&self, id: &str) -> Option<Arc<Pod>> {
+        self.store.get(&ObjectRef::new(&pod_name(id)).within(&self.config.namespace))
+    }
+
+    /// Applies the NetworkPolicy for `network: none` once (the first such create).
+    async fn ensure_policy(&self) -> Result<(), ProviderError> {
+        if !self.config.manage_network_policy {
+            return Ok(());
+        }
+        self.policy
+            .get_or_try_init(|| async {
+                self.api.apply_policy(&network_none_policy(&self.config)).await.map_err(|e| {
+                    ProviderError::Backend(format!(
+                        "network: none needs the NetworkPolicy `{NETWORK_NONE_POLICY}`, which could not be applied: {}",
+                        chain(&e)
+                    ))
+                })
+            })
+            .await
+            .map(drop)
+    }
+
+    /// After a 409 on create: the pod is ours when it was made from the same spec (a retried
+    /// create); anything else is a conflict.
+    async fn existing(&self, spec: &SandboxSpec, name: &str) -> Result<Pod, ProviderError> {
+        let found = self.api.get_pod(name).await?;
+        match found {
+            Some(pod) if pod::spec_of(&pod).is_some_and(|s| same_spec(&s, spec)) => Ok(pod),
+            _ => Err(ProviderError::Backend(format!(
+                "a pod `{name}` exists already in namespace `{}` and is not sandbox `{}`",
+                self.config.namespace, spec.id
+            ))),
+        }
+    }
+
+    /// Creates the token Secret, owned by the pod; a Secret left by an earlier try of the same
+    /// create is fine when it holds the same token.
+    async fn put_secret(&self, spec: &SandboxSpec, pod_uid: &str) -> Result<(), ProviderError> {
+        let secret = pod::build_secret(spec, &self.config, pod_uid);
+        match self.api.create_secret(&secret).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.code() == Some(409) => {
+                let name = pod_name(&spec.id);
+                let existing = self.api.get_secret(&name).await?;
+                let token = existing.as_ref().and_then(|s| s.data.as_ref()?.get(pod::TOKEN_KEY).cloned());
+                if token.is_some_and(|t| t.0 == spec.token.as_bytes()) {
+                    Ok(())
+                } else {
+                    Err(ProviderError::Backend(format!(
+                        "a secret `{name}` exists already in namespace `{}` with another token",
+                        self.config.namespace
+                    )))
+                }
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Waits for the pod to run with an IP, or for a reason it never will, whichever the watch
+    /// shows first.
+    async fn wait_running(
+        &self,
+        id: &str,
+        rx: &mut tokio_watch::Receiver<PodState>,
+        deadline: Instant,
+    ) -> Result<String, ProviderError> {
+        let grace = Duration::from_secs(self.config.unschedulable_grace_s);
+        let mut unschedulable_since: Option<Instant> = None;
+        loop {
+            let now = Instant::now();
+            let state = rx.borrow_and_update().clone();
+            let mut wake = deadline;
+            match state {
+                PodState::Ready { ip } => return Ok(ip),
+                PodState::Ended(e) => return Err(ProviderError::Failed { reason: e.reason, message: e.message }),
+                PodState::Exited(e) => {
+                    // The daemon exited before the sandbox was ever ready.
+                    let reason = if e.reason == Reason::ProviderError { Reason::DaemonStartFailed } else { e.reason };
+                    return Err(ProviderError::Failed { reason, message: e.message });
+                }
+                PodState::Unschedulable(message) => {
+                    let until = *unschedulable_since.get_or_insert(now) + grace;
+                    if now >= until {
+                        return Err(ProviderError::Failed { reason: Reason::Unschedulable, message });
+                    }
+                    wake = wake.min(until);
+                }
+                PodState::Pending => unschedulable_since = None,
+            }
+            if now >= deadline {
+                let seen = self
+                    .watched_pod(id)
+                    .map(|p| status::describe(&p))
+                    .unwrap_or_else(|| "not seen by the watch".into());
+                return Err(ProviderError::Failed {
+                    reason: Reason::ReadyTimeout,
+                    message: format!("the pod was not running after {} s ({seen})", self.config.create_timeout_s),
+                });
+            }
+            tokio::select! {
+                changed = rx.changed() => if changed.is_err() {
+                    return Err(ProviderError::Backend("the pod watch has stopped".into()));
+                },
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+}
+
+impl Drop for KubeProvider {
+    fn drop(&mut self) {
+        // The watch stops; the pods run on for the next server.
+        self.cancel.cancel();
+    }
+}
+
+/// Whether two specs are the same sandbox, tokens aside (the annotation has none).
+fn same_spec(stored: &SandboxSpec, spec: &SandboxSpec) -> bool {
+    let mut spec = spec.clone();
+    spec.token = String::new();
+    *stored == spec
+}
+
+/// Ends the tracker's create however the create ends.
+struct Creating<'a> {
+    tracker: &'a Tracker,
+    id: &'a str,
+    ok: bool,
+}
+
+impl Drop for Creating<'_> {
+    fn drop(&mut self) {
+        self.tracker.end_create(self.id, self.ok);
+    }
+}
+
+impl Provider for KubeProvider {
+    fn name(&self) -> &'static str {
+        "kubernetes"
+    }
+
+    fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
+        pod::check(spec, &self.config)
+    }
+
+    /// Creates the pod (and its token Secret), then waits, on the shared watch, until it runs
+    /// with an IP; a pull error, an unschedulable pod, an OOM kill or a daemon that cannot start
+    /// fail the create as soon as the pod's status shows them.
+    async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
+        let pod = pod::build_pod(spec, &self.config)?;
+        if pod::no_network(spec) {
+            self.ensure_policy().await?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(self.config.create_timeout_s);
+        let name = pod_name(&spec.id);
+        let mut rx = self.tracker.begin_create(&spec.id, spec.job.as_deref().map(label_value));
+        let mut creating = Creating { tracker: &self.tracker, id: &spec.id, ok: false };
+        let created = match self.api.create_pod(&pod).await {
+            Ok(pod) => pod,
+            Err(e) if e.code() == Some(409) => self.existing(spec, &name).await?,
+            Err(e) => return Err(e.into()),
+        };
+        if self.config.token == TokenDelivery::Secret {
+            let uid = created.metadata.uid.clone().unwrap_or_default();
+            if let Err(e) = self.put_secret(spec, &uid).await {
+                // Without its token the daemon never starts: take the pod back at once.
+                self.tracker.mark_deleting(&spec.id);
+                if let Err(del) = self.api.delete_pod(&name, 0).await {
+                    tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete a pod whose secret failed");
+                }
+                return Err(e);
+            }
+        }
+        match self.wait_running(&spec.id, &mut rx, deadline).await {
+            Ok(ip) => {
+                creating.ok = true;
+                Ok(Endpoint::Tcp(daemon_addr(&ip, self.config.daemon_port)))
+            }
+            Err(e) => {
+                // A pod that will never serve is removed now; its reason is in the error.
+                self.tracker.mark_deleting(&spec.id);
+                if let Err(del) = self.api.delete_pod(&name, self.config.termination_grace_s).await {
+                    tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete the pod of a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes the pod (its Secret goes with it); a pod that is gone already is fine.
+    async fn delete(&self, id: &str) -> Result<(), ProviderError> {
+        if !pod::is_dns_label(id) {
+            return Ok(());
+        }
+        self.tracker.mark_deleting(id);
+        let existed = self.api.delete_pod(&pod_name(id), self.config.termination_grace_s).await?;
+        if !existed {
+            self.tracker.forget(id);
+        }
+        Ok(())
+    }
+
+    /// Lists the sandbox pods from the API server (not the watch's cache, so that a delete just
+    /// answered is never listed), and their tokens. A pod being deleted is not listed; one not
+    /// running is listed ended, with why.
+    async fn list(&self) -> Result<Vec<Record>, ProviderError> {
+        let selector = pod::selector(&self.config.instance);
+        let pods = self.api.list_pods(&selector).await?;
+        let tokens: HashMap<String, String> = match self.config.token {
+            TokenDelivery::Secret => self
+                .api
+                .list_secrets(&selector)
+                .await?
+                .into_iter()
+                .filter_map(|s| {
+                    let id = pod::sandbox_id(&s.metadata)?.to_string();
+                    let token = s.data.as_ref()?.get(pod::TOKEN_KEY)?;
+                    Some((id, String::from_utf8(token.0.clone()).ok()?))
+                })
+                .collect(),
+            TokenDelivery::PodAnnotation => pods
+                .iter()
+                .filter_map(|p| Some((pod::sandbox_id(&p.metadata)?.to_string(), pod::annotation_token(p)?)))
+                .collect(),
+        };
+        let mut records = Vec::with_capacity(pods.len());
+        for p in &pods {
+            if p.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let Some(mut spec) = pod::spec_of(p) else {
+                tracing::warn!(
+                    pod = p.metadata.name.as_deref().unwrap_or_default(),
+                    "skipping a sandbox pod without a readable spec annotation"
+                );
+                continue;
+            };
+            let state = classify(p);
+            let ready = matches!(state, PodState::Ready { .. });
+            if !ready && self.tracker.is_creating(&spec.id) {
+                // Still being made by this provider: not a sandbox yet.
+                continue;
+            }
+            let ip = p.status.as_ref().and_then(|s| s.pod_ip.clone()).unwrap_or_default();
+            let endpoint = Endpoint::Tcp(daemon_addr(&ip, self.config.daemon_port));
+            let mut ended = match state {
+                PodState::Ready { .. } => None,
+                PodState::Ended(e) | PodState::Exited(e) => Some(e),
+                PodState::Pending | PodState::Unschedulable(_) => Some(Ended {
+                    reason: Reason::ProviderError,
+                    message: format!("the pod was not running when its sandbox was listed ({})", status::describe(p)),
+                }),
+            };
+            match tokens.get(&spec.id) {
+                Some(t) => spec.token = t.clone(),
+                None if ended.is_none() => {
+                    ended = Some(Ended {
+                        reason: Reason::ProviderError,
+                        message: format!("its token Secret `{}` is missing", pod_name(&spec.id)),
+                    })
+                }
+                None => {}
+            }
+            records.push(Record { spec, endpoint, ended });
+        }
+        Ok(records)
+    }
+
+    fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
+        self.events_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+/// The NetworkPolicy of `network: none` sandboxes: no egress at all; ingress only to the daemon's
+/// port (which needs the token), so the server still reaches it.
+pub fn network_none_policy(config: &KubeConfig) -> NetworkPolicy {
+    NetworkPolicy {
+        metadata: ObjectMeta {
+            name: Some(NETWORK_NONE_POLICY.into()),
+            namespace: Some(config.namespace.clone()),
+            labels: Some([(LABEL_MANAGED_BY.to_string(), MANAGED_BY.to_string())].into()),
+            ..Default::default()
+        },
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(
+                    [
+                        (LABEL_MANAGED_BY.to_string(), MANAGED_BY.to_string()),
+                        (LABEL_NETWORK.to_string(), "none".to_string()),
+                    ]
+                    .into(),
+                ),
+                match_expressions: None,
+            }),
+            policy_types: Some(vec!["Ingress".into(), "Egress".into()]),
+            ingress: Some(vec![NetworkPolicyIngressRule {
+                from: None,
+                ports: Some(vec![NetworkPolicyPort {
+                    port: Some(IntOrString::Int(i32::from(config.daemon_port))),
+                    protocol: Some("TCP".into()),
+                    end_port: None,
+                }]),
+            }]),
+            egress: Some(Vec::new()),
+        }),
+    }
+}

@@ -1,0 +1,572 @@
+//! The sandbox pod and its token Secret, built from a [`SandboxSpec`] and the [`KubeConfig`] with
+//! no I/O; and the way back, from a pod's labels and annotation to the spec (recovery). Start
+//! at [`build_pod`].
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, DownwardAPIVolumeFile, DownwardAPIVolumeSource, EmptyDirVolumeSource,
+    EnvVar, HostPathVolumeSource, ImageVolumeSource, KeyToPath, LocalObjectReference, ObjectFieldSelector, Pod,
+    PodSpec, ResourceRequirements, Secret, SecretVolumeSource, SecurityContext, Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity as KubeQuantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use sandman_provider::{ProviderError, SandboxSpec};
+use sandman_wire::server::{Network, Profile, Quantity};
+
+use crate::config::{Injection, KubeConfig, TokenDelivery};
+
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_BY: &str = "sandman";
+pub const LABEL_INSTANCE: &str = "sandman.dev/instance";
+pub const LABEL_SANDBOX: &str = "sandman.dev/sandbox";
+pub const LABEL_JOB: &str = "sandman.dev/job";
+/// `egress` or `none`; the NetworkPolicy for `none` selects on it.
+pub const LABEL_NETWORK: &str = "sandman.dev/network";
+pub const LABEL_PROFILE: &str = "sandman.dev/profile";
+/// The sandbox's spec as JSON, token left out: what `list` recovers a sandbox from.
+pub const ANNOTATION_SPEC: &str = "sandman.dev/spec";
+/// The daemon's token, only with [`TokenDelivery::PodAnnotation`].
+pub const ANNOTATION_TOKEN: &str = "sandman.dev/token";
+
+/// Name of the task container (the image's, running `sandmand`).
+pub const TASK_CONTAINER: &str = "task";
+/// Name of the init container that installs the daemon.
+pub const INIT_CONTAINER: &str = "sandman-init";
+/// Where the daemon's volume is mounted, and the daemon in it.
+pub const DAEMON_DIR: &str = "/.sandman";
+pub const DAEMON_PATH: &str = "/.sandman/sandmand";
+/// Where the token's volume is mounted, and the token file in it.
+pub const TOKEN_DIR: &str = "/.sandman-token";
+pub const TOKEN_FILE: &str = "/.sandman-token/token";
+/// The key of the token in its Secret.
+pub const TOKEN_KEY: &str = "token";
+const DAEMON_VOLUME: &str = "sandman-bin";
+const TOKEN_VOLUME: &str = "sandman-token";
+/// Largest spec annotation accepted (the API server allows 256 KiB for all annotations).
+const MAX_SPEC_ANNOTATION: usize = 128 * 1024;
+/// Resources of the init container: requests = limits, so an `eval` pod stays Guaranteed.
+const INIT_CPU: &str = "100m";
+const INIT_MEMORY: &str = "32Mi";
+/// Longest sandbox id: `sandman-<id>` stays a 63-character DNS label (the pod's hostname).
+const MAX_ID: usize = 55;
+
+/// The pod (and Secret) name of a sandbox.
+pub fn pod_name(id: &str) -> String {
+    format!("sandman-{id}")
+}
+
+/// The label selector of every sandbox pod of one server instance.
+pub fn selector(instance: &str) -> String {
+    format!("{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_INSTANCE}={},{LABEL_SANDBOX}", label_value(instance))
+}
+
+/// The label selector of one job's sandbox pods.
+pub fn job_selector(instance: &str, job: &str) -> String {
+    format!("{},{LABEL_JOB}={}", selector(instance), label_value(job))
+}
+
+/// `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters.
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// Empty, or `([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]` of at most 63 characters.
+pub fn is_label_value(s: &str) -> bool {
+    if s.is_empty() {
+        return true;
+    }
+    let ok_inner = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.');
+    s.len() <= 63
+        && s.bytes().all(ok_inner)
+        && s.as_bytes().first().is_some_and(u8::is_ascii_alphanumeric)
+        && s.as_bytes().last().is_some_and(u8::is_ascii_alphanumeric)
+}
+
+/// `s` as a label value: itself when valid, else its valid characters (at most 46) and a hash
+/// of the whole, so that two job names never share a label and the same name always gets the
+/// same one.
+pub fn label_value(s: &str) -> String {
+    if is_label_value(s) {
+        return s.to_string();
+    }
+    let kept: String = s
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' })
+        .take(46)
+        .collect();
+    let kept = kept.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+    let hash = fnv1a(s.as_bytes());
+    if kept.is_empty() { format!("h-{hash:016x}") } else { format!("{kept}-{hash:016x}") }
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// The daemon's address given a pod IP: `ip:port`, bracketed for IPv6.
+pub fn daemon_addr(ip: &str, port: u16) -> String {
+    if ip.contains(':') { format!("[{ip}]:{port}") } else { format!("{ip}:{port}") }
+}
+
+/// Refuses, touching nothing, a spec no pod could be made from.
+pub fn check(spec: &SandboxSpec, config: &KubeConfig) -> Result<(), ProviderError> {
+    let refuse = |m: String| Err(ProviderError::Unsupported(m));
+    if !is_dns_label(&spec.id) || spec.id.len() > MAX_ID {
+        return refuse(format!(
+            "sandbox id `{}` cannot name a pod: use at most {MAX_ID} lowercase letters, digits and `-`",
+            spec.id
+        ));
+    }
+    let image = spec.image.trim();
+    if image.is_empty() || image.chars().any(char::is_whitespace) {
+        return refuse(format!("image `{}` is not an image reference", spec.image));
+    }
+    if spec.resources.pids.is_some() {
+        return refuse(
+            "resources.pids: Kubernetes limits processes per node (the kubelet's podPidsLimit), not per pod; leave it out"
+                .into(),
+        );
+    }
+    resources(spec, config)?;
+    for k in spec.env.keys() {
+        if k.is_empty() || k.contains('=') || k.chars().any(char::is_control) {
+            return refuse(format!("invalid environment variable name `{k}`"));
+        }
+    }
+    let annotation = spec_annotation(spec)?;
+    if annotation.len() > MAX_SPEC_ANNOTATION {
+        return refuse(format!(
+            "the sandbox's spec is {} KiB as JSON; Kubernetes keeps at most {} KiB of it (fewer or shorter env and labels)",
+            annotation.len() / 1024,
+            MAX_SPEC_ANNOTATION / 1024
+        ));
+    }
+    Ok(())
+}
+
+/// The spec as stored in the pod's annotation: JSON with the token left out.
+pub fn spec_annotation(spec: &SandboxSpec) -> Result<String, ProviderError> {
+    let mut stored = spec.clone();
+    stored.token = String::new();
+    serde_json::to_string(&stored)
+        .map_err(|e| ProviderError::Backend(format!("cannot encode sandbox `{}` as JSON: {e}", spec.id)))
+}
+
+/// Whether the sandbox is cut off from the network: asked for, or the `eval` profile.
+pub fn no_network(spec: &SandboxSpec) -> bool {
+    spec.network == Network::None || spec.profile == Profile::Eval
+}
+
+/// The labels every object of a sandbox carries.
+fn labels(spec: &SandboxSpec, config: &KubeConfig) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::from([
+        (LABEL_MANAGED_BY.to_string(), MANAGED_BY.to_string()),
+        (LABEL_INSTANCE.to_string(), label_value(&config.instance)),
+        (LABEL_SANDBOX.to_string(), spec.id.clone()),
+    ]);
+    if let Some(job) = &spec.job {
+        labels.insert(LABEL_JOB.to_string(), label_value(job));
+    }
+    labels
+}
+
+/// The pod of a sandbox (`check` has passed).
+pub fn build_pod(spec: &SandboxSpec, config: &KubeConfig) -> Result<Pod, ProviderError> {
+    check(spec, config)?;
+    let name = pod_name(&spec.id);
+    let mut labels = config.pod_labels.clone();
+    labels.extend(labels_of(spec, config));
+    let mut annotations = config.pod_annotations.clone();
+    annotations.insert(ANNOTATION_SPEC.to_string(), spec_annotation(spec)?);
+    if config.token == TokenDelivery::PodAnnotation {
+        annotations.insert(ANNOTATION_TOKEN.to_string(), spec.token.clone());
+    }
+
+    let (daemon_volume, init) = match &config.injection {
+        Injection::InitContainer => (
+            Volume {
+                name: DAEMON_VOLUME.into(),
+                empty_dir: Some(EmptyDirVolumeSource {
+                    size_limit: Some(KubeQuantity("64Mi".into())),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            Some(init_container(config)),
+        ),
+        Injection::HostPath { path } => (
+            Volume {
+                name: DAEMON_VOLUME.into(),
+                host_path: Some(HostPathVolumeSource { path: path.clone(), type_: Some("Directory".into()) }),
+                ..Default::default()
+            },
+            None,
+        ),
+        Injection::ImageVolume => (
+            Volume {
+                name: DAEMON_VOLUME.into(),
+                image: Some(ImageVolumeSource {
+                    reference: Some(config.daemon_image.clone()),
+                    pull_policy: Some(config.daemon_image_pull_policy.as_str().into()),
+                }),
+                ..Default::default()
+            },
+            None,
+        ),
+    };
+    let token_volume = match config.token {
+        TokenDelivery::Secret => Volume {
+            name: TOKEN_VOLUME.into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(name.clone()),
+                items: Some(vec![KeyToPath { key: TOKEN_KEY.into(), path: TOKEN_KEY.into(), ..Default::default() }]),
+                // Readable by whatever user the image runs as; the token only guards the daemon
+                // from the network, and code in the sandbox is already inside.
+                default_mode: Some(0o444),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        TokenDelivery::PodAnnotation => Volume {
+            name: TOKEN_VOLUME.into(),
+            downward_api: Some(DownwardAPIVolumeSource {
+                items: Some(vec![DownwardAPIVolumeFile {
+                    path: TOKEN_KEY.into(),
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: format!("metadata.annotations['{ANNOTATION_TOKEN}']"),
+                        api_version: None,
+                    }),
+                    ..Default::default()
+                }]),
+                default_mode: Some(0o444),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    };
+
+    let mut tolerations = config.tolerations.clone();
+    if let Some(after) = config.node_lost_after_s {
+        for key in ["node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"] {
+            tolerations.push(Toleration {
+                key: Some(key.into()),
+                operator: Some("Exists".into()),
+                effect: Some("NoExecute".into()),
+                toleration_seconds: Some(i64::try_from(after).unwrap_or(i64::MAX)),
+                value: None,
+            });
+        }
+    }
+    let deadline = spec
+        .server
+        .ttl_s
+        .map(|ttl| ttl.saturating_add(config.deadline_margin_s))
+        .or(config.default_deadline_s)
+        .map(|s| i64::try_from(s.max(1)).unwrap_or(i64::MAX));
+
+    let pod_spec = PodSpec {
+        restart_policy: Some("Never".into()),
+        automount_service_account_token: Some(false),
+        enable_service_links: Some(false),
+        termination_grace_period_seconds: Some(i64::from(config.termination_grace_s)),
+        active_deadline_seconds: deadline,
+        runtime_class_name: config.runtime_class.clone(),
+        priority_class_name: config.priority_class.clone(),
+        scheduler_name: config.scheduler_name.clone(),
+        service_account_name: config.service_account.clone(),
+        node_selector: (!config.node_selector.is_empty()).then(|| config.node_selector.clone()),
+        tolerations: (!tolerations.is_empty()).then_some(tolerations),
+        image_pull_secrets: (!config.image_pull_secrets.is_empty())
+            .then(|| config.image_pull_secrets.iter().map(|n| LocalObjectReference { name: n.clone() }).collect()),
+        init_containers: init.map(|c| vec![c]),
+        containers: vec![task_container(spec, config)?],
+        volumes: Some(vec![daemon_volume, token_volume]),
+        ..Default::default()
+    };
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(name),
+            namespace: Some(config.namespace.clone()),
+            labels: Some(labels),
+            annotations: Some(annotations),
+            ..Default::default()
+        },
+        spec: Some(pod_spec),
+        status: None,
+    })
+}
+
+/// The labels of the pod: ownership, the sandbox, its job, and how it is cut off.
+fn labels_of(spec: &SandboxSpec, config: &KubeConfig) -> BTreeMap<String, String> {
+    let mut l = labels(spec, config);
+    l.insert(LABEL_NETWORK.into(), if no_network(spec) { "none" } else { "egress" }.into());
+    l.insert(LABEL_PROFILE.into(), if spec.profile == Profile::Eval { "eval" } else { "default" }.into());
+    l
+}
+
+fn init_container(config: &KubeConfig) -> Container {
+    let fixed = BTreeMap::from([
+        ("cpu".to_string(), KubeQuantity(INIT_CPU.into())),
+        ("memory".to_string(), KubeQuantity(INIT_MEMORY.into())),
+    ]);
+    Container {
+        name: INIT_CONTAINER.into(),
+        image: Some(config.daemon_image.clone()),
+        image_pull_policy: Some(config.daemon_image_pull_policy.as_str().into()),
+        // The daemon image has no shell and no `cp`: the daemon copies itself.
+        command: Some(vec!["/sandmand".into(), "install".into(), DAEMON_PATH.into()]),
+        resources: Some(ResourceRequirements {
+            requests: Some(fixed.clone()),
+            limits: Some(fixed),
+            ..Default::default()
+        }),
+        volume_mounts: Some(vec![VolumeMount {
+            name: DAEMON_VOLUME.into(),
+            mount_path: DAEMON_DIR.into(),
+            ..Default::default()
+        }]),
+        // It only copies one file into the emptyDir (world-writable): no privilege needed.
+        security_context: Some(SecurityContext {
+            run_as_user: Some(65534),
+            run_as_group: Some(65534),
+            run_as_non_root: Some(true),
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), add: None }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn task_container(spec: &SandboxSpec, config: &KubeConfig) -> Result<Container, ProviderError> {
+    let mut args = vec![
+        "--listen".to_string(),
+        format!("0.0.0.0:{}", config.daemon_port),
+        "--token-file".into(),
+        TOKEN_FILE.into(),
+    ];
+    if spec.daemon_lease_s > 0 {
+        args.extend(["--lease".into(), format!("{}s", spec.daemon_lease_s)]);
+    }
+    // Within the pod's grace period: the kubelet's SIGKILL should not beat the daemon's own.
+    let grace_ms = u64::from(config.termination_grace_s).saturating_mul(1000).saturating_sub(500).max(500);
+    args.extend(["--shutdown-grace".into(), format!("{grace_ms}ms")]);
+
+    let mut env: BTreeMap<String, String> = spec
+        .env
+        .iter()
+        // The daemon would take SANDMAN_TOKEN for its token, and hides SANDMAN_* from commands.
+        .filter(|(k, _)| !k.starts_with("SANDMAN_"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if spec.profile == Profile::Eval {
+        env.insert("TZ".into(), "UTC".into());
+        env.insert("LANG".into(), "C.UTF-8".into());
+        env.insert("LC_ALL".into(), "C.UTF-8".into());
+    }
+    let env: Vec<EnvVar> =
+        env.into_iter().map(|(name, value)| EnvVar { name, value: Some(value), value_from: None }).collect();
+
+    Ok(Container {
+        name: TASK_CONTAINER.into(),
+        image: Some(spec.image.trim().to_string()),
+        image_pull_policy: config.image_pull_policy.map(|p| p.as_str().to_string()),
+        // The image's entry point is replaced by the daemon; its working directory, user and
+        // environment stay.
+        command: Some(vec![DAEMON_PATH.into()]),
+        args: Some(args),
+        env: (!env.is_empty()).then_some(env),
+        ports: Some(vec![ContainerPort {
+            name: Some("sandmand".into()),
+            container_port: i32::from(config.daemon_port),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+        resources: Some(resources(spec, config)?),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: DAEMON_VOLUME.into(),
+                mount_path: DAEMON_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+            VolumeMount {
+                name: TOKEN_VOLUME.into(),
+                mount_path: TOKEN_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+        ]),
+        ..Default::default()
+    })
+}
+
+/// Requests and limits of the task container. `default`: requests as asked (or the configured
+/// defaults), a memory limit equal to the request, no cpu limit (Burstable: idle cores are used,
+/// nothing is throttled). `eval`: requests = limits for cpu and memory (Guaranteed QoS), both
+/// required. `disk` is ephemeral storage, requested and limited.
+pub fn resources(spec: &SandboxSpec, config: &KubeConfig) -> Result<ResourceRequirements, ProviderError> {
+    let r = &spec.resources;
+    let cpu = match &r.cpu {
+        Some(q) => Some(cpu_quantity(q)?),
+        None => config.default_cpu.clone().map(KubeQuantity),
+    };
+    let memory = match &r.memory {
+        Some(q) => Some(byte_quantity("memory", q)?),
+        None => config.default_memory.clone().map(KubeQuantity),
+    };
+    let disk = r.disk.as_ref().map(|q| byte_quantity("disk", q)).transpose()?;
+    let mut requests = BTreeMap::new();
+    let mut limits = BTreeMap::new();
+    if spec.profile == Profile::Eval {
+        let (Some(cpu), Some(memory)) = (cpu, memory) else {
+            return Err(ProviderError::Unsupported(
+                "the eval profile means Guaranteed QoS: give resources.cpu and resources.memory (or configure default_cpu and default_memory)"
+                    .into(),
+            ));
+        };
+        requests.insert("cpu".to_string(), cpu.clone());
+        limits.insert("cpu".to_string(), cpu);
+        requests.insert("memory".to_string(), memory.clone());
+        limits.insert("memory".to_string(), memory);
+    } else {
+        if let Some(cpu) = cpu {
+            requests.insert("cpu".to_string(), cpu);
+        }
+        if let Some(memory) = memory {
+            requests.insert("memory".to_string(), memory.clone());
+            limits.insert("memory".to_string(), memory);
+        }
+    }
+    if let Some(disk) = disk {
+        requests.insert("ephemeral-storage".to_string(), disk.clone());
+        limits.insert("ephemeral-storage".to_string(), disk);
+    }
+    Ok(ResourceRequirements {
+        requests: (!requests.is_empty()).then_some(requests),
+        limits: (!limits.is_empty()).then_some(limits),
+        ..Default::default()
+    })
+}
+
+/// A cpu quantity: a number of cores (to the millicore) or a Kubernetes string.
+fn cpu_quantity(q: &Quantity) -> Result<KubeQuantity, ProviderError> {
+    let cores = q.value().map_err(|e| ProviderError::Unsupported(format!("resources.cpu: {e}")))?;
+    if cores < 0.001 {
+        return Err(ProviderError::Unsupported("resources.cpu must be at least 1m (0.001 cores)".into()));
+    }
+    Ok(KubeQuantity(match q {
+        Quantity::Text(t) => t.trim().to_string(),
+        Quantity::Number(_) => {
+            let milli = (cores * 1000.0).round() as u64;
+            if milli.is_multiple_of(1000) { format!("{}", milli / 1000) } else { format!("{milli}m") }
+        }
+    }))
+}
+
+/// A memory or disk quantity: a number of bytes or a Kubernetes string.
+fn byte_quantity(what: &str, q: &Quantity) -> Result<KubeQuantity, ProviderError> {
+    let bytes = q.value().map_err(|e| ProviderError::Unsupported(format!("resources.{what}: {e}")))?;
+    if bytes < 1.0 {
+        return Err(ProviderError::Unsupported(format!("resources.{what} must be at least one byte")));
+    }
+    Ok(KubeQuantity(match q {
+        Quantity::Text(t) => t.trim().to_string(),
+        Quantity::Number(n) => format!("{}", n.round() as u64),
+    }))
+}
+
+/// The token Secret of a sandbox, owned by its pod so that the garbage collector deletes it
+/// with the pod.
+pub fn build_secret(spec: &SandboxSpec, config: &KubeConfig, pod_uid: &str) -> Secret {
+    let name = pod_name(&spec.id);
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(config.namespace.clone()),
+            labels: Some(labels(spec, config)),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Pod".into(),
+                name,
+                uid: pod_uid.to_string(),
+                controller: Some(true),
+                block_owner_deletion: None,
+            }]),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        immutable: Some(true),
+        string_data: Some(BTreeMap::from([(TOKEN_KEY.to_string(), spec.token.clone())])),
+        ..Default::default()
+    }
+}
+
+/// The sandbox id of a pod (or Secret): its `sandman.dev/sandbox` label.
+pub fn sandbox_id(meta: &ObjectMeta) -> Option<&str> {
+    meta.labels.as_ref()?.get(LABEL_SANDBOX).map(String::as_str)
+}
+
+/// The spec a pod was made from, token left empty; `None` when the annotation is missing or
+/// does not match the pod's sandbox label.
+pub fn spec_of(pod: &Pod) -> Option<SandboxSpec> {
+    let text = pod.metadata.annotations.as_ref()?.get(ANNOTATION_SPEC)?;
+    let spec: SandboxSpec = serde_json::from_str(text).ok()?;
+    (sandbox_id(&pod.metadata) == Some(spec.id.as_str())).then_some(spec)
+}
+
+/// The token a pod's annotation carries, with [`TokenDelivery::PodAnnotation`].
+pub fn annotation_token(pod: &Pod) -> Option<String> {
+    pod.metadata.annotations.as_ref()?.get(ANNOTATION_TOKEN).cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_kept_or_made_valid_and_distinct() {
+        assert_eq!(label_value("job-a"), "job-a");
+        let a = label_value("job a");
+        let b = label_value("job_a");
+        assert!(is_label_value(&a), "{a}");
+        assert_ne!(a, b);
+        assert_eq!(a, label_value("job a"), "the same job always gets the same label");
+        let long = "x".repeat(200);
+        assert!(is_label_value(&label_value(&long)));
+        assert!(is_label_value(&label_value("  ")));
+        assert!(is_label_value(&label_value("über/job")));
+    }
+
+    #[test]
+    fn names_and_addresses() {
+        assert_eq!(pod_name("sb-0123456789ab"), "sandman-sb-0123456789ab");
+        assert!(is_dns_label("sb-0123456789ab"));
+        for bad in ["", "-a", "a-", "A", "a_b", "a.b"] {
+            assert!(!is_dns_label(bad), "{bad}");
+        }
+        assert_eq!(daemon_addr("10.244.0.26", 7778), "10.244.0.26:7778");
+        assert_eq!(daemon_addr("fd00::1", 7778), "[fd00::1]:7778");
+        assert_eq!(
+            selector("sandman"),
+            "app.kubernetes.io/managed-by=sandman,sandman.dev/instance=sandman,sandman.dev/sandbox"
+        );
+    }
+
+    #[test]
+    fn quantities() {
+        assert_eq!(cpu_quantity(&Quantity::Number(0.5)).ok(), Some(KubeQuantity("500m".into())));
+        assert_eq!(cpu_quantity(&Quantity::Number(2.0)).ok(), Some(KubeQuantity("2".into())));
+        assert_eq!(cpu_quantity(&Quantity::Text("250m".into())).ok(), Some(KubeQuantity("250m".into())));
+        assert!(cpu_quantity(&Quantity::Number(0.0001)).is_err());
+        assert!(cpu_quantity(&Quantity::Text("fast".into())).is_err());
+        assert_eq!(byte_quantity("memory", &Quantity::Number(1048576.0)).ok(), Some(KubeQuantity("1048576".into())));
+        assert_eq!(byte_quantity("memory", &Quantity::Text("2Gi".into())).ok(), Some(KubeQuantity("2Gi".into())));
+    }
+}

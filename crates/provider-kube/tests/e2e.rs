@@ -1,0 +1,443 @@
+//! End to end on a real API server with the fake node (`sandman-fake-node`) as its only
+//! kubelet: the provider conformance suite, and a burst of 1,000 sandboxes checked for the write
+//! rate, readiness, an exec in each, and a release-all that leaves no pod. Both run twice: on a
+//! real API server, ignored by default since it needs one, named by `SANDMAN_E2E_KUBECONFIG` (see
+//! `docs/kubernetes.md`); and on the crate's mocked API server (`tests/common`) served over HTTP,
+//! which proves the fake node, the real `sandmand` and this suite here, but not the API server:
+//!
+//! ```sh
+//! cargo build -p sandmand
+//! SANDMAN_E2E_KUBECONFIG=~/.kube/config cargo test -p sandman-provider-kube --test e2e -- --ignored --nocapture
+//! ```
+//!
+//! `SANDMAN_E2E_SANDBOXES` (1000), `SANDMAN_E2E_QPS` (50) and `SANDMAN_E2E_BURST` (100) size the
+//! burst (`SANDMAN_MOCK_*`, 40, 20 and 10, the mocked one); `SANDMAN_E2E_BENCH=1` prints
+//! create-to-ready p50/p99 and the achieved create rate.
+#![allow(clippy::unwrap_used, clippy::panic, clippy::print_stdout)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount, Toleration};
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client};
+use sandman_provider::conformance::{self, spec};
+use sandman_provider::{Endpoint, Provider, SandboxSpec};
+use sandman_provider_kube::{KubeConfig, KubeProvider};
+use sandman_wire::server::Reason;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+const SCHEDULER: &str = "sandman-fake-scheduler";
+/// Images the fake node refuses to pull, and OOM-kills.
+const MISSING: &str = "example.invalid/e2e-missing:1";
+const OOM: &str = "example.invalid/e2e-oom:1";
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn e2e_kubeconfig() -> PathBuf {
+    let path = std::env::var_os("SANDMAN_E2E_KUBECONFIG")
+        .unwrap_or_else(|| panic!("set SANDMAN_E2E_KUBECONFIG to the kubeconfig of a test API server"));
+    PathBuf::from(path)
+}
+
+/// Every write the provider's client sent (method and time), seen below the provider.
+type WriteLog = Arc<Mutex<Vec<(String, Instant)>>>;
+
+/// A client on the test API server; its writes are logged in `log`.
+async fn client(kubeconfig: &Path, log: Option<WriteLog>) -> Client {
+    let kc = Kubeconfig::read_from(kubeconfig).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap();
+    let builder = kube::client::ClientBuilder::try_from(config).unwrap();
+    let log = log.unwrap_or_default();
+    builder
+        .with_layer(&tower::util::MapRequestLayer::new(move |req: http::Request<kube::client::Body>| {
+            if !matches!(req.method().as_str(), "GET" | "HEAD") {
+                log.lock().unwrap().push((req.method().to_string(), Instant::now()));
+            }
+            req
+        }))
+        .build()
+}
+
+/// Eight hex digits no other run will pick (from the standard library's random hash keys).
+fn unique() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    format!("{:08x}", h.finish() as u32)
+}
+
+/// The daemon built beside this test, or `$SANDMAN_DAEMON`.
+fn daemon_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("SANDMAN_DAEMON").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().and_then(Path::parent).map(|d| d.join("sandmand")).unwrap();
+    assert!(bin.is_file(), "no daemon at {}: build it first: cargo build -p sandmand", bin.display());
+    bin
+}
+
+/// A namespace of its own, the fake node running its pods, torn down on drop.
+struct World {
+    kubeconfig: PathBuf,
+    namespace: String,
+    client: Client,
+    node: tokio::process::Child,
+    _state: tempfile::TempDir,
+}
+
+impl World {
+    async fn new(kubeconfig: PathBuf, tag: &str, first_ip: &str) -> World {
+        let client = client(&kubeconfig, None).await;
+        let suffix = unique();
+        let namespace = format!("sandman-e2e-{tag}-{suffix}");
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
+        namespaces.create(&PostParams::default(), &ns).await.unwrap();
+        // Pods need the namespace's `default` ServiceAccount, which a controller manager would make.
+        let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &namespace);
+        let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "default"}})).unwrap();
+        match accounts.create(&PostParams::default(), &sa).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("cannot create the default service account: {e}"),
+        }
+        let state = tempfile::Builder::new().prefix("fake-node").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let mut node = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandman-fake-node"))
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["--namespace", &namespace, "--node-name", &format!("sandman-fake-{tag}-{suffix}")])
+            .args(["--scheduler-name", SCHEDULER, "--first-ip", first_ip])
+            .args(["--fail-image", "e2e-missing", "--oom-image", "e2e-oom"])
+            .arg("--daemon")
+            .arg(daemon_bin())
+            .arg("--state-dir")
+            .arg(state.path())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
+        assert!(matches!(ready, Ok(Ok(Some(ref l))) if l == "ready"), "the fake node did not start: {ready:?}");
+        World { kubeconfig, namespace, client, node, _state: state }
+    }
+
+    async fn client(&self, log: Option<WriteLog>) -> Client {
+        client(&self.kubeconfig, log).await
+    }
+
+    fn config(&self) -> KubeConfig {
+        KubeConfig {
+            namespace: self.namespace.clone(),
+            daemon_image: "sandmand:e2e".into(),
+            scheduler_name: Some(SCHEDULER.into()),
+            node_selector: BTreeMap::from([("sandman.dev/fake".into(), "true".into())]),
+            tolerations: vec![Toleration {
+                key: Some("sandman.dev/fake".into()),
+                operator: Some("Exists".into()),
+                effect: Some("NoSchedule".into()),
+                ..Toleration::default()
+            }],
+            ..KubeConfig::default()
+        }
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    /// Stops the fake node (SIGTERM: it kills its daemons) and deletes the namespace.
+    async fn tear_down(mut self) {
+        if let Some(pid) = self.node.id() {
+            let _ = tokio::process::Command::new("kill").arg(pid.to_string()).status().await;
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.node.wait()).await;
+        let namespaces: Api<Namespace> = Api::all(self.client.clone());
+        let _ = namespaces.delete(&self.namespace, &DeleteParams::default()).await;
+    }
+}
+
+/// One request to a daemon over TCP.
+async fn call(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> Result<(u16, Value), String> {
+    let stream = TcpStream::connect(addr).await.map_err(|e| format!("connect {addr}: {e}"))?;
+    let (mut sender, conn) = http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut req = http::Request::builder().method(method).uri(path).header("host", "sandbox");
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let bytes = match body {
+        Some(v) => {
+            req = req.header("content-type", "application/json");
+            Bytes::from(serde_json::to_vec(&v).unwrap())
+        }
+        None => Bytes::new(),
+    };
+    let resp = sender.send_request(req.body(Full::new(bytes)).unwrap()).await.map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    Ok((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))
+}
+
+fn addr(endpoint: &Endpoint) -> String {
+    match endpoint {
+        Endpoint::Tcp(a) => {
+            assert!(a.starts_with("127."), "the fake node handed out a non-loopback address: {a}");
+            a.clone()
+        }
+        other => panic!("the kubernetes provider answered a non-TCP endpoint: {other:?}"),
+    }
+}
+
+/// Health, as the server checks it, then `echo hi` with the token.
+async fn check_daemon(endpoint: Endpoint, token: String) -> Result<(), String> {
+    let addr = addr(&endpoint);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match call(&addr, "GET", "/v1/health", None, None).await {
+            Ok((200, _)) => break,
+            other if Instant::now() > deadline => return Err(format!("{addr} not healthy: {other:?}")),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    let (status, out) =
+        call(&addr, "POST", "/v1/exec", Some(&token), Some(json!({"argv": ["/bin/echo", "hi"]}))).await?;
+    if status == 200 && out["exit_code"] == 0 && out["stdout"] == "hi\n" {
+        Ok(())
+    } else {
+        Err(format!("exec: {status} {out}"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
+async fn the_kubernetes_provider_passes_the_conformance_suite_on_a_real_api_server() {
+    conformance_suite(World::new(e2e_kubeconfig(), "conf", "127.1.0.1").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_suite_and_the_fake_node_pass_on_a_mocked_api_server() {
+    let mocked = Mocked::start().await;
+    conformance_suite(World::new(mocked.kubeconfig.clone(), "conf", "127.3.0.1").await).await;
+    assert!(mocked.cluster.lock().unwrap().nodes.is_empty(), "the fake node did not remove its Node");
+}
+
+async fn conformance_suite(world: World) {
+    let p = KubeProvider::new(world.client(None).await, world.config()).unwrap();
+    conformance::create_list_delete(&p, spec("c1", "busybox:e2e"), check_daemon).await;
+    conformance::many_at_once(&p, (0..20).map(|i| spec(&format!("m{i}"), "busybox:e2e")).collect()).await;
+    conformance::refuses_clearly(&p, spec("r1", MISSING), "e2e-missing").await;
+    let second = KubeProvider::new(world.client(None).await, world.config()).unwrap();
+    conformance::found_again_after_restart(&p, &second, spec("f1", "busybox:e2e")).await;
+    // The daemon killed behind the provider's back: the fake node reports its exit.
+    conformance::death_is_reported(&p, spec("d1", "busybox:e2e"), |endpoint| async move {
+        let addr = addr(&endpoint);
+        check_daemon(endpoint, "token-d1".into()).await.unwrap();
+        let _ = call(&addr, "POST", "/v1/exec", Some("token-d1"), Some(json!({"command": "kill -9 $PPID"}))).await;
+    })
+    .await;
+
+    // An OOM kill after ready is an event with its reason.
+    let third = KubeProvider::new(world.client(None).await, world.config()).unwrap();
+    let mut events = third.events().unwrap();
+    let oom = spec("o1", OOM);
+    third.create(&oom).await.unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let ev = events.recv().await.unwrap();
+            if ev.id == "o1" {
+                return ev;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(ev.ended.reason, Reason::OomKilled, "{}", ev.ended.message);
+    third.delete("o1").await.unwrap();
+
+    // Nothing left, once the fake node has confirmed the deletions.
+    let pods = world.pods();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !pods.list(&ListParams::default()).await.unwrap().items.is_empty() {
+        assert!(Instant::now() < deadline, "pods left behind");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    world.tear_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
+async fn a_burst_of_a_thousand_sandboxes_keeps_the_write_rate_and_every_one_answers() {
+    let n: usize = env_or("SANDMAN_E2E_SANDBOXES", 1000);
+    let qps: f64 = env_or("SANDMAN_E2E_QPS", 50.0);
+    let burst: u32 = env_or("SANDMAN_E2E_BURST", 100);
+    burst_of(World::new(e2e_kubeconfig(), "burst", "127.2.0.1").await, n, qps, burst).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_burst_passes_on_a_mocked_api_server() {
+    let n: usize = env_or("SANDMAN_MOCK_SANDBOXES", 40);
+    let qps: f64 = env_or("SANDMAN_MOCK_QPS", 20.0);
+    let burst: u32 = env_or("SANDMAN_MOCK_BURST", 10);
+    let mocked = Mocked::start().await;
+    burst_of(World::new(mocked.kubeconfig.clone(), "burst", "127.4.0.1").await, n, qps, burst).await;
+}
+
+/// The mocked API server of `tests/common`, served over HTTP, with its kubeconfig.
+struct Mocked {
+    cluster: common::Shared,
+    kubeconfig: PathBuf,
+    _server: tokio::task::JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl Mocked {
+    async fn start() -> Mocked {
+        let cluster = common::Cluster::for_fake_node();
+        let (addr, server) = common::serve_http(&cluster).await;
+        let dir = tempfile::Builder::new().prefix("mock-api").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let kubeconfig = common::kubeconfig(dir.path(), addr);
+        Mocked { cluster, kubeconfig, _server: server, _dir: dir }
+    }
+}
+
+async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
+    let log: WriteLog = Arc::default();
+    let config = KubeConfig { write_qps: qps, write_burst: burst, ..world.config() };
+    let p = Arc::new(KubeProvider::new(world.client(Some(log.clone())).await, config).unwrap());
+    let job = "e2e-burst";
+    let specs: Vec<SandboxSpec> = (0..n)
+        .map(|i| {
+            let mut s = spec(&format!("b{i:05}"), "busybox:e2e");
+            s.job = Some(job.into());
+            s
+        })
+        .collect();
+
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for s in specs.clone() {
+        let p = p.clone();
+        tasks.push(tokio::spawn(async move {
+            let t0 = Instant::now();
+            let endpoint = p.create(&s).await.map_err(|e| format!("{}: {e}", s.id))?;
+            check_health(&endpoint).await?;
+            Ok::<_, String>((s, endpoint, t0.elapsed(), Instant::now()))
+        }));
+    }
+    let mut ready = Vec::new();
+    let mut failed = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(r) => ready.push(r),
+            Err(e) => failed.push(e),
+        }
+    }
+    assert!(failed.is_empty(), "{} of {n} sandboxes failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
+    let last_ready = ready.iter().map(|r| r.3).max().unwrap();
+
+    // The write rate, as sent: no window holds more than the burst plus the rate.
+    let writes: Vec<Instant> = log.lock().unwrap().iter().map(|(_, t)| *t).collect();
+    assert_eq!(writes.len(), 2 * n, "two writes per create (pod and secret)");
+    for secs in [1u64, 5, 10, 30] {
+        let window = Duration::from_secs(secs);
+        let most = most_in_window(&writes, window);
+        let allowed = f64::from(burst) + qps * window.as_secs_f64();
+        assert!(most as f64 <= allowed, "{most} writes within {secs} s, over the {allowed} allowed");
+    }
+
+    // Every one answers an exec.
+    let results = futures_util::stream::iter(ready.iter().map(|(s, e, _, _)| check_daemon(e.clone(), s.token.clone())))
+        .buffer_unordered(64)
+        .collect::<Vec<_>>()
+        .await;
+    let bad: Vec<_> = results.into_iter().filter_map(Result::err).collect();
+    assert!(bad.is_empty(), "{} sandboxes did not answer an exec: {:?}", bad.len(), &bad[..bad.len().min(10)]);
+
+    if std::env::var_os("SANDMAN_E2E_BENCH").is_some() {
+        let mut times: Vec<Duration> = ready.iter().map(|r| r.2).collect();
+        times.sort();
+        let pct = |p: f64| times[((times.len() as f64 * p).ceil() as usize).saturating_sub(1).min(times.len() - 1)];
+        let span = last_ready - started;
+        println!("sandboxes            {n}");
+        println!("write limit          {qps} qps, burst {burst}");
+        println!("create-to-ready p50  {:.3} s", pct(0.50).as_secs_f64());
+        println!("create-to-ready p99  {:.3} s", pct(0.99).as_secs_f64());
+        println!(
+            "achieved create rate {:.1} sandboxes/s ({n} in {:.1} s)",
+            n as f64 / span.as_secs_f64(),
+            span.as_secs_f64()
+        );
+        println!("writes               {} ({:.1}/s)", writes.len(), writes.len() as f64 / span.as_secs_f64());
+    }
+
+    // Release-all: one deletecollection, and no pod left.
+    let writes_before = log.lock().unwrap().len();
+    let released = p.delete_job(job).await.unwrap();
+    assert_eq!(released.len(), n);
+    assert_eq!(log.lock().unwrap().len(), writes_before + 1, "release-all took more than one write");
+    let pods = world.pods();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let left = pods.list(&ListParams::default().labels("sandman.dev/job=e2e-burst")).await.unwrap().items.len();
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} pods left 300 s after release-all");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    world.tear_down().await;
+}
+
+async fn check_health(endpoint: &Endpoint) -> Result<(), String> {
+    let addr = addr(endpoint);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match call(&addr, "GET", "/v1/health", None, None).await {
+            Ok((200, _)) => return Ok(()),
+            other if Instant::now() > deadline => return Err(format!("{addr} not healthy: {other:?}")),
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// The most of `times` that fall within any window of `window` (times sorted first).
+fn most_in_window(times: &[Instant], window: Duration) -> usize {
+    let mut sorted = times.to_vec();
+    sorted.sort();
+    let mut most = 0;
+    let mut start = 0;
+    for end in 0..sorted.len() {
+        while sorted[end] - sorted[start] >= window {
+            start += 1;
+        }
+        most = most.max(end - start + 1);
+    }
+    most
+}

@@ -1,0 +1,589 @@
+//! The provider against a mocked API server (`tower_test::mock` behind `kube::Client::new`): the
+//! conformance suite on a small fake cluster, then create, watch and delete flows answered with
+//! the recorded bodies, including 409, 422, 429 with `Retry-After` (a plain-text body), a watch
+//! `410 Gone` arriving as an ERROR event, and a watch that drops.
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{Cluster, MISSING_IMAGE, NAMESPACE, Reply, Watches, as_ours, client_on, event, json, mock, ok, pod_list};
+use http::StatusCode;
+use sandman_provider::conformance::{self, spec};
+use sandman_provider::{Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
+use sandman_provider_kube::pod::build_pod;
+use sandman_provider_kube::{KubeConfig, KubeProvider};
+use sandman_wire::server::Reason;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+fn config() -> KubeConfig {
+    KubeConfig { namespace: NAMESPACE.into(), daemon_image: "sandmand:test".into(), ..KubeConfig::default() }
+}
+
+fn provider(client: kube::Client) -> KubeProvider {
+    KubeProvider::new(client, config()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A recorded pod given another sandbox id (its name and label).
+fn relabel(mut pod: Value, id: &str) -> Value {
+    pod["metadata"]["name"] = format!("sandman-{id}").into();
+    pod["metadata"]["labels"]["sandman.dev/sandbox"] = id.into();
+    pod
+}
+
+/// The sandbox id a recorded pod carries.
+fn id_of(pod: &Value) -> String {
+    pod["metadata"]["labels"]["sandman.dev/sandbox"].as_str().unwrap().to_string()
+}
+
+/// The next provider event, within 10 s.
+async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>) -> ProviderEvent {
+    tokio::time::timeout(Duration::from_secs(10), events.recv())
+        .await
+        .unwrap_or_else(|_| panic!("no provider event within 10 s"))
+        .unwrap_or_else(|| panic!("the event stream ended"))
+}
+
+fn is(req: &common::Seen, method: &str, suffix: &str) -> bool {
+    req.method == method && req.path.ends_with(suffix)
+}
+
+// ---- the conformance suite, on a fake cluster ----
+
+/// The daemon check of the suite, on the fake cluster: the endpoint is the pod's IP, and the
+/// token its Secret holds is the sandbox's.
+fn check_daemon(cluster: common::Shared) -> impl Fn(Endpoint, String) -> std::future::Ready<Result<(), String>> {
+    move |endpoint, token| {
+        let c = cluster.lock().unwrap();
+        let Endpoint::Tcp(addr) = &endpoint else { return std::future::ready(Err(format!("{endpoint:?}"))) };
+        let Some(pod) = c.pod_at(addr) else { return std::future::ready(Err(format!("no pod at {addr}"))) };
+        let name = pod["metadata"]["name"].as_str().unwrap();
+        let stored = &c.secrets[name]["data"]["token"];
+        let want = serde_json::to_value(k8s_openapi::ByteString(token.into_bytes())).unwrap();
+        std::future::ready(if *stored == want { Ok(()) } else { Err(format!("secret holds {stored}")) })
+    }
+}
+
+#[tokio::test]
+async fn the_kubernetes_provider_passes_the_conformance_suite_on_a_mocked_api() {
+    let cluster = Cluster::shared();
+    let (client, _mock) = client_on(&cluster);
+    let p = provider(client);
+    conformance::create_list_delete(&p, spec("c1", "busybox:1"), check_daemon(cluster.clone())).await;
+    conformance::many_at_once(&p, (0..20).map(|i| spec(&format!("m{i}"), "busybox:1")).collect()).await;
+    conformance::refuses_clearly(&p, spec("r1", MISSING_IMAGE), "nonexistent.invalid").await;
+    let mut pids = spec("r2", "busybox:1");
+    pids.resources.pids = Some(64);
+    conformance::refuses_clearly(&p, pids, "podPidsLimit").await;
+    let (client2, _mock2) = client_on(&cluster);
+    let second = provider(client2);
+    conformance::found_again_after_restart(&p, &second, spec("f1", "busybox:1")).await;
+    let killer = cluster.clone();
+    conformance::death_is_reported(&p, spec("d1", "busybox:1"), |endpoint| async move {
+        let Endpoint::Tcp(addr) = endpoint else { panic!("not TCP") };
+        let mut c = killer.lock().unwrap();
+        let mut pod = c.pod_at(&addr).unwrap();
+        pod["status"] = json("status-oomkilled.json")["status"].clone();
+        c.update(pod);
+    })
+    .await;
+    let left: Vec<String> = cluster.lock().unwrap().pods.keys().cloned().collect();
+    assert!(left.is_empty(), "pods left behind: {left:?}");
+    assert!(cluster.lock().unwrap().secrets.is_empty(), "secrets left behind");
+}
+
+// ---- create ----
+
+/// A mocked server whose watch streams the test feeds; pods and secrets are created as posted.
+fn scripted(watches: Arc<Mutex<Watches>>) -> (kube::Client, common::Mock) {
+    mock(move |req| {
+        if is(req, "GET", "/pods") && req.is_watch() {
+            return watches.lock().unwrap().next();
+        }
+        if is(req, "GET", "/pods") {
+            return ok(pod_list("882", vec![]));
+        }
+        if is(req, "POST", "/pods") {
+            let mut pod = req.json();
+            pod["metadata"]["uid"] = "0292c379-16d0-4bdb-b9b5-5d0914c57894".into();
+            return Reply::Json(StatusCode::CREATED, pod);
+        }
+        if is(req, "POST", "/secrets") {
+            return Reply::Json(StatusCode::CREATED, req.json());
+        }
+        if req.method == "DELETE" {
+            return ok(json("pod-delete-existing-200.json"));
+        }
+        Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+    })
+}
+
+#[tokio::test]
+async fn create_answers_the_pods_ip_once_the_watch_shows_it_running() {
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let feed = watches.lock().unwrap().push();
+    let (client, mock) = mock({
+        let watches = watches.clone();
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.lock().unwrap().next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("882", vec![]));
+            }
+            if is(req, "POST", "/pods") {
+                return Reply::Json(StatusCode::CREATED, json("pod-create-201.json"));
+            }
+            if is(req, "POST", "/secrets") {
+                return Reply::Json(StatusCode::CREATED, req.json());
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    let mut s = spec("sbx-0001", "busybox:local");
+    s.job = Some("job-a".into());
+    let feeder = async {
+        mock.until("the secret's create", |seen| seen.iter().any(|r| is(r, "POST", "/secrets"))).await;
+        feed.send(event("ADDED", &json("pod-create-201.json"))).await.unwrap();
+        // Pending, no IP: not yet.
+        feed.send(event("MODIFIED", &json("status-init-running.json"))).await.unwrap();
+        feed.send(event("MODIFIED", &json("pod-running-ready.json"))).await.unwrap();
+    };
+    let (endpoint, ()) = tokio::join!(p.create(&s), feeder);
+    assert_eq!(endpoint.unwrap(), Endpoint::Tcp("10.244.0.26:7778".into()));
+    let writes = mock.writes();
+    assert_eq!(writes.len(), 2, "one pod and one secret: {writes:#?}");
+    assert_eq!(writes[0].path, format!("/api/v1/namespaces/{NAMESPACE}/pods"));
+    assert_eq!(writes[0].query.get("fieldManager").map(String::as_str), Some("sandman"));
+    assert_eq!(writes[0].json(), serde_json::to_value(build_pod(&s, &config()).unwrap()).unwrap());
+    let secret = writes[1].json();
+    assert_eq!(secret["metadata"]["ownerReferences"][0]["uid"], "0292c379-16d0-4bdb-b9b5-5d0914c57894");
+    assert_eq!(secret["stringData"]["token"], s.token.as_str());
+}
+
+#[tokio::test]
+async fn failures_in_the_pod_status_fail_the_create_at_once_and_remove_the_pod() {
+    let cases = [
+        ("status-errimagepull.json", Reason::ImagePullFailed, "no such host"),
+        ("status-unschedulable.json", Reason::Unschedulable, "Insufficient cpu"),
+        ("status-oomkilled.json", Reason::OomKilled, "OOM-killed"),
+        ("status-init-container-failed.json", Reason::DaemonStartFailed, "init container"),
+        ("status-start-error-command-not-found.json", Reason::DaemonStartFailed, "/no/such/daemon"),
+        ("status-daemon-exit-127.json", Reason::DaemonStartFailed, "exited with status 127"),
+        ("status-deadline-exceeded.json", Reason::TtlExpired, "activeDeadlineSeconds"),
+    ];
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let feed = watches.lock().unwrap().push();
+    let (client, mock) = scripted(watches);
+    let p = provider(client);
+    assert_eq!(p.config().create_timeout_s, 600, "the create timeout is long; failures must not wait for it");
+    for (fixture, reason, says) in cases {
+        let recorded = json(fixture);
+        let id = id_of(&recorded);
+        let s = spec(&id, "busybox:local");
+        let secrets_before = mock.seen().iter().filter(|r| is(r, "POST", "/secrets")).count();
+        let feeder = async {
+            mock.until("the secret's create", |seen| {
+                seen.iter().filter(|r| is(r, "POST", "/secrets")).count() > secrets_before
+            })
+            .await;
+            feed.send(event("MODIFIED", &recorded)).await.unwrap();
+        };
+        let started = Instant::now();
+        let (result, ()) = tokio::join!(tokio::time::timeout(Duration::from_secs(10), p.create(&s)), feeder);
+        match result.unwrap_or_else(|_| panic!("{fixture}: the create did not fail within 10 s")) {
+            Err(ProviderError::Failed { reason: r, message }) => {
+                assert_eq!(r, reason, "{fixture}: {message}");
+                assert!(message.contains(says), "{fixture}: `{message}` does not say `{says}`");
+            }
+            other => panic!("{fixture}: {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(
+            mock.seen().iter().any(|r| r.method == "DELETE" && r.path.ends_with(&format!("/pods/sandman-{id}"))),
+            "{fixture}: the failed pod was not deleted"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_create_conflicting_with_another_pod_fails_and_a_retried_create_goes_on() {
+    let ours = spec("sbx-0001", "busybox:local");
+    let stored = Arc::new(Mutex::new(json("pod-create-201.json")));
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let feed = watches.lock().unwrap().push();
+    let (client, mock) = mock({
+        let (stored, watches) = (stored.clone(), watches.clone());
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.lock().unwrap().next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("882", vec![]));
+            }
+            if is(req, "POST", "/pods") {
+                return Reply::Json(StatusCode::CONFLICT, json("error-409-already-exists.json"));
+            }
+            if is(req, "GET", "/pods/sandman-sbx-0001") {
+                return ok(stored.lock().unwrap().clone());
+            }
+            if is(req, "POST", "/secrets") {
+                return Reply::Json(StatusCode::CREATED, req.json());
+            }
+            ok(json("pod-delete-existing-200.json"))
+        }
+    });
+    let p = provider(client);
+    // The recorded pod is not this sandbox's: a conflict.
+    match p.create(&ours).await {
+        Err(ProviderError::Backend(m)) => assert!(m.contains("exists already"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(!mock.seen().iter().any(|r| is(r, "POST", "/secrets")), "a secret was made for a foreign pod");
+    assert!(!mock.seen().iter().any(|r| r.method == "DELETE"), "the foreign pod was deleted");
+    // The same pod, made from this very spec (a create retried after a lost answer): it goes on.
+    *stored.lock().unwrap() = as_ours(json("pod-create-201.json"), &ours);
+    let feeder = async {
+        mock.until("the secret's create", |seen| seen.iter().any(|r| is(r, "POST", "/secrets"))).await;
+        feed.send(event("MODIFIED", &json("pod-running-ready.json"))).await.unwrap();
+    };
+    let (endpoint, ()) = tokio::join!(p.create(&ours), feeder);
+    assert_eq!(endpoint.unwrap(), Endpoint::Tcp("10.244.0.26:7778".into()));
+}
+
+#[tokio::test]
+async fn an_invalid_pod_is_refused_with_the_api_servers_message_and_nothing_more_is_written() {
+    let mut watches = Watches::default();
+    let (client, mock) = mock(move |req| {
+        if is(req, "GET", "/pods") && req.is_watch() {
+            return watches.next();
+        }
+        if is(req, "GET", "/pods") {
+            return ok(pod_list("882", vec![]));
+        }
+        if is(req, "POST", "/pods") {
+            return Reply::Json(StatusCode::UNPROCESSABLE_ENTITY, json("error-422-invalid-label.json"));
+        }
+        Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+    });
+    let p = provider(client);
+    match p.create(&spec("sbx-bad-label", "busybox:local")).await {
+        Err(ProviderError::Unsupported(m)) => assert!(m.contains("Invalid value: \"job a\""), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(mock.writes().len(), 1, "{:#?}", mock.writes());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_holds_every_write_for_its_retry_after() {
+    let cluster = Cluster::shared();
+    cluster.lock().unwrap().throttle_next = 1;
+    let (client, mock) = client_on(&cluster);
+    let p = provider(client);
+    let s = spec("sbx-429", "busybox:local");
+    let other = async {
+        // Asked for while the hold is on: it must wait too.
+        mock.until("the 429", |seen| seen.iter().any(|r| is(r, "POST", "/pods"))).await;
+        p.delete("sbx-unrelated").await
+    };
+    let (created, deleted) = tokio::join!(p.create(&s), other);
+    created.unwrap();
+    deleted.unwrap();
+    let writes = mock.writes();
+    let posts: Vec<Instant> = writes.iter().filter(|r| is(r, "POST", "/pods")).map(|r| r.at).collect();
+    assert_eq!(posts.len(), 2, "the throttled create was not retried once: {writes:#?}");
+    assert!(
+        posts[1] - posts[0] >= Duration::from_secs(1),
+        "retried {:?} after a Retry-After of 1 s",
+        posts[1] - posts[0]
+    );
+    let delete = writes.iter().find(|r| r.method == "DELETE").unwrap().at;
+    assert!(delete - posts[0] >= Duration::from_secs(1), "a write went during the hold");
+}
+
+#[tokio::test(start_paused = true)]
+async fn writes_keep_to_the_configured_rate() {
+    let cluster = Cluster::shared();
+    let (client, mock) = client_on(&cluster);
+    let (qps, burst) = (5.0, 3);
+    let p = KubeProvider::new(client, KubeConfig { write_qps: qps, write_burst: burst, ..config() }).unwrap();
+    let specs: Vec<SandboxSpec> = (0..15).map(|i| spec(&format!("rate{i}"), "busybox:1")).collect();
+    let started = Instant::now();
+    let results = futures_util::future::join_all(specs.iter().map(|s| p.create(s))).await;
+    for r in results {
+        r.unwrap();
+    }
+    let writes: Vec<Instant> = mock.writes().iter().map(|r| r.at).collect();
+    assert_eq!(writes.len(), 30, "two writes per create");
+    for window_ms in [200u64, 1000, 2000, 4000] {
+        let window = Duration::from_millis(window_ms);
+        let most =
+            writes.iter().map(|s| writes.iter().filter(|t| **t >= *s && **t < *s + window).count()).max().unwrap();
+        let allowed = burst as f64 + qps * window.as_secs_f64();
+        assert!(most as f64 <= allowed, "{most} writes within {window:?}; at most {allowed} allowed");
+    }
+    // (30 - 3) writes at 5 per second after the burst.
+    assert!(started.elapsed() >= Duration::from_millis(5400), "finished in {:?}", started.elapsed());
+}
+
+// ---- the watch ----
+
+#[tokio::test]
+async fn a_watch_410_relists_and_reports_what_changed_meanwhile() {
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let first = watches.lock().unwrap().push();
+    let lists = Arc::new(AtomicUsize::new(0));
+    let running = json("watch-initial-list.json")["items"][0].clone();
+    let oom_ready = relabel(json("pod-running-ready.json"), "sbx-oom");
+    let (client, mock) = mock({
+        let (watches, lists) = (watches.clone(), lists.clone());
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.lock().unwrap().next();
+            }
+            if is(req, "GET", "/pods") {
+                return match lists.fetch_add(1, Ordering::SeqCst) {
+                    0 => ok(pod_list("882", vec![running.clone(), oom_ready.clone()])),
+                    // After the 410: sbx-0002 is gone, sbx-oom was OOM-killed meanwhile.
+                    _ => ok(pod_list("1250", vec![json("status-oomkilled.json")])),
+                };
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    let mut events = p.events().unwrap();
+    p.wait_synced().await;
+    // The recorded ERROR event: HTTP 200, then a Status 410 in the stream.
+    first.send(bytes::Bytes::from(common::fixture("watch-410-too-old-resource-version.ndjson"))).await.unwrap();
+    let mut got = [next_event(&mut events).await, next_event(&mut events).await];
+    got.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(got[0].id, "sbx-0002");
+    assert_eq!(got[0].ended.reason, Reason::ProviderError);
+    assert_eq!(got[0].ended.message, "the pod disappeared while the watch was interrupted");
+    assert_eq!(got[1].id, "sbx-oom");
+    assert_eq!(got[1].ended.reason, Reason::OomKilled);
+    assert_eq!(lists.load(Ordering::SeqCst), 2, "a 410 must make the watch list again");
+    let watches_seen: Vec<_> = mock.seen().into_iter().filter(common::Seen::is_watch).collect();
+    assert_eq!(watches_seen[0].query.get("resourceVersion").map(String::as_str), Some("882"));
+}
+
+#[tokio::test]
+async fn a_dropped_watch_resumes_from_the_last_version_without_relisting() {
+    let lines: Vec<String> = common::fixture("watch-lifecycle.ndjson").lines().map(str::to_string).collect();
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let first = watches.lock().unwrap().push();
+    let second = watches.lock().unwrap().push();
+    let (client, mock) = mock({
+        let watches = watches.clone();
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.lock().unwrap().next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("882", vec![]));
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    let mut events = p.events().unwrap();
+    // Up to Running (rv 899), then the connection drops.
+    for line in &lines[..=6] {
+        first.send(bytes::Bytes::from(format!("{line}\n"))).await.unwrap();
+    }
+    drop(first);
+    for line in &lines[7..] {
+        second.send(bytes::Bytes::from(format!("{line}\n"))).await.unwrap();
+    }
+    let ev = next_event(&mut events).await;
+    assert_eq!(ev.id, "sbx-0003");
+    assert_eq!(ev.ended.reason, Reason::ProviderError);
+    assert_eq!(ev.ended.message, "the pod was deleted by someone other than sandman");
+    let seen = mock.seen();
+    let rvs: Vec<_> = seen
+        .iter()
+        .filter(|r| r.is_watch())
+        .map(|r| r.query.get("resourceVersion").cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(&rvs[..2], ["882", "899"], "the watch did not resume from the last version it saw");
+    assert_eq!(seen.iter().filter(|r| is(r, "GET", "/pods") && !r.is_watch()).count(), 1, "a dropped watch relisted");
+    // The reflector saw it all too: the pod is gone from the store.
+    assert!(p.watched_pod("sbx-0003").is_none());
+}
+
+#[tokio::test]
+async fn a_node_lost_after_ready_is_reported_once() {
+    let lines: Vec<String> = common::fixture("watch-node-lost.ndjson").lines().map(str::to_string).collect();
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let feed = watches.lock().unwrap().push();
+    let (client, mock) = scripted(watches);
+    let p = provider(client);
+    let mut events = p.events().unwrap();
+    let s = spec("sbx-nodelost", "busybox:local");
+    let feeder = async {
+        mock.until("the secret's create", |seen| seen.iter().any(|r| is(r, "POST", "/secrets"))).await;
+        for line in &lines[..2] {
+            feed.send(bytes::Bytes::from(format!("{line}\n"))).await.unwrap();
+        }
+    };
+    let (endpoint, ()) = tokio::join!(p.create(&s), feeder);
+    assert_eq!(endpoint.unwrap(), Endpoint::Tcp("10.244.9.7:7778".into()));
+    for line in &lines[2..] {
+        feed.send(bytes::Bytes::from(format!("{line}\n"))).await.unwrap();
+    }
+    let ev = next_event(&mut events).await;
+    assert_eq!((ev.id.as_str(), ev.ended.reason), ("sbx-nodelost", Reason::NodeLost));
+    assert!(tokio::time::timeout(Duration::from_millis(300), events.recv()).await.is_err(), "a death told twice");
+}
+
+#[tokio::test]
+async fn every_failure_of_the_recorded_watch_is_one_event_with_its_reason() {
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let feed = watches.lock().unwrap().push();
+    let (client, _mock) = scripted(watches);
+    let p = provider(client);
+    let mut events = p.events().unwrap();
+    feed.send(bytes::Bytes::from(common::fixture("watch-states.ndjson"))).await.unwrap();
+    let mut got = BTreeMap::new();
+    for _ in 0..10 {
+        let ev = next_event(&mut events).await;
+        assert!(got.insert(ev.id.clone(), ev.ended.reason).is_none(), "{} told twice", ev.id);
+    }
+    let want: BTreeMap<String, Reason> = [
+        ("sbx-applet", Reason::ProviderError),
+        ("sbx-deadline", Reason::TtlExpired),
+        ("sbx-exit3", Reason::LeaseExpired),
+        ("sbx-imgpull", Reason::ImagePullFailed),
+        ("sbx-initdelete", Reason::ProviderError),
+        ("sbx-initfail", Reason::DaemonStartFailed),
+        ("sbx-nocmd", Reason::DaemonStartFailed),
+        ("sbx-oom", Reason::OomKilled),
+        ("sbx-succeeded", Reason::ProviderError),
+        // Never scheduled, then deleted by the recording's deletecollection.
+        ("sbx-unsched", Reason::ProviderError),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    assert_eq!(got, want);
+}
+
+// ---- delete and list ----
+
+#[tokio::test]
+async fn releasing_a_job_is_one_deletecollection_and_its_deaths_are_not_news() {
+    let cluster = Cluster::shared();
+    let (client, mock) = client_on(&cluster);
+    let p = provider(client);
+    let mut events = p.events().unwrap();
+    let mut specs = Vec::new();
+    for i in 0..5 {
+        let mut s = spec(&format!("job-x-{i}"), "busybox:1");
+        s.job = Some("job x".into());
+        specs.push(s);
+    }
+    let mut keep = spec("job-y-0", "busybox:1");
+    keep.job = Some("job-y".into());
+    specs.push(keep);
+    for r in futures_util::future::join_all(specs.iter().map(|s| p.create(s))).await {
+        r.unwrap();
+    }
+    let writes_before = mock.writes().len();
+    let mut ids = p.delete_job("job x").await.unwrap();
+    ids.sort();
+    assert_eq!(ids, (0..5).map(|i| format!("job-x-{i}")).collect::<Vec<_>>());
+    let writes = mock.writes();
+    assert_eq!(writes.len(), writes_before + 1, "release-all is one write");
+    let collection = writes.last().unwrap();
+    assert_eq!(
+        (collection.method.as_str(), collection.path.as_str()),
+        ("DELETE", "/api/v1/namespaces/sandman-fixtures/pods")
+    );
+    assert!(collection.query["labelSelector"].contains("sandman.dev/job=job_x-"), "{:?}", collection.query);
+    assert_eq!(collection.json()["propagationPolicy"], "Background");
+    // The released pods' deaths are not reported; the next death is.
+    {
+        let mut c = cluster.lock().unwrap();
+        let mut pod = c.pods["sandman-job-y-0"].clone();
+        pod["status"] = json("status-oomkilled.json")["status"].clone();
+        c.update(pod);
+    }
+    let ev = next_event(&mut events).await;
+    assert_eq!((ev.id.as_str(), ev.ended.reason), ("job-y-0", Reason::OomKilled));
+    // Deleting a sandbox that is gone already is fine (the recorded 404).
+    p.delete("job-x-0").await.unwrap();
+    p.delete("never-existed").await.unwrap();
+}
+
+#[tokio::test]
+async fn list_recovers_specs_and_tokens_and_starts_over_an_expired_paginated_list() {
+    let a = spec("sbx-0002", "busybox:local");
+    let b = spec("sbx-oom", "busybox:local");
+    let c = spec("sbx-gone", "busybox:local");
+    let page1 = {
+        let mut l = json("list-page1-limit1.json");
+        l["items"][0] = as_ours(l["items"][0].clone(), &a);
+        l
+    };
+    let full = pod_list(
+        "1300",
+        vec![
+            page1["items"][0].clone(),
+            as_ours(json("status-oomkilled.json"), &b),
+            as_ours(relabel(json("pod-terminating.json"), "sbx-gone"), &c),
+            // Not ours: no spec annotation.
+            relabel(json("pod-running-ready.json"), "sbx-foreign"),
+        ],
+    );
+    let secrets = serde_json::json!({"kind": "SecretList", "apiVersion": "v1", "metadata": {"resourceVersion": "1300"},
+        "items": [
+            {"metadata": {"name": "sandman-sbx-0002", "labels": {"sandman.dev/sandbox": "sbx-0002"}},
+             "data": {"token": serde_json::to_value(k8s_openapi::ByteString(a.token.clone().into_bytes())).unwrap()}},
+            {"metadata": {"name": "sandman-sbx-oom", "labels": {"sandman.dev/sandbox": "sbx-oom"}},
+             "data": {"token": serde_json::to_value(k8s_openapi::ByteString(b.token.clone().into_bytes())).unwrap()}}]});
+    let lists = Arc::new(AtomicUsize::new(0));
+    let mut watches = Watches::default();
+    let (client, _mock) = mock({
+        let lists = lists.clone();
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.next();
+            }
+            if is(req, "GET", "/secrets") {
+                return ok(secrets.clone());
+            }
+            if is(req, "GET", "/pods") {
+                let n = lists.fetch_add(1, Ordering::SeqCst);
+                let continued = req.query.contains_key("continue");
+                return match (n, continued) {
+                    // The watch's own list.
+                    (0, _) => ok(pod_list("1175", vec![])),
+                    (1, false) => ok(page1.clone()),
+                    (2, true) => Reply::Json(StatusCode::GONE, json("error-410-list-continue-expired.json")),
+                    (3, false) => ok(full.clone()),
+                    other => panic!("unexpected list {other:?}: {:?}", req.query),
+                };
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    p.wait_synced().await;
+    let mut records = p.list().await.unwrap();
+    records.sort_by(|x, y| x.spec.id.cmp(&y.spec.id));
+    assert_eq!(lists.load(Ordering::SeqCst), 4, "the expired list was not started over");
+    assert_eq!(records.len(), 2, "{records:#?}");
+    assert_eq!(records[0].spec, a);
+    assert_eq!(records[0].endpoint, Endpoint::Tcp("10.244.0.27:7778".into()));
+    assert_eq!(records[0].ended, None);
+    assert_eq!(records[1].spec, b);
+    assert_eq!(records[1].ended.as_ref().map(|e| e.reason), Some(Reason::OomKilled));
+}

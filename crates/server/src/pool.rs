@@ -1,0 +1,424 @@
+//! Warm pools: named sets of ready, unclaimed sandboxes that a create claims at once instead of
+//! waiting for a cold create. [`Pools`] is the registry (specs, the ready queue each claim pops
+//! under one lock, the members being created, refill back-off), persisted in
+//! `<state-dir>/pools.json`; [`ClaimJournal`] records each claim in `<state-dir>/pool-claims.jsonl`
+//! so that a restarted server knows a claimed sandbox from an idle one. The service's side
+//! (claim, refill, release) is in `service.rs`, starting at `Service::put_pool`.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use sandman_provider::SandboxSpec;
+use sandman_wire::server::{CreateSandbox, PoolSpec};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+/// The label that marks a pool's sandboxes (in the provider's records too, for recovery).
+pub const POOL_LABEL: &str = "sandman.dev/pool";
+/// Pools kept across restarts.
+pub const POOLS_FILE: &str = "pools.json";
+/// Claims kept across restarts.
+pub const CLAIMS_FILE: &str = "pool-claims.jsonl";
+/// Most sandboxes one pool may keep.
+pub const MAX_POOL_SIZE: u64 = 10_000;
+/// Longest pause between refills that keep failing.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// One pool: its spec and its unclaimed members.
+#[derive(Debug)]
+pub struct PoolState {
+    pub spec: PoolSpec,
+    /// Ready members, oldest first; a claim pops the front.
+    pub ready: VecDeque<String>,
+    /// Members being created (queued for admission, or coming up).
+    pub creating: HashSet<String>,
+    /// Claims served since the server started.
+    pub claims: u64,
+    /// The last refill failure, until a refill succeeds.
+    pub last_error: Option<String>,
+    /// Refills that failed in a row.
+    failures: u32,
+    /// While backing off: no refill before this.
+    pub retry_at: Option<Instant>,
+}
+
+impl PoolState {
+    fn new(spec: PoolSpec) -> Self {
+        PoolState {
+            spec,
+            ready: VecDeque::new(),
+            creating: HashSet::new(),
+            claims: 0,
+            last_error: None,
+            failures: 0,
+            retry_at: None,
+        }
+    }
+
+    pub fn max(&self) -> u64 {
+        self.spec.max.unwrap_or(self.spec.min_ready).max(self.spec.min_ready)
+    }
+
+    fn unclaimed(&self) -> u64 {
+        (self.ready.len() + self.creating.len()) as u64
+    }
+}
+
+/// What a `PUT` changed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Put {
+    Created,
+    /// Only the sizes changed; these ready members are beyond the new `max` and go.
+    Resized {
+        excess: Vec<String>,
+    },
+    /// The sandboxes it makes changed; every unclaimed member of the old spec goes.
+    Replaced {
+        old: Vec<String>,
+    },
+}
+
+/// Every pool, by name.
+#[derive(Debug, Default)]
+pub struct Pools {
+    pools: BTreeMap<String, PoolState>,
+}
+
+/// Whether two specs make the same sandboxes (everything but the sizes).
+fn same_sandboxes(a: &PoolSpec, b: &PoolSpec) -> bool {
+    a.image == b.image
+        && a.provider == b.provider
+        && a.resources == b.resources
+        && a.profile == b.profile
+        && a.network == b.network
+        && a.env == b.env
+        && a.setup == b.setup
+        && a.lease_s == b.lease_s
+}
+
+impl Pools {
+    pub fn new(specs: BTreeMap<String, PoolSpec>) -> Self {
+        Pools { pools: specs.into_iter().map(|(n, s)| (n, PoolState::new(s))).collect() }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&PoolState> {
+        self.pools.get(name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &PoolState)> {
+        self.pools.iter()
+    }
+
+    pub fn specs(&self) -> BTreeMap<String, PoolSpec> {
+        self.pools.iter().map(|(n, p)| (n.clone(), p.spec.clone())).collect()
+    }
+
+    pub fn put(&mut self, name: &str, spec: PoolSpec) -> Put {
+        let Some(pool) = self.pools.get_mut(name) else {
+            self.pools.insert(name.to_string(), PoolState::new(spec));
+            return Put::Created;
+        };
+        if same_sandboxes(&pool.spec, &spec) {
+            pool.spec = spec;
+            let mut excess = Vec::new();
+            while pool.unclaimed() > pool.max()
+                && let Some(id) = pool.ready.pop_back()
+            {
+                excess.push(id);
+            }
+            return Put::Resized { excess };
+        }
+        let old = std::mem::replace(pool, PoolState::new(spec));
+        Put::Replaced { old: old.ready.into_iter().chain(old.creating).collect() }
+    }
+
+    /// Forgets a pool; answers it with its unclaimed members.
+    pub fn remove(&mut self, name: &str) -> Option<PoolState> {
+        self.pools.remove(name)
+    }
+
+    /// Pops a ready member: two claims never get the same one.
+    pub fn claim(&mut self, name: &str) -> Option<String> {
+        let pool = self.pools.get_mut(name)?;
+        let id = pool.ready.pop_front()?;
+        pool.claims += 1;
+        Some(id)
+    }
+
+    /// A member came up: it joins the ready queue. False when it is no longer a member (its
+    /// pool was deleted or replaced meanwhile), and must go.
+    pub fn joined(&mut self, name: &str, id: &str) -> bool {
+        let Some(pool) = self.pools.get_mut(name) else { return false };
+        if !pool.creating.remove(id) {
+            return false;
+        }
+        pool.ready.push_back(id.to_string());
+        pool.failures = 0;
+        pool.last_error = None;
+        pool.retry_at = None;
+        true
+    }
+
+    /// A ready member found again after a restart. False when its pool is gone or full.
+    pub fn adopt(&mut self, name: &str, id: &str, spec: &SandboxSpec) -> bool {
+        let Some(pool) = self.pools.get_mut(name) else { return false };
+        if pool.unclaimed() >= pool.max() || !matches_spec(&pool.spec, spec) {
+            return false;
+        }
+        pool.ready.push_back(id.to_string());
+        true
+    }
+
+    /// A member ended (or was released) unclaimed. When it failed before it was ever ready,
+    /// refills back off, doubling up to a minute.
+    pub fn left(&mut self, name: &str, id: &str, failed: Option<&str>, now: Instant) {
+        let Some(pool) = self.pools.get_mut(name) else { return };
+        let was_creating = pool.creating.remove(id);
+        if let Some(i) = pool.ready.iter().position(|r| r == id) {
+            pool.ready.remove(i);
+        }
+        if was_creating && let Some(message) = failed {
+            pool.failures = pool.failures.saturating_add(1);
+            pool.last_error = Some(message.to_string());
+            let pause = Duration::from_millis(500u64.saturating_mul(1 << pool.failures.min(8))).min(MAX_BACKOFF);
+            pool.retry_at = Some(now + pause);
+        }
+    }
+
+    /// How many members the pool needs to be back at `min_ready` (within `max`), now; the
+    /// caller creates that many under the ids it reserves with [`Pools::reserve`]. While
+    /// refills back off, none (and the time to try again).
+    pub fn deficit(&self, name: &str, now: Instant) -> (u64, Option<Instant>) {
+        let Some(pool) = self.pools.get(name) else { return (0, None) };
+        if let Some(at) = pool.retry_at
+            && at > now
+        {
+            return (0, Some(at));
+        }
+        let want = pool.spec.min_ready.min(pool.max());
+        (want.saturating_sub(pool.unclaimed()), None)
+    }
+
+    pub fn reserve(&mut self, name: &str, id: &str) {
+        if let Some(pool) = self.pools.get_mut(name) {
+            pool.creating.insert(id.to_string());
+        }
+    }
+
+    /// The pool a create is served from: the one it names, else the first whose sandboxes it
+    /// matches exactly (image, resources, profile, network, provider).
+    pub fn for_create(&self, req: &CreateSandbox, provider: &str) -> Option<(String, PoolSpec)> {
+        if let Some(name) = &req.pool {
+            return self.pools.get(name).map(|p| (name.clone(), p.spec.clone()));
+        }
+        self.pools
+            .iter()
+            .find(|(_, p)| {
+                p.spec.image == req.image
+                    && p.spec.resources == req.resources
+                    && p.spec.profile == req.profile
+                    && p.spec.network == req.network
+                    && p.spec.provider.as_deref().is_none_or(|x| x == provider)
+                    && req.provider.as_deref().is_none_or(|x| x == provider)
+            })
+            .map(|(n, p)| (n.clone(), p.spec.clone()))
+    }
+}
+
+/// Whether a sandbox was made from this pool spec (so that a restart keeps members of a pool
+/// that has changed since only if they still fit it).
+fn matches_spec(pool: &PoolSpec, spec: &SandboxSpec) -> bool {
+    pool.image == spec.image
+        && pool.resources == spec.resources
+        && pool.profile == spec.profile
+        && pool.network == spec.network
+        && pool.env == spec.env
+}
+
+pub fn load_specs(state_dir: &Path) -> BTreeMap<String, PoolSpec> {
+    std::fs::read(state_dir.join(POOLS_FILE)).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
+}
+
+pub fn save_specs(state_dir: &Path, specs: &BTreeMap<String, PoolSpec>) {
+    let path = state_dir.join(POOLS_FILE);
+    let tmp = path.with_extension("json.tmp");
+    let result = serde_json::to_vec_pretty(specs)
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| std::fs::write(&tmp, bytes))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = result {
+        tracing::error!(path = %path.display(), error = %e, "cannot save pools");
+    }
+}
+
+/// One claim, as the journal keeps it: the sandbox as its claimer made it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The claimed sandbox's spec: the claimer's job, labels, lease and key, the pool's image.
+    pub spec: SandboxSpec,
+    /// The claimer's environment, merged into its exec, process and session calls.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    pub claimed_ms: u64,
+    /// When the pool made it.
+    pub pool_created_ms: u64,
+}
+
+/// The claims file: one JSON line appended per claim (a few microseconds, so a claim stays
+/// fast), read back and compacted to the live claims at start.
+#[derive(Debug)]
+pub struct ClaimJournal {
+    path: PathBuf,
+    /// The open file, appended to under this lock, never across `.await`.
+    file: Mutex<Option<File>>,
+    /// What the file held at start, until recovery takes it.
+    found: Mutex<HashMap<String, Claim>>,
+}
+
+impl ClaimJournal {
+    pub fn open(state_dir: &Path) -> Self {
+        let path = state_dir.join(CLAIMS_FILE);
+        let mut found = HashMap::new();
+        if let Ok(f) = File::open(&path) {
+            for line in BufReader::new(f).lines().map_while(Result::ok) {
+                if let Ok(c) = serde_json::from_str::<Claim>(&line) {
+                    found.insert(c.spec.id.clone(), c);
+                }
+            }
+        }
+        let file = OpenOptions::new().create(true).append(true).open(&path).ok();
+        if file.is_none() {
+            tracing::error!(path = %path.display(), "cannot open the pool claims file; claims will not survive a restart");
+        }
+        ClaimJournal { path, file: Mutex::new(file), found: Mutex::new(found) }
+    }
+
+    pub fn append(&self, claim: &Claim) {
+        let Ok(mut line) = serde_json::to_string(claim) else { return };
+        line.push('\n');
+        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(f) = file.as_mut()
+            && let Err(e) = f.write_all(line.as_bytes())
+        {
+            tracing::error!(path = %self.path.display(), error = %e, "cannot record a pool claim");
+        }
+    }
+
+    /// The claims found at start (once).
+    pub fn take_found(&self) -> HashMap<String, Claim> {
+        std::mem::take(&mut *self.found.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Rewrites the file with only `live`, the claims of sandboxes that still exist.
+    pub fn compact(&self, live: &[Claim]) {
+        let tmp = self.path.with_extension("jsonl.tmp");
+        let mut text = String::new();
+        for c in live {
+            if let Ok(line) = serde_json::to_string(c) {
+                text.push_str(&line);
+                text.push('\n');
+            }
+        }
+        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+        let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &self.path));
+        match result {
+            Ok(()) => *file = OpenOptions::new().append(true).open(&self.path).ok(),
+            Err(e) => tracing::error!(path = %self.path.display(), error = %e, "cannot compact the pool claims file"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(min: u64, max: Option<u64>) -> PoolSpec {
+        PoolSpec { image: "host".into(), min_ready: min, max, ..Default::default() }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn claims_pop_distinct_members_and_refills_make_up_the_deficit() {
+        let now = Instant::now();
+        let mut pools = Pools::default();
+        assert_eq!(pools.put("p", spec(3, Some(5))), Put::Created);
+        assert_eq!(pools.deficit("p", now), (3, None));
+        for id in ["a", "b", "c"] {
+            pools.reserve("p", id);
+        }
+        assert_eq!(pools.deficit("p", now), (0, None));
+        assert!(pools.joined("p", "a") && pools.joined("p", "b"));
+        assert!(!pools.joined("p", "zz"), "not a member");
+        assert_eq!(pools.claim("p").as_deref(), Some("a"));
+        assert_eq!(pools.claim("p").as_deref(), Some("b"));
+        assert_eq!(pools.claim("p"), None);
+        assert_eq!(pools.deficit("p", now), (2, None));
+        assert_eq!(pools.get("p").map(|p| p.claims), Some(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failing_refills_back_off() {
+        let now = Instant::now();
+        let mut pools = Pools::default();
+        pools.put("p", spec(1, None));
+        pools.reserve("p", "a");
+        pools.left("p", "a", Some("pull access denied"), now);
+        let (n, retry) = pools.deficit("p", now);
+        assert_eq!(n, 0);
+        assert_eq!(retry, Some(now + Duration::from_secs(1)));
+        assert_eq!(pools.get("p").and_then(|p| p.last_error.clone()).as_deref(), Some("pull access denied"));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(pools.deficit("p", Instant::now()).0, 1);
+    }
+
+    #[test]
+    fn a_resize_keeps_members_and_a_new_image_replaces_them() {
+        let mut pools = Pools::default();
+        pools.put("p", spec(3, None));
+        for id in ["a", "b", "c"] {
+            pools.reserve("p", id);
+            pools.joined("p", id);
+        }
+        assert_eq!(pools.put("p", spec(1, Some(1))), Put::Resized { excess: vec!["c".into(), "b".into()] });
+        let mut other = spec(1, None);
+        other.image = "python".into();
+        assert_eq!(pools.put("p", other), Put::Replaced { old: vec!["a".into()] });
+    }
+
+    #[test]
+    fn creates_match_a_pool_by_what_they_make() {
+        let mut pools = Pools::default();
+        pools.put("p", spec(1, None));
+        let req = CreateSandbox { image: "host".into(), ..Default::default() };
+        assert_eq!(pools.for_create(&req, "process").map(|(n, _)| n).as_deref(), Some("p"));
+        let cpu = CreateSandbox {
+            resources: sandman_wire::server::Resources {
+                cpu: Some(sandman_wire::server::Quantity::Number(1.0)),
+                ..Default::default()
+            },
+            ..req.clone()
+        };
+        assert!(pools.for_create(&cpu, "process").is_none());
+        let named = CreateSandbox { pool: Some("nope".into()), ..req };
+        assert!(pools.for_create(&named, "process").is_none());
+    }
+
+    #[test]
+    fn the_journal_survives_a_restart_and_compacts() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let mut s = sandman_provider::conformance::spec("sb-1", "host");
+        s.job = Some("j".into());
+        let claim = Claim { spec: s, env: BTreeMap::new(), claimed_ms: 5, pool_created_ms: 1 };
+        let j = ClaimJournal::open(dir.path());
+        j.append(&claim);
+        drop(j);
+        let j = ClaimJournal::open(dir.path());
+        let found = j.take_found();
+        assert_eq!(found.get("sb-1"), Some(&claim));
+        j.compact(&[]);
+        assert!(ClaimJournal::open(dir.path()).take_found().is_empty());
+    }
+}

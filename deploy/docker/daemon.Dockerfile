@@ -1,0 +1,9 @@
+# The daemon image: nothing but the static `sandmand` at /sandmand. Sandbox pods run it as an
+# init container (`/sandmand install /.sandman/sandmand`) or mount it as an image volume; the
+# hostPath DaemonSet installs it on each node. It needs no shell, libc or user database.
+#
+#   bin=$(./scripts/build-daemon)
+#   docker build -f deploy/docker/daemon.Dockerfile -t ghcr.io/sandman-dev/sandmand:0.1.0 "$(dirname "$bin")"
+FROM scratch
+COPY sandmand /sandmand
+ENTRYPOINT ["/sandmand"]
