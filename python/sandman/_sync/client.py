@@ -1,0 +1,799 @@
+# Generated from sandman/_async/client.py by python/tools/unasync.py: do not edit.
+# Edit that file and run `python python/tools/unasync.py`.
+"""The client: `Sandman`, `Sandbox`, `Process`, `Session`, `Job` and
+the NDJSON streams.
+
+One design for both clients: `sandman/_async/client.py` is written by hand, and
+`sandman/_sync/client.py` is generated from it by `python/tools/unasync.py` (the `async` and
+`await` keywords removed, `Async*` names renamed, `_async` imports pointed at `_sync`); a test
+checks that the committed sync copy is what the generator makes. Requests are built and answers
+parsed in `sandman._core` and `sandman.models`; what differs between asyncio and threads
+(sleeping, the heartbeat's background task or thread) lives in the twin `_rt` modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import ssl
+from pathlib import Path
+from typing import Any, Iterator, Callable, Dict, Generic, List, Mapping, Optional, TypeVar, Union
+
+import httpx
+
+from .. import _core, errors
+from .._core import Call, Command
+from ..models import (
+    DaemonInfo,
+    DirListing,
+    Event,
+    ExecEvent,
+    ExecResult,
+    ExitStatus,
+    ExtractResult,
+    FileStat,
+    Health,
+    JobAction,
+    JobInfo,
+    OutputChunk,
+    OutputEvent,
+    ProcessInfo,
+    SandboxInfo,
+    SessionInfo,
+    SessionResult,
+)
+from . import _rt
+
+T = TypeVar("T")
+S = TypeVar("S", bound="Stream[Any]")
+
+__all__ = [
+    "Sandman",
+    "Sandbox",
+    "Process",
+    "Session",
+    "Job",
+    "Stream",
+    "ExecStream",
+    "OutputStream",
+]
+
+
+class Sandman:
+    """A client of one Sandman server.
+
+    `url` defaults to `$SANDMAN_URL` (else `http://127.0.0.1:7777`); `token` to `$SANDMAN_TOKEN`,
+    else the token file the server writes (`$SANDMAN_STATE_DIR/token`, else
+    `~/.local/state/sandman/token`). `timeout` is the read timeout of control calls in seconds
+    (calls that run commands wait as long as their own `timeout`). Calls are sent again, up to
+    `retries` times, only where that is safe: when the request never reached the server, when the
+    server shed it under load (503 with `Retry-After`), and for idempotent calls (reads, file
+    writes, keepalives, releases, and creates, which are keyed with an `idempotency_key`).
+    `max_connections` bounds the connections kept to the server (calls past it wait for one);
+    `verify` is TLS verification for an `https://` server (a CA bundle path or an SSL context);
+    `transport` replaces the HTTP transport (for tests).
+
+    Use it as a context manager, or call `close()`, to close its connections.
+    """
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        token: Optional[str] = None,
+        *,
+        timeout: Optional[float] = _core.DEFAULT_TIMEOUT,
+        retries: int = _core.DEFAULT_RETRIES,
+        max_connections: int = _core.DEFAULT_MAX_CONNECTIONS,
+        verify: Union[bool, str, ssl.SSLContext] = True,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> None:
+        self.url = _core.resolve_url(url)
+        self.retries = retries
+        token = _core.resolve_token(token)
+        # Several small connection pools rather than one big one (see `_core.shards`).
+        n_shards = 1 if transport is not None else _core.shards(max_connections)
+        self._pools = [
+            httpx.Client(
+                base_url=self.url,
+                headers=_core.headers(token),
+                timeout=_core.timeout(timeout),
+                limits=_core.limits(max_connections, n_shards),
+                verify=_core.verify(verify),
+                transport=transport,
+            )
+            for _ in range(n_shards)
+        ]
+        self._calls = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def __enter__(self) -> "Sandman":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the client's connections."""
+        for pool in self._pools:
+            pool.close()
+
+    # ---- the server's calls ----
+
+    def health(self) -> Health:
+        """`GET /healthz`: whether the server is up, and which provider it runs."""
+        return Health.from_dict(self._json(_core.health_call()))
+
+    def create(
+        self,
+        image: str = "host",
+        *,
+        job: Optional[str] = None,
+        resources: Optional[Mapping[str, Any]] = None,
+        profile: Optional[str] = None,
+        network: Optional[str] = None,
+        ttl: Optional[int] = None,
+        idle_timeout: Optional[int] = None,
+        lease: Optional[int] = None,
+        pool: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        provider: Optional[str] = None,
+        idempotency_key: Optional[str] = None,
+        wait: bool = True,
+        wait_timeout: Optional[int] = None,
+    ) -> "Sandbox":
+        """Creates a sandbox and answers it once ready (at once with `wait=False`).
+
+        `resources` is `{"cpu": 0.5 | "500m", "memory": "512Mi", "disk": "2G", "pids": 256}`;
+        `profile` is `default` or `eval`; `network` `egress` or `none`; `ttl`, `idle_timeout` and
+        `lease` are seconds (the lease is renewed by every call, `keepalive()`, or the job's
+        heartbeat). `pool` names a warm pool (sent as given; a server without pools refuses it
+        with `InvalidArgument`). The create is keyed with `idempotency_key` (a fresh one when not
+        given), so a create sent again after a lost answer returns the same sandbox.
+        """
+        call = _core.create_call(
+            image,
+            job=job,
+            resources=resources,
+            profile=profile,
+            network=network,
+            ttl=ttl,
+            idle_timeout=idle_timeout,
+            lease=lease,
+            pool=pool,
+            env=env,
+            labels=labels,
+            provider=provider,
+            idempotency_key=idempotency_key,
+            wait=wait,
+            wait_timeout=wait_timeout,
+        )
+        info = SandboxInfo.from_dict(self._json(call))
+        return Sandbox(self, info.id, info)
+
+    def sandbox(self, sandbox_id: str) -> "Sandbox":
+        """A handle on an existing sandbox, without a call."""
+        return Sandbox(self, sandbox_id)
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        """`GET /v1/sandboxes/{id}`: state, reason, timestamps and expiry, also once it ended."""
+        return SandboxInfo.from_dict(self._json(_core.get_call(sandbox_id)))
+
+    def list(
+        self, *, job: Optional[str] = None, state: Optional[str] = None, label: Optional[str] = None
+    ) -> List[SandboxInfo]:
+        """`GET /v1/sandboxes`: sandboxes, optionally only of `job`, in `state`, or with the label
+        `label` (`"key=value"`). Ended ones are listed for the server's gone retention."""
+        body = self._json(_core.list_call(job, state, label))
+        return [SandboxInfo.from_dict(d) for d in _core.as_list(body, "sandboxes")]
+
+    def release(self, sandbox_id: str) -> Optional[SandboxInfo]:
+        """Releases a sandbox; answers its final record, or None when it had already ended."""
+        try:
+            return SandboxInfo.from_dict(self._json(_core.release_call(sandbox_id)))
+        except errors.Gone:
+            return None
+
+    def keepalive(self, sandbox_id: str) -> SandboxInfo:
+        """Renews a sandbox's lease."""
+        return SandboxInfo.from_dict(self._json(_core.keepalive_call(sandbox_id)))
+
+    def job(
+        self,
+        name: str,
+        *,
+        max_sandboxes: Optional[int] = None,
+        lease: Optional[int] = None,
+        heartbeat: bool = True,
+        heartbeat_interval: Optional[float] = None,
+        release_on_exit: bool = True,
+        create_rate: Optional[float] = None,
+        weight: Optional[float] = None,
+    ) -> "Job":
+        """Sets the quota of job `name` (`PUT /v1/jobs/{name}`) and answers its `Job`, whose
+        heartbeat renews the lease of all the job's sandboxes in the background, every
+        `heartbeat_interval` seconds (default a third of the job's lease, else 10 s), until
+        the job is closed.
+
+        `max_sandboxes` caps the job's live sandboxes (a create past it raises `QuotaExceeded`);
+        `lease` (seconds) is the default lease of its sandboxes. `create_rate` and `weight` are
+        sent as given; a server without admission control refuses them (`InvalidArgument`).
+        """
+        body = self._json(
+            _core.put_job_call(name, max_sandboxes=max_sandboxes, lease=lease, create_rate=create_rate, weight=weight)
+        )
+        job = Job(self, JobInfo.from_dict(body), release_on_exit=release_on_exit)
+        if heartbeat:
+            job.start_heartbeat(heartbeat_interval)
+        return job
+
+    def get_job(self, name: str) -> JobInfo:
+        """`GET /v1/jobs/{name}`: the job's quota and usage."""
+        return JobInfo.from_dict(self._json(_core.get_job_call(name)))
+
+    def delete_job(self, name: str) -> JobAction:
+        """`DELETE /v1/jobs/{name}`: releases every sandbox of the job (`job_deleted`)."""
+        return JobAction.from_dict(self._json(_core.delete_job_call(name)))
+
+    def heartbeat(self, name: str) -> JobAction:
+        """`POST /v1/jobs/{name}/heartbeat`: renews the lease of every sandbox of the job."""
+        return JobAction.from_dict(self._json(_core.heartbeat_call(name)))
+
+    def events(self, *, job: Optional[str] = None, after: Optional[int] = None) -> List[Event]:
+        """`GET /v1/events`: the lifecycle events the server keeps, optionally of one job or after
+        one sequence number."""
+        body = self._json(_core.events_call(job, after, follow=False))
+        return [Event.from_dict(d) for d in _core.as_list(body, "events")]
+
+    def follow_events(self, *, job: Optional[str] = None, after: Optional[int] = None) -> "Stream[Event]":
+        """Lifecycle events as they happen, as a stream (iterate it; close it to stop)."""
+        return Stream(self, _core.events_call(job, after, follow=True), Event.from_stream)
+
+    # ---- transport: the one place calls are sent and answers checked ----
+
+    def _send(self, call: Call, *, stream: bool = False) -> httpx.Response:
+        """Sends `call`, again where that is safe; answers a successful response or raises."""
+        attempt = 0
+        http = self._pools[_core.shard_of(call, len(self._pools), next(self._calls))]
+        while True:
+            request = http.build_request(
+                call.method,
+                call.path,
+                params=call.params,
+                json=call.json,
+                content=call.content,
+                headers=call.request_headers(),
+                timeout=_core.timeout(call.timeout) if call.has_timeout else httpx.USE_CLIENT_DEFAULT,
+            )
+            try:
+                response = http.send(request, stream=stream)
+            except httpx.TransportError as e:
+                delay = _core.retry_after_error(call, e, attempt, self.retries)
+                if delay is None:
+                    raise _core.transport_error(e, self.url) from e
+                attempt += 1
+                _rt.sleep(delay)
+                continue
+            if response.is_success:
+                return response
+            try:
+                body = response.read()
+            except httpx.TransportError:
+                body = b""
+            finally:
+                response.close()
+            delay = _core.retry_after_status(call, response.status_code, response.headers, attempt, self.retries)
+            if delay is None:
+                raise errors.error_from_response(response.status_code, body, response.headers)
+            attempt += 1
+            _rt.sleep(delay)
+
+    def _json(self, call: Call) -> Any:
+        response = self._send(call)
+        if not response.content:
+            return None
+        try:
+            return json.loads(response.content)
+        except ValueError as e:
+            raise errors.Internal(f"{call.method} {call.path}: the answer is not JSON: {e}") from e
+
+    def _bytes(self, call: Call) -> bytes:
+        return (self._send(call)).content
+
+
+class Sandbox:
+    """One sandbox. Every call renews its lease.
+
+    Use it as a context manager to release it on exit, also when the block raises::
+
+        with client.create("host") as sb:
+            print((sb.exec("uname -a")).stdout)
+    """
+
+    def __init__(self, client: Sandman, sandbox_id: str, info: Optional[SandboxInfo] = None) -> None:
+        self.client = client
+        self.id = sandbox_id
+        #: The record as last seen (by `create`, `refresh`, `keepalive` or `release`).
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.release()
+        except errors.NotFound:
+            pass  # ended so long ago that the server forgot it
+        except errors.SandmanError as e:
+            if exc_type is None:
+                raise
+            # The block's own exception matters more; the lease reclaims the sandbox.
+            _core.log.warning("could not release sandbox %s while handling %s: %s", self.id, exc_type.__name__, e)
+
+    # ---- lifecycle ----
+
+    def refresh(self) -> SandboxInfo:
+        """The sandbox's record from the server (also once it ended)."""
+        self.info = self.client.get(self.id)
+        return self.info
+
+    def keepalive(self) -> SandboxInfo:
+        """Renews the lease (the daemon's too)."""
+        self.info = self.client.keepalive(self.id)
+        return self.info
+
+    def release(self) -> Optional[SandboxInfo]:
+        """Releases the sandbox; a no-op (answering None) when it has already ended."""
+        info = self.client.release(self.id)
+        if info is not None:
+            self.info = info
+        return info
+
+    def daemon_info(self) -> DaemonInfo:
+        """The daemon's version, uptime, process counts and lease left."""
+        return DaemonInfo.from_dict(self.client._json(_core.daemon_info_call(self.id)))
+
+    # ---- commands ----
+
+    def exec(
+        self,
+        cmd: Command,
+        *,
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        stdin: Optional[Union[str, bytes]] = None,
+        max_output_bytes: Optional[int] = None,
+    ) -> ExecResult:
+        """Runs a command to completion: a shell string (`/bin/sh -c`) or an argv list.
+
+        `timeout` (seconds) kills the whole process tree and keeps the partial output
+        (`timed_out=True`); `stdin` is written to the command and closed; output beyond
+        `max_output_bytes` per stream (default 10 MiB) is dropped (`stdout_truncated`).
+        A failing command is not an error: check `exit_code` (or `ok`).
+        """
+        body = _core.exec_body(
+            cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, max_output_bytes=max_output_bytes
+        )
+        return ExecResult.from_dict(self.client._json(_core.exec_call(self.id, body, timeout)))
+
+    def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        stdin: Optional[Union[str, bytes]] = None,
+        max_output_bytes: Optional[int] = None,
+    ) -> "ExecStream":
+        """Runs a command, yielding `ExecEvent`s as output comes: `started`, `stdout`/`stderr`
+        chunks, then `exit`. The call is sent when iteration starts; closing the stream early
+        (or leaving its `with` block) kills the command's process tree."""
+        body = _core.exec_body(
+            cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, max_output_bytes=max_output_bytes
+        )
+        return ExecStream(self.client, _core.exec_stream_call(self.id, body))
+
+    def start(
+        self,
+        cmd: Command,
+        *,
+        tag: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        stdin: bool = False,
+        retain_bytes: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> "Process":
+        """Starts a background process. `tag` names it (usable wherever its id is); `stdin=True`
+        gives it a pipe for `write_stdin`; `retain_bytes` bounds the output kept per stream
+        (default 1 MiB); `timeout` (seconds) kills its tree."""
+        call = _core.start_call(
+            self.id, cmd, tag=tag, env=env, cwd=cwd, user=user, stdin=stdin, retain_bytes=retain_bytes, timeout=timeout
+        )
+        info = ProcessInfo.from_dict(self.client._json(call))
+        return Process(self, info.id, info)
+
+    def process(self, id_or_tag: str) -> "Process":
+        """A handle on a background process by id or tag, without a call."""
+        return Process(self, id_or_tag)
+
+    def processes(self) -> List[ProcessInfo]:
+        """Every background process the daemon remembers, running or exited."""
+        body = self.client._json(_core.list_processes_call(self.id))
+        return [ProcessInfo.from_dict(d) for d in _core.as_list(body, "processes")]
+
+    def session(
+        self,
+        *,
+        shell: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> "Session":
+        """Starts a persistent shell: `cd`, exported variables and functions survive between
+        `run`s. A context manager that ends the shell on exit."""
+        call = _core.create_session_call(self.id, shell=shell, env=env, cwd=cwd, user=user)
+        info = SessionInfo.from_dict(self.client._json(call))
+        return Session(self, info.id, info)
+
+    def sessions(self) -> List[SessionInfo]:
+        body = self.client._json(_core.list_sessions_call(self.id))
+        return [SessionInfo.from_dict(d) for d in _core.as_list(body, "sessions")]
+
+    # ---- files ----
+
+    def read_file(self, path: str, *, offset: int = 0, length: Optional[int] = None) -> bytes:
+        """The bytes of the file at `path` (absolute), from `offset`, `length` of them (all)."""
+        return self.client._bytes(_core.read_file_call(self.id, path, offset, length))
+
+    def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
+        return (self.read_file(path)).decode(encoding)
+
+    def write_file(self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None) -> FileStat:
+        """Writes `data` (text is UTF-8) to `path` atomically, creating parent directories;
+        `mode` defaults to `0o644`."""
+        return FileStat.from_dict(self.client._json(_core.write_file_call(self.id, path, data, mode)))
+
+    def stat(self, path: str) -> FileStat:
+        return FileStat.from_dict(self.client._json(_core.stat_call(self.id, path)))
+
+    def list_dir(self, path: str, *, depth: Optional[int] = None) -> DirListing:
+        """Entries below `path`, `depth` levels deep (default 1)."""
+        return DirListing.from_dict(self.client._json(_core.list_dir_call(self.id, path, depth)))
+
+    def mkdir(self, path: str, *, mode: Optional[int] = None) -> FileStat:
+        """`mkdir -p`."""
+        return FileStat.from_dict(self.client._json(_core.mkdir_call(self.id, path, mode)))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Removes a file, or a directory (a non-empty one needs `recursive=True`)."""
+        self.client._json(_core.remove_call(self.id, path, recursive))
+
+    def move(self, src: str, dst: str, *, overwrite: bool = False) -> FileStat:
+        """Renames `src` to `dst` (an existing `dst` is a `Conflict` unless `overwrite`)."""
+        return FileStat.from_dict(self.client._json(_core.move_call(self.id, src, dst, overwrite)))
+
+    def upload(self, local: Union[str, "os.PathLike[str]"], path: str) -> ExtractResult:
+        """Copies the local directory `local` (its contents; or one file) into the directory
+        `path` in the sandbox, created if missing, as one tar."""
+        data = _rt.run_blocking(_core.tar_directory, local)
+        return self.upload_tar(data, path)
+
+    def download(self, path: str, local: Union[str, "os.PathLike[str]"]) -> Path:
+        """Copies the directory `path` in the sandbox (its contents; or one file) into the local
+        directory `local`, created if missing. Answers `local` as a `Path`."""
+        data = self.download_tar(path)
+        return _rt.run_blocking(_core.extract_tar, data, local)
+
+    def upload_tar(self, data: bytes, path: str) -> ExtractResult:
+        """Extracts a tar (gzip detected) into the directory `path`."""
+        return ExtractResult.from_dict(self.client._json(_core.upload_tar_call(self.id, path, data)))
+
+    def download_tar(self, path: str) -> bytes:
+        """The directory `path` as a tar of its contents (a file: a tar of that file)."""
+        return self.client._bytes(_core.download_tar_call(self.id, path))
+
+
+class Process:
+    """A background process in a sandbox (`Sandbox.start`), addressed by id or tag."""
+
+    def __init__(self, sandbox: Sandbox, process_id: str, info: Optional[ProcessInfo] = None) -> None:
+        self.sandbox = sandbox
+        self.id = process_id
+        #: The status as last seen.
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.sandbox.id!r}, {self.id!r})"
+
+    def status(self) -> ProcessInfo:
+        """The process's status, with its exit once it has exited."""
+        self.info = ProcessInfo.from_dict(self.sandbox.client._json(_core.process_call(self.sandbox.id, self.id)))
+        return self.info
+
+    def output(self, *, stream: str = "stdout", offset: int = 0, max_bytes: Optional[int] = None) -> OutputChunk:
+        """Output of `stream` (`stdout` or `stderr`) from byte `offset`; read on from
+        `next_offset`. Bytes older than the retention are `dropped`."""
+        call = _core.output_call(
+            self.sandbox.id, self.id, stream=stream, offset=offset, max_bytes=max_bytes, follow=False
+        )
+        return OutputChunk.from_dict(self.sandbox.client._json(call))
+
+    def follow(self, *, stream: str = "stdout", offset: int = 0) -> "OutputStream":
+        """Output of `stream` as it comes, as `OutputEvent`s (`data`, `dropped`), ending with
+        `exit` when the process exits."""
+        call = _core.output_call(self.sandbox.id, self.id, stream=stream, offset=offset, max_bytes=None, follow=True)
+        return OutputStream(self.sandbox.client, call)
+
+    def wait(self, timeout: Optional[float] = None) -> ProcessInfo:
+        """Waits for the process to exit, at most `timeout` seconds (None: as long as it takes);
+        answers its status, still `running` if the timeout passed first."""
+        while True:
+            step = _core.WAIT_STEP if timeout is None else timeout
+            call = _core.wait_call(self.sandbox.id, self.id, step)
+            self.info = ProcessInfo.from_dict(self.sandbox.client._json(call))
+            if timeout is not None or not self.info.running:
+                return self.info
+
+    def write_stdin(self, data: Union[str, bytes], *, close: bool = False) -> ProcessInfo:
+        """Writes to the process's stdin (it was started with `stdin=True`); `close` closes it."""
+        call = _core.stdin_call(self.sandbox.id, self.id, data, close)
+        self.info = ProcessInfo.from_dict(self.sandbox.client._json(call))
+        return self.info
+
+    def close_stdin(self) -> ProcessInfo:
+        return self.write_stdin("", close=True)
+
+    def signal(self, signal: Union[str, int] = "TERM") -> ProcessInfo:
+        """Sends `signal` (a name like `TERM`, or a number) to the process group."""
+        call = _core.signal_call(self.sandbox.id, self.id, signal)
+        self.info = ProcessInfo.from_dict(self.sandbox.client._json(call))
+        return self.info
+
+    def kill(self) -> None:
+        """Kills the process tree and forgets the process (its id and tag are free again)."""
+        try:
+            self.sandbox.client._json(_core.kill_call(self.sandbox.id, self.id))
+        except errors.NotFound:
+            pass
+
+
+class Session:
+    """A persistent shell in a sandbox (`Sandbox.session`). Runs are one at a time."""
+
+    def __init__(self, sandbox: Sandbox, session_id: str, info: Optional[SessionInfo] = None) -> None:
+        self.sandbox = sandbox
+        self.id = session_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.sandbox.id!r}, {self.id!r})"
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def run(
+        self, command: str, *, timeout: Optional[float] = None, max_output_bytes: Optional[int] = None
+    ) -> SessionResult:
+        """Runs `command` in the shell. After `timeout` seconds the command is interrupted (and the
+        session killed if it does not stop)."""
+        call = _core.session_run_call(self.sandbox.id, self.id, command, timeout, max_output_bytes)
+        return SessionResult.from_dict(self.sandbox.client._json(call))
+
+    def interrupt(self) -> None:
+        """Sends SIGINT to the running command; the shell carries on."""
+        self.sandbox.client._json(_core.session_interrupt_call(self.sandbox.id, self.id))
+
+    def close(self) -> None:
+        """Ends the shell (a no-op when it is already gone, or its sandbox is)."""
+        try:
+            self.sandbox.client._json(_core.session_delete_call(self.sandbox.id, self.id))
+        except (errors.NotFound, errors.Gone):
+            pass
+
+
+class Job:
+    """A job: its quota, and a heartbeat renewing the lease of all its sandboxes at once.
+
+    The heartbeat runs in the background until `close()`. As a context manager, leaving the
+    block closes the job and, with `release_on_exit` (the default), releases every sandbox of the
+    job (`DELETE /v1/jobs/{name}`).
+    """
+
+    def __init__(self, client: Sandman, info: JobInfo, *, release_on_exit: bool = True) -> None:
+        self.client = client
+        self.name = info.name
+        #: The job as last seen.
+        self.info = info
+        self.release_on_exit = release_on_exit
+        #: The error of the last heartbeat, or None when it succeeded.
+        self.heartbeat_error: Optional[BaseException] = None
+        #: How many heartbeats succeeded.
+        self.heartbeats = 0
+        self._ticker: Optional[_rt.Ticker] = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
+        if self.release_on_exit:
+            try:
+                self.delete()
+            except errors.NotFound:
+                pass
+            except errors.SandmanError as e:
+                if exc_type is None:
+                    raise
+                _core.log.warning("could not release job %s while handling %s: %s", self.name, exc_type.__name__, e)
+
+    def start_heartbeat(self, interval: Optional[float] = None) -> None:
+        """Starts the background heartbeat (`client.job` does, unless `heartbeat=False`)."""
+        if self._ticker is not None:
+            return
+        if interval is None:
+            interval = self.info.lease_s / 3.0 if self.info.lease_s else 10.0
+        self._ticker = _rt.Ticker(max(0.05, interval), self._beat, f"sandman heartbeat of job {self.name}")
+        self._ticker.start()
+
+    @property
+    def heartbeat_running(self) -> bool:
+        return self._ticker is not None and self._ticker.running
+
+    def _beat(self) -> None:
+        try:
+            self.heartbeat()
+            self.heartbeat_error = None
+        except Exception as e:
+            self.heartbeat_error = e
+            raise
+
+    def close(self) -> None:
+        """Stops the heartbeat. The job's sandboxes stay until released or their lease lapses."""
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.stop()
+
+    def create(self, image: str = "host", **kwargs: Any) -> Sandbox:
+        """`Sandman.create` with `job=` this job."""
+        return self.client.create(image, job=self.name, **kwargs)
+
+    def heartbeat(self) -> JobAction:
+        """Renews the lease of every sandbox of the job, now."""
+        action = self.client.heartbeat(self.name)
+        self.heartbeats += 1
+        return action
+
+    def refresh(self) -> JobInfo:
+        """The job's quota and usage (live and created counts, last heartbeat)."""
+        self.info = self.client.get_job(self.name)
+        return self.info
+
+    def sandboxes(self, *, state: Optional[str] = None) -> List[SandboxInfo]:
+        return self.client.list(job=self.name, state=state)
+
+    def delete(self) -> JobAction:
+        """Releases every sandbox of the job (`job_deleted`) and forgets the job."""
+        return self.client.delete_job(self.name)
+
+
+class Stream(Generic[T]):
+    """An NDJSON stream of the server, parsed line by line as it arrives.
+
+    Iterate it; the call is sent on the first item. Close it (or use it as a context manager)
+    to drop the connection before the end.
+    """
+
+    _what = "event"
+
+    def __init__(self, client: Sandman, call: Call, parse: Callable[[Dict[str, Any]], Optional[T]]) -> None:
+        self._client = client
+        self._call = call
+        self._parse = parse
+        self._response: Optional[httpx.Response] = None
+        self._lines: Optional[Iterator[str]] = None
+        self._done = False
+
+    def __iter__(self: S) -> S:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        if self._lines is None:
+            self._response = self._client._send(self._call, stream=True)
+            self._lines = self._response.iter_lines()
+        while True:
+            try:
+                line = self._lines.__next__()
+            except StopIteration:
+                self.close()
+                self._ended()
+                raise
+            except httpx.TransportError as e:
+                self.close()
+                raise _core.transport_error(e, self._client.url) from e
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except ValueError as e:
+                self.close()
+                raise _core.bad_line(line, e) from e
+            item = self._parse(data)
+            if item is not None:
+                self._seen(item)
+                return item
+
+    def _seen(self, item: T) -> None:
+        pass
+
+    def _ended(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._done = True
+        response, self._response = self._response, None
+        if response is not None:
+            response.close()
+
+    def __enter__(self: S) -> S:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ExecStream(Stream[ExecEvent]):
+    """The events of `Sandbox.exec_stream`. After the last one, `exit` is the command's
+    exit status. A stream that ends without `exit` raises `Unavailable`."""
+
+    _what = "exec"
+
+    def __init__(self, client: Sandman, call: Call) -> None:
+        super().__init__(client, call, ExecEvent.from_dict)
+        self.exit: Optional[ExitStatus] = None
+
+    def _seen(self, item: ExecEvent) -> None:
+        if item.type == "exit":
+            self.exit = item.exit
+
+    def _ended(self) -> None:
+        if self.exit is None:
+            raise _core.stream_ended_early("exec")
+
+
+class OutputStream(Stream[OutputEvent]):
+    """The events of `Process.follow`. After the last one, `exit` is the exit status."""
+
+    _what = "output"
+
+    def __init__(self, client: Sandman, call: Call) -> None:
+        super().__init__(client, call, OutputEvent.from_dict)
+        self.exit: Optional[ExitStatus] = None
+
+    def _seen(self, item: OutputEvent) -> None:
+        if item.type == "exit":
+            self.exit = item.exit
+
+    def _ended(self) -> None:
+        if self.exit is None:
+            raise _core.stream_ended_early("output")
+

@@ -1,0 +1,21 @@
+"""The package is typed (`py.typed`): it type-checks under `mypy --strict`, examples included."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_the_sdk_and_the_rollout_example_pass_mypy_strict() -> None:
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--cache-dir", "/dev/null",
+            "sandman", str(REPO / "examples" / "rollout.py"),
+        ],
+        cwd=REPO / "python",
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
