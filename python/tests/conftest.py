@@ -56,6 +56,10 @@ def _binary() -> Path:
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     base = REPO / "target" / "py-tests"
+    # Not under /tmp: an isolated sandbox gets a /tmp of its own, which would hide the server's
+    # state kept there (as it is when the checkout itself is under /tmp).
+    if str(base.resolve()).startswith("/tmp/"):
+        base = Path("/var/tmp/sandman-tests/py")
     base.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix="s-", dir=base))
     log = state / "serve.log"

@@ -107,7 +107,7 @@ fn main() {
 
 async fn claims(rate: &str) {
     let n_claims = env_usize("SANDMAN_BENCH_CLAIMS", 200);
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
     let daemon = static_daemon();
     let daemon_arg = daemon.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
@@ -183,7 +183,7 @@ async fn claims(rate: &str) {
 async fn burst() {
     let n = env_usize("SANDMAN_BENCH_BURST", 10_000);
     let rate = env_usize("SANDMAN_BENCH_RATE", 2000) as f64;
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     // A burst of 10 ms of the rate: the admission task's timer ticks by the millisecond, so a
     // bucket that holds less than a tick's tokens cannot reach a rate over 1,000/s.
     let burst = (rate / 100.0).max(1.0);

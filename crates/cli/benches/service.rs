@@ -117,7 +117,7 @@ async fn bench() {
     let rounds = env_usize("SANDMAN_BENCH_N", 1000);
     let density = env_usize("SANDMAN_BENCH_SANDBOXES", 2000);
     let daemon = daemon_binary();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
     let daemon_arg = daemon.display().to_string();
     let server = Server::start_in(

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 /// A server with extra flags, in a temporary state directory it keeps.
 fn server(extra: &[&str]) -> (Server, tempfile::TempDir) {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let s = Server::start_in(&dir.path().join("state"), extra);
     (s, dir)
 }
@@ -328,7 +328,7 @@ async fn prepare_reports_each_image_on_the_cli_and_in_events() {
 
 #[tokio::test]
 async fn pool_sandboxes_and_claims_survive_a_server_restart() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state: PathBuf = dir.path().join("state");
     let mut first = Server::start_in(&state, &[]);
     let http = first.client();

@@ -82,7 +82,7 @@ fn start(state: &Path) -> Server {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandman_serve_runs_unmodified_images_through_docker() {
     require_docker();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
     let _cleanup = Cleanup(state.clone());
     let mut server = start(&state);
@@ -145,7 +145,7 @@ async fn sandman_serve_runs_unmodified_images_through_docker() {
 #[test]
 fn serve_refuses_a_dynamic_daemon_for_docker_and_says_how_to_build_the_static_one() {
     require_docker();
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     // The debug `sandman` itself: dynamically linked, like a debug `sandmand`.
     let out = Command::new(e2e::sandman_bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--provider", "docker", "--state-dir"])

@@ -183,7 +183,7 @@ async fn leases_idle_timeouts_and_job_deletion_reclaim_with_their_reasons() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_kill_9_a_restarted_server_finds_everything_again() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
     let mut server = Server::start_in(&state, &[]);
     let http = server.client();
@@ -271,7 +271,7 @@ async fn auth_bad_input_and_refused_images() {
 
 #[tokio::test]
 async fn the_embedded_daemon_serves_when_no_sandmand_is_installed() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let alone = dir.path().join("bin/sandman");
     std::fs::create_dir_all(alone.parent().unwrap()).unwrap();
     std::fs::copy(e2e::sandman_bin(), &alone).unwrap();
@@ -319,7 +319,7 @@ async fn the_cli_drives_a_real_server() {
     assert_eq!((code, out.as_str()), (3, "out\n"));
 
     // cp in and out, a directory with a mode and a symlink.
-    let local = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let local = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let src = local.path().join("proj");
     std::fs::create_dir_all(src.join("bin")).unwrap();
     std::fs::write(src.join("bin/run.sh"), "#!/bin/sh\necho run\n").unwrap();

@@ -28,7 +28,7 @@ fn static_daemon() -> PathBuf {
 
 #[tokio::test]
 async fn runs_in_an_empty_root_with_nothing_but_itself() {
-    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let root = tempfile::tempdir_in(common::scratch()).unwrap();
     std::fs::copy(static_daemon(), root.path().join("sandmand")).unwrap();
     std::fs::create_dir(root.path().join("run")).unwrap();
     // chroot(8) with the daemon's own paths inside the new root; the socket shows up on the host

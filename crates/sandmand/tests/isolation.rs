@@ -13,7 +13,7 @@ use serde_json::json;
 
 /// A directory outside /tmp, which `--isolate-tmp` replaces.
 fn base() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("isolation");
+    let dir = common::scratch().join("isolation");
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }

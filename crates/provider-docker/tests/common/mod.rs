@@ -76,7 +76,7 @@ pub struct State {
 impl State {
     pub fn new() -> State {
         require_docker();
-        let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        let base = scratch();
         std::fs::create_dir_all(&base).unwrap();
         State { dir: tempfile::Builder::new().prefix("dp").tempdir_in(base).unwrap() }
     }
@@ -251,4 +251,14 @@ pub async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>, id: &str) ->
     })
     .await
     .unwrap_or_else(|_| panic!("no event for {id} within 20 s"))
+}
+
+/// Scratch space for tests, outside `/tmp`: an isolated sandbox gets a `/tmp` of its own, which
+/// would hide anything the test keeps under the host's `/tmp` (as the target directory is when
+/// the checkout itself is under `/tmp`).
+pub fn scratch() -> PathBuf {
+    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let base = if target.starts_with("/tmp") { PathBuf::from("/var/tmp/sandman-tests") } else { target };
+    std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
+    base
 }

@@ -43,7 +43,7 @@ pub fn require_root() {
 /// A state directory under the target's temporary directory: not under /tmp, which an isolated
 /// sandbox replaces, and short enough for socket paths.
 pub fn state_dir() -> tempfile::TempDir {
-    let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let base = scratch();
     std::fs::create_dir_all(&base).unwrap();
     tempfile::Builder::new().prefix("pp").tempdir_in(base).unwrap()
 }
@@ -167,4 +167,14 @@ pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     f()
+}
+
+/// Scratch space for tests, outside `/tmp`: an isolated sandbox gets a `/tmp` of its own, which
+/// would hide anything the test keeps under the host's `/tmp` (as the target directory is when
+/// the checkout itself is under `/tmp`).
+pub fn scratch() -> PathBuf {
+    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let base = if target.starts_with("/tmp") { PathBuf::from("/var/tmp/sandman-tests") } else { target };
+    std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
+    base
 }

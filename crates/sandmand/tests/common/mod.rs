@@ -314,3 +314,13 @@ pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
     f()
 }
+
+/// Scratch space for tests, outside `/tmp`: an isolated sandbox gets a `/tmp` of its own, which
+/// would hide anything the test keeps under the host's `/tmp` (as the target directory is when
+/// the checkout itself is under `/tmp`).
+pub fn scratch() -> PathBuf {
+    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let base = if target.starts_with("/tmp") { PathBuf::from("/var/tmp/sandman-tests") } else { target };
+    std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
+    base
+}
