@@ -242,10 +242,12 @@ async fn bench() {
         created.len(),
         created.len() as f64 / create_secs
     );
+    let mib = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0) as f64 / 1024.0;
     println!(
-        "  daemon RSS per sandbox   p50 {:.2} MiB   max {:.2} MiB",
-        daemon_kib.get(daemon_kib.len() / 2).copied().unwrap_or(0) as f64 / 1024.0,
-        daemon_kib.last().copied().unwrap_or(0) as f64 / 1024.0
+        "  per sandbox, the daemon and its namespace waiter: RSS p50 {:.2} MiB (shared pages counted in full), PSS p50 {:.2} MiB, PSS max {:.2} MiB",
+        mib(&daemon_kib, daemon_kib.len() / 2),
+        mib(&daemon_pss, daemon_pss.len() / 2),
+        mib(&daemon_pss, daemon_pss.len().saturating_sub(1))
     );
     println!(
         "  server RSS               {:.1} MiB -> {:.1} MiB, {} bytes per sandbox",
