@@ -149,7 +149,8 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
             _ = tokio::time::sleep_until(drain_until.unwrap_or(far)), if drain_until.is_some() => break,
         }
     }
-    guard.armed = reaped.is_none();
+    // The leader has been reaped: what is left of its group was not waited for on purpose.
+    guard.armed = false;
     let reaped = reaped.unwrap_or(Reaped { pid, status: 0, usage: Default::default() });
     ExitStatus {
         exit_code: reaped.exit_code(),

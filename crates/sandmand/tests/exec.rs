@@ -158,28 +158,34 @@ async fn streamed_exec_sends_output_as_it_comes_then_exit() {
     assert!(events.next().await.is_none());
 }
 
-#[tokio::test]
-async fn a_streamed_exec_whose_client_leaves_is_killed() {
+/// Streams `script` (which must write its shell's pid to `$PIDFILE`), waits for that pid, drops
+/// the client, and asserts the command dies.
+async fn stream_then_leave(script: &str) {
     let d = Daemon::start().await;
     let pidfile = d.dir().join("streamed.pid");
     let mut conn = d.connect().await;
-    let resp = conn
-        .send(
-            "POST",
-            "/v1/exec/stream",
-            Some(TOKEN),
-            Body::Json(json!({"command": format!("echo $$ > {}; while true; do echo tick; sleep 0.05; done", pidfile.display())})),
-        )
-        .await
-        .unwrap();
+    let body = Body::Json(json!({"command": script, "env": {"PIDFILE": pidfile.display().to_string()}}));
+    let resp = conn.send("POST", "/v1/exec/stream", Some(TOKEN), body).await.unwrap();
     let mut events = Events::new(resp);
-    events.next().await.unwrap();
-    events.next().await.unwrap();
+    assert_eq!(events.next().await.unwrap()["event"], "started");
+    let written = || std::fs::read_to_string(&pidfile).unwrap_or_default().ends_with('\n');
+    assert!(eventually(Duration::from_secs(5), written).await);
     let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
     assert!(alive(pid));
     drop(events);
     drop(conn);
-    assert!(eventually(Duration::from_secs(5), || !alive(pid)).await, "streamed command {pid} outlived its client");
+    assert!(eventually(Duration::from_secs(5), || !alive(pid)).await, "command {pid} outlived its client");
+}
+
+#[tokio::test]
+async fn a_streamed_exec_whose_client_leaves_is_killed() {
+    stream_then_leave("echo $$ > $PIDFILE; while true; do echo tick; sleep 0.05; done").await;
+}
+
+/// Regression: a silent command (no output to fail sending) outlived its streaming client.
+#[tokio::test]
+async fn a_silent_streamed_exec_whose_client_leaves_is_killed() {
+    stream_then_leave("echo $$ > $PIDFILE; exec sleep 60").await;
 }
 
 #[tokio::test]
@@ -196,31 +202,6 @@ async fn concurrent_execs_all_complete() {
     for h in handles {
         h.await.unwrap();
     }
-}
-
-/// Regression: a silent command (no output to fail sending) outlived its streaming client.
-#[tokio::test]
-async fn a_silent_streamed_exec_whose_client_leaves_is_killed() {
-    let d = Daemon::start().await;
-    let pidfile = d.dir().join("silent.pid");
-    let mut conn = d.connect().await;
-    let resp = conn
-        .send(
-            "POST",
-            "/v1/exec/stream",
-            Some(TOKEN),
-            Body::Json(json!({"command": format!("echo $$ > {}; exec sleep 60", pidfile.display())})),
-        )
-        .await
-        .unwrap();
-    let mut events = Events::new(resp);
-    events.next().await.unwrap();
-    assert!(eventually(Duration::from_secs(5), || pidfile.exists()).await);
-    let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
-    assert!(alive(pid));
-    drop(events);
-    drop(conn);
-    assert!(eventually(Duration::from_secs(5), || !alive(pid)).await, "silent command {pid} outlived its client");
 }
 
 #[tokio::test]

@@ -1,5 +1,6 @@
 //! The server's bearer token: `SANDMAN_TOKEN` when set, else read from (or generated once into)
-//! the state directory's `token` file, and the constant-time check every call but `/healthz` passes.
+//! the state directory's `token` file. The check every call but `/healthz` passes is
+//! `sandman_http::constant_time_eq`, shared with the daemon.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -39,15 +40,6 @@ pub fn random_token() -> std::io::Result<String> {
     let mut buf = [0u8; 32];
     std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut buf))?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// Compares in time that depends only on the lengths.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(diff) == 0
 }
 
 #[cfg(test)]

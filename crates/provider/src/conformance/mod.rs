@@ -11,6 +11,8 @@ use sandman_wire::server::{Network, Profile, Resources};
 
 use crate::{Endpoint, Provider, ProviderError, SandboxSpec, ServerMeta};
 
+pub mod daemon;
+
 /// A spec with recognisable job, labels and bookkeeping, for checking the record round trip.
 pub fn spec(id: &str, image: &str) -> SandboxSpec {
     SandboxSpec {
