@@ -344,6 +344,9 @@ pub struct PrepareCmd {
     /// The job the images are for (it tags the server's progress events).
     #[arg(long, value_name = "JOB")]
     pub job: Option<String>,
+    /// Hold the job's creates of these images until this fraction of nodes has them (0 < F <= 1).
+    #[arg(long, value_name = "F", requires = "job")]
+    pub hold_until: Option<f64>,
     /// Print the results as one JSON object.
     #[arg(long)]
     pub json: bool,

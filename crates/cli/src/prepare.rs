@@ -21,7 +21,7 @@ pub async fn prepare(client: &Client, cmd: PrepareCmd) -> anyhow::Result<ExitCod
     let started = Instant::now();
     let job = cmd.job.clone();
     let one = |image: String| {
-        let req = PrepareRequest { images: vec![image.clone()], job: job.clone() };
+        let req = PrepareRequest { images: vec![image.clone()], job: job.clone(), hold_until: cmd.hold_until };
         async move {
             let result = client.prepare(&req).await;
             (image, result)
@@ -34,10 +34,20 @@ pub async fn prepare(client: &Client, cmd: PrepareCmd) -> anyhow::Result<ExitCod
         done += 1;
         let prepared = match result {
             Ok(mut r) if !r.images.is_empty() => r.images.remove(0),
-            Ok(_) => PreparedImage { image, ok: false, message: Some("no answer for it".into()), duration_ms: 0 },
+            Ok(_) => PreparedImage {
+                image,
+                ok: false,
+                message: Some("no answer for it".into()),
+                nodes_ready: 0,
+                nodes_total: 0,
+                duration_ms: 0,
+            },
             Err(e) => return Err(e.into()),
         };
         let how = match &prepared.message {
+            None if prepared.nodes_total > 1 => {
+                format!("ready on {} of {} nodes", prepared.nodes_ready, prepared.nodes_total)
+            }
             None => "ready".to_owned(),
             Some(m) => format!("failed: {m}"),
         };

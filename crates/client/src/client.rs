@@ -181,7 +181,7 @@ impl Client {
         let query = EventsQuery { follow: true, ..query.clone() };
         self.ndjson(Req::new(Method::GET, "/v1/events".into()).query(&query)?, |line| {
             Ok(match serde_json::from_slice(line)? {
-                EventStreamItem::Sandbox(event) => Some(event),
+                EventStreamItem::Sandbox(event) => Some(*event),
                 EventStreamItem::Keepalive => None,
             })
         })

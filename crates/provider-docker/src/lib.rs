@@ -23,8 +23,8 @@ use bollard::errors::Error as BollardError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{CreateContainerOptions, ListContainersOptions, RemoveContainerOptions};
 use sandman_provider::{
-    EVENT_CAPACITY, Ended, Endpoint, PROGRESS_CAPACITY, Progress, Provider, ProviderError, ProviderEvent, Record,
-    SandboxSpec,
+    EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider, ProviderError,
+    ProviderEvent, Record, SandboxSpec,
 };
 use sandman_wire::server::{Profile, Reason, Resources};
 use tokio::sync::mpsc;
@@ -496,8 +496,14 @@ impl Provider for DockerProvider {
     }
 
     /// Pulls `image` unless the engine has it (as `create` would).
-    async fn prepare(&self, image: &str) -> Result<(), ProviderError> {
-        image::ensure(&self.docker, image, self.config.pull_stall, None).await.map(|_| ())
+    async fn prepare(
+        &self,
+        image: &str,
+        progress: mpsc::UnboundedSender<NodeProgress>,
+    ) -> Result<Prepared, ProviderError> {
+        let _ = progress;
+        image::ensure(&self.docker, image, self.config.pull_stall, None).await?;
+        Ok(Prepared { nodes_ready: 1, nodes_total: 1 })
     }
 }
 

@@ -4,12 +4,12 @@
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
 
-use sandman_wire::server::Reason;
+use sandman_wire::server::{Applied, Reason};
 use tokio::sync::mpsc;
 
 use crate::{
-    EVENT_CAPACITY, Ended, Endpoint, PROGRESS_CAPACITY, Progress, Provider, ProviderError, ProviderEvent, Record,
-    SandboxSpec, report_progress,
+    EVENT_CAPACITY, Ended, Endpoint, NodeProgress, NodeState, PROGRESS_CAPACITY, Prepared, Progress, Provider,
+    ProviderError, ProviderEvent, Record, SandboxSpec, report_progress,
 };
 
 /// An image the fake refuses at once, as a provider refuses what it cannot run.
@@ -31,6 +31,10 @@ pub struct FakeProvider {
     progress_rx: Mutex<Option<mpsc::Receiver<Progress>>>,
     /// The endpoint every sandbox gets (the tests point it at a real daemon when they need one).
     endpoint: Endpoint,
+    /// What every sandbox reports as applied (see [`FakeProvider::set_applied`]).
+    applied: Mutex<Applied>,
+    /// Nodes a prepare pulls on, and how long each takes after the one before.
+    nodes: Mutex<(u32, std::time::Duration)>,
 }
 
 impl FakeProvider {
@@ -46,12 +50,24 @@ impl FakeProvider {
             progress_tx,
             progress_rx: Mutex::new(Some(progress_rx)),
             endpoint,
+            applied: Mutex::default(),
+            nodes: Mutex::new((1, std::time::Duration::ZERO)),
         }
     }
 
     /// Makes creates of `image` fail as a failed pull would.
     pub fn fail_image(&self, image: &str) {
         self.missing_images.lock().unwrap_or_else(PoisonError::into_inner).push(image.to_string());
+    }
+
+    /// Makes a prepare pull on `nodes` nodes, one after the other, each taking `step`.
+    pub fn set_nodes(&self, nodes: u32, step: std::time::Duration) {
+        *self.nodes.lock().unwrap_or_else(PoisonError::into_inner) = (nodes, step);
+    }
+
+    /// Makes every sandbox report `applied` as what the provider applied to it.
+    pub fn set_applied(&self, applied: Applied) {
+        *self.applied.lock().unwrap_or_else(PoisonError::into_inner) = applied;
     }
 
     /// Makes creates of `image` report `lines` as progress, as a pull would.
@@ -123,13 +139,32 @@ impl Provider for FakeProvider {
         self.progress_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 
-    async fn prepare(&self, image: &str) -> Result<(), ProviderError> {
+    async fn prepare(
+        &self,
+        image: &str,
+        progress: mpsc::UnboundedSender<NodeProgress>,
+    ) -> Result<Prepared, ProviderError> {
         if self.missing_images.lock().unwrap_or_else(PoisonError::into_inner).iter().any(|m| m == image) {
             return Err(ProviderError::Failed {
                 reason: Reason::ImagePullFailed,
                 message: format!("pull access denied for {image}"),
             });
         }
-        Ok(())
+        let (nodes, step) = *self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
+        for n in 0..nodes {
+            let node = format!("node-{n}");
+            let line = |state, message| NodeProgress { node: node.clone(), state, message, nodes_total: nodes };
+            let _ = progress.send(line(NodeState::Pulling, format!("pulling {image}")));
+            tokio::time::sleep(step).await;
+            let _ = progress.send(line(NodeState::Ready, format!("{image} is ready")));
+        }
+        Ok(Prepared { nodes_ready: nodes, nodes_total: nodes })
+    }
+
+    async fn applied(&self, id: &str) -> Result<Applied, ProviderError> {
+        if !self.records.lock().unwrap_or_else(PoisonError::into_inner).contains_key(id) {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        Ok(self.applied.lock().unwrap_or_else(PoisonError::into_inner).clone())
     }
 }

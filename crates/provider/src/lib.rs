@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::PathBuf;
 
-use sandman_wire::server::{Network, Profile, Reason, Resources};
+use sandman_wire::server::{Applied, Network, Profile, Reason, Resources};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -100,6 +100,32 @@ pub fn report_progress(tx: &mpsc::Sender<Progress>, id: &str, message: String) {
     let _ = tx.try_send(Progress { id: id.to_string(), message });
 }
 
+/// How one node gets on with [`Provider::prepare`]: `nodes_total` is how many nodes the
+/// prepare covers (1 for a provider with one host), the same on every line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeProgress {
+    pub node: String,
+    pub state: NodeState,
+    pub message: String,
+    pub nodes_total: u32,
+}
+
+/// Where one node is in a prepare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeState {
+    Pulling,
+    /// The node has the image; counted once per node.
+    Ready,
+    Failed,
+}
+
+/// How a prepare ended: how many of the nodes that may run sandboxes have the image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prepared {
+    pub nodes_ready: u32,
+    pub nodes_total: u32,
+}
+
 /// Why a provider call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
@@ -170,11 +196,24 @@ pub trait Provider: Send + Sync {
     }
 
     /// Makes `image` ready ahead of the creates that need it (a pull, on every node that may
-    /// run sandboxes). The server has already passed a spec with this image through
-    /// [`Provider::check`]. The default does nothing: a provider whose images are always
-    /// there (the process provider's `host`) needs nothing more.
-    fn prepare(&self, image: &str) -> impl Future<Output = Result<(), ProviderError>> + Send {
-        let _ = image;
-        async { Ok(()) }
+    /// run sandboxes), telling `progress` how each node gets on. The server has already passed
+    /// a spec with this image through [`Provider::check`]. The default does nothing and reports
+    /// its one host ready: a provider whose images are always there (the process provider's
+    /// `host`) needs nothing more.
+    fn prepare(
+        &self,
+        image: &str,
+        progress: mpsc::UnboundedSender<NodeProgress>,
+    ) -> impl Future<Output = Result<Prepared, ProviderError>> + Send {
+        let _ = (image, progress);
+        async { Ok(Prepared { nodes_ready: 1, nodes_total: 1 }) }
+    }
+
+    /// What the provider applied to sandbox `id`, as it reports it (limits, network, the image
+    /// pinned to a digest, its own specifics), for the sandbox's conditions record; the server
+    /// compares it with what the daemon observes from inside. The default applied nothing.
+    fn applied(&self, id: &str) -> impl Future<Output = Result<Applied, ProviderError>> + Send {
+        let _ = id;
+        async { Ok(Applied::default()) }
     }
 }

@@ -112,6 +112,7 @@ mod tests {
             cpu_seconds: cpu,
             peak_memory_kib: cpu.map(|_| 1000),
             pool_idle_seconds: None,
+            conditions: None,
         }
     }
 

@@ -224,7 +224,7 @@ async fn events(State(service): State<Arc<Service>>, ApiQuery(q): ApiQuery<Event
         let mut last = after;
         for e in backlog {
             last = e.seq;
-            if tx.send(EventStreamItem::Sandbox(e)).await.is_err() {
+            if tx.send(EventStreamItem::Sandbox(Box::new(e))).await.is_err() {
                 return;
             }
         }
@@ -234,7 +234,7 @@ async fn events(State(service): State<Arc<Service>>, ApiQuery(q): ApiQuery<Event
                 ev = live.recv() => match ev {
                     Ok(e) if e.seq > last && filter.takes(&e) => {
                         last = e.seq;
-                        if tx.send(EventStreamItem::Sandbox(e)).await.is_err() {
+                        if tx.send(EventStreamItem::Sandbox(Box::new(e))).await.is_err() {
                             return;
                         }
                     }

@@ -78,6 +78,18 @@ impl Events {
         self.push(e);
     }
 
+    /// How one node gets on preparing an image.
+    pub fn emit_node(&self, image: &str, job: Option<&str>, node: &str, message: String, ready: u32, total: u32) {
+        let mut e = blank(EventKind::Prepare, job);
+        e.image = Some(image.to_string());
+        e.phase = Some(PreparePhase::Pulling);
+        e.node = Some(node.to_string());
+        e.message = Some(message);
+        e.nodes_ready = Some(ready);
+        e.nodes_total = Some(total);
+        self.push(e);
+    }
+
     fn push(&self, mut event: Event) {
         {
             let mut ring = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
@@ -133,6 +145,9 @@ fn blank(kind: EventKind, job: Option<&str>) -> Event {
         estimated_wait_ms: None,
         image: None,
         phase: None,
+        node: None,
+        nodes_ready: None,
+        nodes_total: None,
         idempotency_key: None,
     }
 }

@@ -12,6 +12,7 @@ pub mod error;
 pub mod events;
 pub mod metrics;
 pub mod pool;
+pub mod prepare;
 pub mod provider;
 pub mod proxy;
 pub mod sandbox;

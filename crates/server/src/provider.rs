@@ -2,10 +2,13 @@
 //! trait objects), with the fake beside the real ones.
 
 use sandman_provider::fake::FakeProvider;
-use sandman_provider::{Endpoint, Progress, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+use sandman_provider::{
+    Endpoint, NodeProgress, Prepared, Progress, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
+};
 use sandman_provider_docker::DockerProvider;
 use sandman_provider_kube::KubeProvider;
 use sandman_provider_process::ProcessProvider;
+use sandman_wire::server::Applied;
 use tokio::sync::mpsc;
 
 #[derive(Debug)]
@@ -84,12 +87,25 @@ impl Provider for AnyProvider {
         }
     }
 
-    async fn prepare(&self, image: &str) -> Result<(), ProviderError> {
+    async fn prepare(
+        &self,
+        image: &str,
+        progress: mpsc::UnboundedSender<NodeProgress>,
+    ) -> Result<Prepared, ProviderError> {
         match self {
-            AnyProvider::Process(p) => p.prepare(image).await,
-            AnyProvider::Docker(p) => p.prepare(image).await,
-            AnyProvider::Kube(p) => p.prepare(image).await,
-            AnyProvider::Fake(p) => p.prepare(image).await,
+            AnyProvider::Process(p) => p.prepare(image, progress).await,
+            AnyProvider::Docker(p) => p.prepare(image, progress).await,
+            AnyProvider::Kube(p) => p.prepare(image, progress).await,
+            AnyProvider::Fake(p) => p.prepare(image, progress).await,
+        }
+    }
+
+    async fn applied(&self, id: &str) -> Result<Applied, ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.applied(id).await,
+            AnyProvider::Docker(p) => p.applied(id).await,
+            AnyProvider::Kube(p) => p.applied(id).await,
+            AnyProvider::Fake(p) => p.applied(id).await,
         }
     }
 }

@@ -10,12 +10,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use sandman_provider::{Endpoint, Progress, Provider, ProviderEvent, SandboxSpec, ServerMeta};
 use sandman_wire::daemon::{ExecRequest, ExecResult, Info, Usage};
 use sandman_wire::server::{
-    CreateSandbox, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolSpec, PreparePhase, PrepareRequest,
-    PrepareResult, PreparedImage, Reason, Sandbox as WireSandbox, SandboxState, UsageRecord,
+    CreateSandbox, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolSpec, Reason, Sandbox as WireSandbox,
+    SandboxState, UsageRecord,
 };
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
@@ -29,6 +28,7 @@ use crate::error::{ServerError, ServerResult};
 use crate::events::Events;
 use crate::metrics::{Metrics, PoolLabel, ProviderLabel};
 use crate::pool::{self, Claim, ClaimJournal, POOL_LABEL, Pools, Put};
+use crate::prepare::{self, Gates};
 use crate::provider::AnyProvider;
 use crate::sandbox::{Sandbox, Timers, now_ms};
 
@@ -88,10 +88,6 @@ pub enum Daemons {
 pub const DAEMON_LEASE_SLACK_S: u64 = 60;
 /// Daemon keepalives the server sends at once on behalf of heartbeats.
 const KEEPALIVE_CONCURRENCY: usize = 64;
-/// Images prepared at once by one `POST /v1/prepare`.
-const PREPARE_CONCURRENCY: usize = 4;
-/// Most images one `POST /v1/prepare` takes.
-const MAX_PREPARE_IMAGES: usize = 256;
 /// Output kept from a setup command, and how much of its tail a failure message shows.
 const SETUP_OUTPUT_BYTES: u64 = 64 * 1024;
 const SETUP_TAIL_CHARS: usize = 2000;
@@ -177,6 +173,8 @@ pub struct Service {
     claims: ClaimJournal,
     pub accounting: Accounting,
     pub events: Events,
+    /// Gates holding a job's creates of an image until enough nodes have it.
+    pub gates: Gates,
     pub metrics: Metrics,
     pub daemons: DaemonClient,
     /// Creates in flight, reclaims, keepalives, refills: every task the service spawns.
@@ -215,6 +213,7 @@ impl Service {
             claims,
             accounting,
             events: Events::default(),
+            gates: Gates::default(),
             metrics,
             daemons: daemon::client(),
             tasks: TaskTracker::new(),
@@ -658,6 +657,17 @@ impl Service {
 
     /// Makes the sandbox in the provider, waits for its daemon, runs its setup commands.
     async fn bring_up(self: Arc<Self>, sb: Arc<Sandbox>) {
+        if let Some(gate) = self.gates.waiter(sb.spec.job.as_deref(), &sb.spec.image) {
+            let job = sb.spec.job.as_deref();
+            let held = format!("held until enough nodes have `{}` (POST /v1/prepare with hold_until)", sb.spec.image);
+            self.events.emit(sb.id(), job, SandboxState::Creating, None, Some(held));
+            let mut state = sb.subscribe();
+            tokio::select! {
+                () = prepare::pass(gate) => {}
+                _ = state.wait_for(|s| *s != SandboxState::Creating) => return,
+            }
+        }
+        // The ready timeout counts from here: a hold is not the provider's slowness.
         let started = Instant::now();
         let endpoint = match self.provider.create(&sb.spec).await {
             Ok(e) => e,
@@ -784,6 +794,7 @@ impl Service {
             cpu_seconds: usage.map(|u| (u.cpu_user_ms + u.cpu_system_ms) as f64 / 1000.0),
             peak_memory_kib: usage.map(|u| u.max_rss_kib),
             pool_idle_seconds: sb.claimed_ms.zip(sb.pool_created_ms).map(|(c, p)| c.saturating_sub(p) as f64 / 1000.0),
+            conditions: None,
         };
         self.accounting.record(&record, &self.metrics);
         if let Some(name) = sb.pool().filter(|_| sb.claimed_ms.is_none()) {
@@ -1138,7 +1149,7 @@ impl Service {
 
     /// The spec of a new member of pool `name`: no job, the pool's label, a lease the pool
     /// renews while it is unclaimed.
-    fn pool_member_spec(&self, name: &str, spec: &PoolSpec) -> SandboxSpec {
+    pub(crate) fn pool_member_spec(&self, name: &str, spec: &PoolSpec) -> SandboxSpec {
         let lease_s = self.pool_lease_s(spec);
         SandboxSpec {
             id: new_id(),
@@ -1338,40 +1349,6 @@ impl Service {
             self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, None);
             self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
         }
-    }
-
-    // ---- preparing images ----
-
-    /// Makes images ready ahead of the creates that need them, a few at once, reporting each
-    /// image's progress as events; answers once every image is ready or has failed.
-    pub async fn prepare(&self, req: PrepareRequest) -> ServerResult<PrepareResult> {
-        if req.images.is_empty() || req.images.len() > MAX_PREPARE_IMAGES {
-            return Err(ServerError::InvalidArgument(format!(
-                "`images` must name between 1 and {MAX_PREPARE_IMAGES} images"
-            )));
-        }
-        if let Some(img) = req.images.iter().find(|i| i.trim().is_empty()) {
-            return Err(ServerError::InvalidArgument(format!("invalid image name `{img}`")));
-        }
-        let job = req.job.as_deref();
-        let one = |image: String| async move {
-            let started = Instant::now();
-            self.events.emit_prepare(&image, job, PreparePhase::Started, None);
-            // Checked as a create of the image would be: a provider refuses images it cannot run.
-            let mut probe = self.pool_member_spec("prepare", &PoolSpec::default());
-            probe.image = image.clone();
-            let result = match self.provider.check(&probe) {
-                Err(e) => Err(e),
-                Ok(()) => self.provider.prepare(&image).await,
-            };
-            let message = result.err().map(|e| e.to_string());
-            let phase = if message.is_some() { PreparePhase::Failed } else { PreparePhase::Ready };
-            self.events.emit_prepare(&image, job, phase, message.clone());
-            PreparedImage { image, ok: message.is_none(), message, duration_ms: started.elapsed().as_millis() as u64 }
-        };
-        let images: Vec<PreparedImage> =
-            futures_util::stream::iter(req.images.clone()).map(one).buffered(PREPARE_CONCURRENCY).collect().await;
-        Ok(PrepareResult { images })
     }
 
     // ---- metrics ----
@@ -1727,6 +1704,7 @@ pub fn random_hex() -> String {
 mod tests {
     use super::*;
     use sandman_provider::fake::FakeProvider;
+    use sandman_wire::server::{PreparePhase, PrepareRequest};
 
     fn settings(dir: &std::path::Path) -> Settings {
         Settings {
@@ -2198,21 +2176,65 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn prepare_reports_each_image() {
+    async fn prepare_reports_each_image_and_each_node() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let s = admitting(dir.path(), 1000.0, 10_000);
         fake(&s).fail_image("ghost");
+        fake(&s).set_nodes(3, Duration::from_secs(1));
         let req = PrepareRequest {
             images: vec!["any".into(), "ghost".into(), sandman_provider::fake::UNSUPPORTED_IMAGE.into()],
             job: Some("j".into()),
+            hold_until: None,
         };
         let out = s.prepare(req).await.unwrap_or_else(|e| panic!("{e}"));
         let oks: Vec<bool> = out.images.iter().map(|i| i.ok).collect();
         assert_eq!(oks, [true, false, false]);
+        assert_eq!((out.images[0].nodes_ready, out.images[0].nodes_total), (3, 3));
         assert!(out.images[1].message.as_deref().is_some_and(|m| m.contains("pull access denied")));
         let events = s.events.list(&crate::events::Filter { job: Some("j"), idempotency_key: None }, 0);
-        assert_eq!(events.len(), 6);
         assert!(events.iter().all(|e| e.kind == sandman_wire::server::EventKind::Prepare && e.image.is_some()));
+        let ready: Vec<(Option<u32>, Option<u32>)> = events
+            .iter()
+            .filter(|e| e.phase == Some(PreparePhase::Pulling) && e.message.as_deref() == Some("any is ready"))
+            .map(|e| (e.nodes_ready, e.nodes_total))
+            .collect();
+        assert_eq!(ready, [(Some(1), Some(3)), (Some(2), Some(3)), (Some(3), Some(3))]);
+        // Started and an end for each image, and a pulling and a ready line per node for `any`.
+        assert_eq!(events.len(), 6 + 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prepare_holds_its_jobs_creates_until_enough_nodes_have_the_image() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        fake(&s).set_nodes(4, Duration::from_secs(10));
+        let bad = PrepareRequest { images: vec!["host".into()], job: None, hold_until: Some(0.5) };
+        assert!(matches!(s.prepare(bad).await, Err(ServerError::InvalidArgument(_))));
+        let bad = PrepareRequest { images: vec!["host".into()], job: Some("j".into()), hold_until: Some(1.5) };
+        assert!(matches!(s.prepare(bad).await, Err(ServerError::InvalidArgument(_))));
+
+        let started = Instant::now();
+        let prep = {
+            let s = s.clone();
+            let req = PrepareRequest { images: vec!["any".into()], job: Some("j".into()), hold_until: Some(0.5) };
+            tokio::spawn(async move { s.prepare(req).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        // A held create waits as long as its wait_timeout_s allows (the ready timeout is 10 s).
+        let held = CreateSandbox { wait_timeout_s: Some(60), ..create_req(Some("j"), true) };
+        let (held, other) = tokio::join!(s.create(held), s.create(create_req(Some("k"), true)));
+        let held = held.unwrap_or_else(|e| panic!("{e}"));
+        other.unwrap_or_else(|e| panic!("{e}"));
+        // Two of the four nodes have it after 20 s: the held create went on then, not before.
+        assert_eq!(held.state, SandboxState::Ready);
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_secs(20) && waited < Duration::from_secs(30), "{waited:?}");
+        let out = prep.await.unwrap_or_else(|e| panic!("{e}")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((out.images[0].nodes_ready, out.images[0].nodes_total), (4, 4));
+        // The gate is gone with the prepare: a later create is not held.
+        let again = Instant::now();
+        s.create(create_req(Some("j"), true)).await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(again.elapsed() < Duration::from_secs(1));
     }
 
     #[tokio::test(start_paused = true)]

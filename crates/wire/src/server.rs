@@ -96,10 +96,13 @@ pub enum Reason {
     /// The create's `wait_timeout_s` passed while it was still queued for admission; it was
     /// taken off the queue and nothing was created.
     QueueTimeout,
+    /// An `eval` sandbox whose daemon observed other limits, network, timezone or locale than
+    /// the provider applied; the message names each difference. Nothing runs in it.
+    ConditionsMismatch,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 16] = [
         Reason::Released,
         Reason::LeaseExpired,
         Reason::IdleExpired,
@@ -115,6 +118,7 @@ impl Reason {
         Reason::ProviderError,
         Reason::SetupFailed,
         Reason::QueueTimeout,
+        Reason::ConditionsMismatch,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -134,6 +138,7 @@ impl Reason {
             Reason::ProviderError => "provider_error",
             Reason::SetupFailed => "setup_failed",
             Reason::QueueTimeout => "queue_timeout",
+            Reason::ConditionsMismatch => "conditions_mismatch",
         }
     }
 }
@@ -409,6 +414,8 @@ impl EventKind {
 #[serde(rename_all = "snake_case")]
 pub enum PreparePhase {
     Started,
+    /// A node reports how its pull goes (`node`, `message`, `nodes_ready` of `nodes_total`).
+    Pulling,
     /// The image is ready where the provider runs sandboxes.
     Ready,
     /// The provider could not prepare it; `message` says why.
@@ -450,6 +457,14 @@ pub struct Event {
     /// For kind `prepare`: where that image is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<PreparePhase>,
+    /// For kind `prepare`: the node a `pulling` line is about.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// For kind `prepare`: nodes that have the image so far, of `nodes_total`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_ready: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_total: Option<u32>,
     /// On the progress of a `creating` sandbox (`message` says how an image pull goes): the
     /// idempotency key of the create, so that its caller can follow it before it knows the id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -486,7 +501,7 @@ pub struct EventList {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum EventStreamItem {
-    Sandbox(Event),
+    Sandbox(Box<Event>),
     Keepalive,
 }
 
@@ -549,7 +564,7 @@ pub struct PoolList {
 }
 
 /// `POST /v1/prepare`: make images ready ahead of the creates that need them.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PrepareRequest {
@@ -557,6 +572,10 @@ pub struct PrepareRequest {
     /// The job the images are for; its name tags the progress events.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
+    /// With `job`: hold the job's creates of these images (queued) until this fraction of the
+    /// nodes (0 < f <= 1) has the image, or its preparation ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_until: Option<f64>,
 }
 
 /// How the preparation of one image ended.
@@ -565,6 +584,9 @@ pub struct PrepareRequest {
 pub struct PreparedImage {
     pub image: String,
     pub ok: bool,
+    /// Nodes that have the image, of those that may run sandboxes (1 of 1 for one host).
+    pub nodes_ready: u32,
+    pub nodes_total: u32,
     /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
@@ -613,6 +635,9 @@ pub struct UsageRecord {
     /// For a claimed sandbox: how long it was ready in its pool before the claim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_idle_seconds: Option<f64>,
+    /// The signed conditions record, when one was taken (always for `eval` sandboxes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conditions: Option<SignedConditions>,
 }
 
 /// `GET /v1/jobs/{job}/usage`: the sum of the job's accounting records.
@@ -632,6 +657,102 @@ pub struct JobUsage {
     pub with_usage: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_memory_kib: Option<u64>,
+}
+
+/// What a provider applied to a sandbox, as the provider itself reports it (the container's
+/// host config, the pod's spec and status, the cgroup it wrote). `None` where it applied
+/// nothing (no limit) or cannot tell.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Applied {
+    /// The image as it runs, pinned to its digest where the provider can resolve one
+    /// (`sha256:…`, or `repo@sha256:…`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// CPU limit in cores.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<f64>,
+    /// Memory limit in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u64>,
+    /// Swap allowed beyond memory, in bytes (`0`: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap: Option<u64>,
+    /// Largest number of processes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+    /// `none` (loopback only, checked against the interfaces the daemon sees), `policy` (traffic
+    /// denied by a network policy; interfaces remain) or `egress`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub locale: Option<String>,
+    /// Provider specifics: Docker's host config; the pod's QoS class, node and runtime class;
+    /// the process provider's cgroups and namespaces.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub details: BTreeMap<String, serde_json::Value>,
+}
+
+/// What a create asked for, as the conditions record keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Asked {
+    pub image: String,
+    pub resources: Resources,
+    pub profile: Profile,
+    pub network: Network,
+}
+
+/// One place where what the provider applied and what the daemon observes from inside differ.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Mismatch {
+    /// `cpu`, `memory`, `swap`, `pids`, `network`, `timezone` or `locale`.
+    pub field: String,
+    pub applied: String,
+    pub observed: String,
+}
+
+/// The conditions a sandbox runs under: asked, applied, observed, and where the last two differ.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ConditionsRecord {
+    pub sandbox: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    pub provider: String,
+    pub server_version: String,
+    /// Milliseconds since the Unix epoch.
+    pub recorded_ms: u64,
+    pub asked: Asked,
+    pub applied: Applied,
+    pub observed: crate::daemon::Observed,
+    pub mismatches: Vec<Mismatch>,
+}
+
+/// `GET /v1/sandboxes/{id}/conditions`: the record and the server's HMAC-SHA256 over its
+/// canonical JSON (keys sorted, no spaces). `sandman verify` checks it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SignedConditions {
+    pub record: ConditionsRecord,
+    /// `hmac-sha256:<hex>`.
+    pub signature: String,
+    /// The first 16 hex digits of the SHA-256 of the signing key: which server signed it.
+    pub key_id: String,
+}
+
+/// `POST /v1/verify`: whether a signed conditions record is intact and signed by this server.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Verification {
+    pub valid: bool,
+    /// Why not, when it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
 }
 
 /// `GET /healthz`.
@@ -700,6 +821,9 @@ mod tests {
             idempotency_key: None,
             image: None,
             phase: None,
+            node: None,
+            nodes_ready: None,
+            nodes_total: None,
         };
         let v = serde_json::to_value(&e).unwrap_or_default();
         assert_eq!(
