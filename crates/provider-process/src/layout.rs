@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use sandman_provider::{Ended, SandboxSpec};
 
+use crate::cgroup::Dirs;
 use crate::procs::ProcId;
 
 /// The paths of one sandbox.
@@ -74,6 +75,22 @@ impl SandboxDir {
         let record = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
         write_atomic(&self.record(), &record, 0o600)?;
         OpenOptions::new().create(true).append(true).mode(0o600).open(self.log())
+    }
+
+    /// The eval sandbox's cgroup directories (`cgroup::Dirs` as JSON); absent without cgroups.
+    pub fn cgroups(&self) -> PathBuf {
+        self.root.join("cgroups.json")
+    }
+
+    pub fn write_cgroups(&self, dirs: &Dirs) -> io::Result<()> {
+        let bytes = serde_json::to_vec_pretty(dirs).map_err(io::Error::other)?;
+        write_atomic(&self.cgroups(), &bytes, 0o600)
+    }
+
+    /// `None` when the sandbox has no cgroups (or the file was torn, which an atomic write rules
+    /// out).
+    pub fn read_cgroups(&self) -> Option<Dirs> {
+        serde_json::from_slice(&std::fs::read(self.cgroups()).ok()?).ok()
     }
 
     pub fn read_spec(&self) -> io::Result<SandboxSpec> {

@@ -3,12 +3,16 @@
 //! own namespaces when the server runs as root. Start at [`ProcessProvider`]; the sandbox
 //! directory is described in `docs/process-provider.md`.
 //!
-//! What it does not do: limit cpu (ignored), or pids (rlimits cannot: `RLIMIT_NPROC` counts per
-//! user and root ignores it); `memory` becomes `RLIMIT_AS` and `disk` `RLIMIT_FSIZE` of every
-//! process the daemon starts. Namespaces keep sandboxes from seeing each other's processes, `/tmp`,
-//! hostname and (with `network: none`) network; they are not a security boundary: the host's
-//! file system stays visible. Use the docker or kubernetes provider for untrusted code.
+//! In the default profile it does not limit cpu (ignored), or pids (rlimits cannot:
+//! `RLIMIT_NPROC` counts per user and root ignores it); `memory` becomes `RLIMIT_AS` and `disk`
+//! `RLIMIT_FSIZE` of every process the daemon starts. The `eval` profile puts each sandbox in
+//! cgroups of its own with fixed cpu, memory, swap and pids limits (`cgroup`), in a network
+//! namespace with only loopback, with a fixed timezone and locale. Namespaces keep sandboxes from
+//! seeing each other's processes, `/tmp`, hostname and (with `network: none` or `eval`) network;
+//! they are not a security boundary: the host's file system stays visible. Use the docker or
+//! kubernetes provider for untrusted code.
 
+mod cgroup;
 mod layout;
 mod procs;
 mod sys;
@@ -23,7 +27,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use sandman_provider::{EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
-use sandman_wire::server::{Network, Profile, Quantity, Reason};
+use sandman_wire::server::{Applied, Network, Profile, Quantity, Reason};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -44,6 +48,17 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 
 /// The longest path a Unix socket address holds (`sun_path` less its NUL).
 const MAX_SOCKET_PATH: usize = 107;
+
+/// The pids limit of an eval sandbox that asks for none.
+pub const EVAL_PIDS: u64 = 1024;
+
+/// The environment every command of an eval sandbox has; a request may not set these otherwise.
+pub const EVAL_ENV: [(&str, &str); 3] = [("TZ", "UTC"), ("LANG", "C.UTF-8"), ("LC_ALL", "C.UTF-8")];
+
+/// How long a delete waits for a sandbox's cgroups to empty (tries 50 ms apart) before it kills
+/// what is left in them, and then before it gives up.
+const CGROUP_TRIES: u32 = 100;
+const CGROUP_KILL_AFTER: u32 = 20;
 
 /// Whether sandboxes get their own namespaces (mount, pid, ipc, uts; net for `network: none`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -82,11 +97,20 @@ pub enum Namespaces {
     StateUnderTmp,
 }
 
-/// How a daemon is to be started: its arguments and its whole environment.
+/// How a daemon is to be started: its arguments, its whole environment, and for eval the cgroups
+/// to make first.
 #[derive(Debug)]
 struct Plan {
     args: Vec<OsString>,
     env: BTreeMap<OsString, OsString>,
+    cgroups: Option<Eval>,
+}
+
+/// An eval sandbox's cgroups (`<own>/sandman-<id>`) and what they hold it to.
+#[derive(Debug, Clone)]
+struct Eval {
+    dirs: cgroup::Dirs,
+    limits: cgroup::Limits,
 }
 
 /// A daemon this provider instance watches.
@@ -183,9 +207,9 @@ impl ProcessProvider {
         self.tasks.wait().await;
     }
 
-    /// Checks the spec and settles the daemon's command line and environment; touches nothing.
-    /// Refuses what this provider cannot honour, before anything is made.
-    fn refuse(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
+    /// Checks the spec; touches nothing. Refuses what this provider cannot honour, before anything
+    /// is made; for eval, answers with the cgroups to make.
+    fn refuse(&self, spec: &SandboxSpec) -> Result<Option<Eval>, ProviderError> {
         check_id(&spec.id)?;
         if spec.image != HOST_IMAGE {
             return Err(ProviderError::Unsupported(format!(
@@ -194,10 +218,7 @@ impl ProcessProvider {
             )));
         }
         if spec.profile == Profile::Eval {
-            return Err(ProviderError::Unsupported(
-                "the process provider cannot guarantee eval conditions: no cpu or memory isolation; use docker or kubernetes"
-                    .into(),
-            ));
+            return self.refuse_eval(spec).map(Some);
         }
         let isolated = self.namespaces == Namespaces::Used;
         if spec.network == Network::None && !isolated {
@@ -207,11 +228,76 @@ impl ProcessProvider {
                 _ => "network: none needs a network namespace, and sandboxes are not isolated: the state directory is under /tmp".into(),
             }));
         }
-        Ok(())
+        Ok(None)
     }
 
+    /// What eval needs, each refusal naming what is missing: fixed cpu and memory in the spec, the
+    /// fixed environment not overridden, root, the namespaces (for a network namespace with only
+    /// loopback), writable cpu, memory and pids cgroups, and a way to hold swap to nothing.
+    fn refuse_eval(&self, spec: &SandboxSpec) -> Result<Eval, ProviderError> {
+        let refuse = |why: String| ProviderError::Unsupported(format!("eval on the process provider {why}"));
+        let cpu = match &spec.resources.cpu {
+            None => return Err(refuse("needs resources.cpu: eval fixes the cpu a sandbox gets".into())),
+            Some(q) => q.value().map_err(|e| ProviderError::Unsupported(format!("resources.cpu: {e}")))?,
+        };
+        if cpu * (cgroup::PERIOD_US as f64) < cgroup::MIN_QUOTA_US as f64 || cpu > 1e6 {
+            return Err(refuse(format!("needs resources.cpu between 0.01 and a million cores, not {cpu}")));
+        }
+        let Some(memory) = bytes_of("memory", spec.resources.memory.as_ref())? else {
+            return Err(refuse("needs resources.memory: eval fixes the memory a sandbox gets".into()));
+        };
+        let pids = spec.resources.pids.unwrap_or(EVAL_PIDS);
+        if pids == 0 {
+            return Err(refuse("needs resources.pids of at least 1".into()));
+        }
+        let overridden: Vec<String> = EVAL_ENV
+            .iter()
+            .filter(|(k, v)| spec.env.get(*k).is_some_and(|set| set != v))
+            .map(|(k, v)| format!("{k} (eval fixes it to {v})"))
+            .collect();
+        if !overridden.is_empty() {
+            return Err(refuse(format!("cannot set {} in env", overridden.join(", "))));
+        }
+        if sys::euid() != 0 {
+            return Err(refuse("needs root for its cgroups and namespaces; the server is not root".into()));
+        }
+        match self.namespaces {
+            Namespaces::Used => {}
+            Namespaces::Off => {
+                return Err(refuse(
+                    "needs namespaces (a network namespace with only loopback), and the process provider's isolation is off"
+                        .into(),
+                ));
+            }
+            Namespaces::NotRoot => {
+                return Err(refuse(
+                    "needs namespaces (a network namespace with only loopback), which need root".into(),
+                ));
+            }
+            Namespaces::StateUnderTmp => {
+                return Err(refuse(
+                    "needs namespaces (a network namespace with only loopback), and sandboxes are not isolated: the state directory is under /tmp"
+                        .into(),
+                ));
+            }
+        }
+        let self_cgroup = std::fs::read_to_string("/proc/self/cgroup")
+            .map_err(|e| ProviderError::io("cannot read /proc/self/cgroup", e))?;
+        let own = cgroup::Dirs::own(&self_cgroup, Path::new(cgroup::MOUNT))
+            .map_err(|why| refuse(format!("needs writable cpu, memory and pids cgroups: {why}")))?;
+        // Unknown counts as swap being there.
+        if cgroup::host_swap().is_none_or(|swap| swap > 0) && !own.accounts_swap() {
+            return Err(refuse(format!(
+                "cannot hold swap to nothing beyond memory: the host has swap, and the memory cgroup `{}` does not account it (boot with swapaccount=1, or turn swap off)",
+                own.memory.display()
+            )));
+        }
+        Ok(Eval { dirs: own.child(&spec.id), limits: cgroup::Limits { cpu, memory, pids } })
+    }
+
+    /// Settles the daemon's command line and environment; touches nothing.
     fn plan(&self, spec: &SandboxSpec, dir: &SandboxDir) -> Result<Plan, ProviderError> {
-        self.refuse(spec)?;
+        let eval = self.refuse(spec)?;
         let isolated = self.namespaces == Namespaces::Used;
         let socket = dir.socket();
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
@@ -234,42 +320,26 @@ impl ProcessProvider {
         if spec.daemon_lease_s > 0 {
             arg("--lease", format!("{}s", spec.daemon_lease_s).into());
         }
-        if let Some(bytes) = bytes_of("memory", spec.resources.memory.as_ref())? {
+        let rlimits = rlimits_of(spec)?;
+        if let Some(bytes) = rlimits.address_space {
             arg("--rlimit-as", bytes.to_string().into());
         }
-        if let Some(bytes) = bytes_of("disk", spec.resources.disk.as_ref())? {
+        if let Some(bytes) = rlimits.file_size {
             arg("--rlimit-fsize", bytes.to_string().into());
+        }
+        for cgroup in eval.iter().flat_map(|e| e.dirs.unique()) {
+            arg("--cgroup", cgroup.into());
         }
         if isolated {
             args.push("--isolate".into());
             args.push("--isolate-tmp".into());
             args.push(dir.tmp().into());
-            if spec.network == Network::None {
+            if own_network(spec) {
                 args.push("--isolate-net".into());
             }
         }
-
-        // A clean environment: the server's own (its credentials, its RUST_LOG) stays out.
-        let mut env: BTreeMap<OsString, OsString> = BTreeMap::new();
-        env.insert("PATH".into(), std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()));
-        env.insert("HOME".into(), dir.work().into());
-        env.insert("LANG".into(), "C.UTF-8".into());
-        if !isolated {
-            // Its own /tmp is a namespace away; TMPDIR is what it can have.
-            env.insert("TMPDIR".into(), dir.tmp().into());
-        }
-        for (k, v) in &spec.env {
-            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-                return Err(ProviderError::Unsupported(format!("invalid environment variable `{k}`")));
-            }
-            // The daemon would take SANDMAN_TOKEN for its token, and hides SANDMAN_* from
-            // commands anyway.
-            if k.starts_with("SANDMAN_") {
-                continue;
-            }
-            env.insert(k.into(), v.into());
-        }
-        Ok(Plan { args, env })
+        let env = daemon_env(spec, dir, isolated)?;
+        Ok(Plan { args, env, cgroups: eval })
     }
 
     /// Starts the daemon of a prepared directory and its watcher.
@@ -280,7 +350,7 @@ impl ProcessProvider {
         plan: Plan,
         log: std::fs::File,
     ) -> Result<(), ProviderError> {
-        let Plan { args, env } = plan;
+        let Plan { args, env, .. } = plan;
         let mut cmd = tokio::process::Command::new(&self.config.daemon_bin);
         cmd.args(&self.config.daemon_args);
         cmd.args(&args)
@@ -396,7 +466,7 @@ impl Provider for ProcessProvider {
     }
 
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
-        self.refuse(spec)
+        self.refuse(spec).map(|_| ())
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
@@ -425,7 +495,19 @@ impl Provider for ProcessProvider {
                 return Err(ProviderError::io(format!("cannot prepare `{}`", dir.root.display()), e));
             }
         };
+        let cgroups = plan.cgroups.clone();
+        if let Some(eval) = &cgroups
+            && let Err(e) = make_cgroups(&dir, eval).await
+        {
+            remove_dir(&dir).await;
+            return Err(e);
+        }
         if let Err(e) = self.start(spec, &dir, plan, log).await {
+            if let Some(eval) = &cgroups
+                && let Err(err) = remove_cgroups(&eval.dirs).await
+            {
+                tracing::warn!(sandbox = %spec.id, %err, "cannot remove the cgroups of a sandbox whose daemon did not start");
+            }
             remove_dir(&dir).await;
             return Err(e);
         }
@@ -449,13 +531,13 @@ impl Provider for ProcessProvider {
                     return None;
                 }
                 let _ = std::fs::write(dir.deleting(), b"");
-                Some(dir.read_pid())
+                Some((dir.read_pid(), dir.read_cgroups()))
             })
             .await
             .ok()
             .flatten()
         };
-        let Some(recorded) = found else {
+        let Some((recorded, cgroups)) = found else {
             self.lock_watched().remove(id);
             return Ok(());
         };
@@ -479,6 +561,13 @@ impl Provider for ProcessProvider {
             }
         }
         self.lock_watched().remove(id);
+        // Before the directory: a delete that fails here is retried, and finds the cgroups again
+        // in the directory's `cgroups.json`.
+        if let Some(dirs) = &cgroups
+            && let Err(e) = remove_cgroups(dirs).await
+        {
+            return Err(ProviderError::io(format!("sandbox `{id}`: cannot remove its cgroups"), e));
+        }
         remove_dir(&dir).await;
         if dir.root.exists() {
             return Err(ProviderError::Backend(format!("sandbox `{id}`: cannot remove `{}`", dir.root.display())));
@@ -514,6 +603,148 @@ impl Provider for ProcessProvider {
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
         self.events_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
+
+    /// Read back from the sandbox's cgroup files (eval), the daemon's namespaces (`/proc`), and
+    /// the environment and rlimits the provider gave its daemon.
+    async fn applied(&self, id: &str) -> Result<Applied, ProviderError> {
+        if check_id(id).is_err() {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        let dir = SandboxDir::new(&self.sandboxes, id);
+        let (id, isolated) = (id.to_string(), self.namespaces == Namespaces::Used);
+        tokio::task::spawn_blocking(move || applied_of(&dir, &id, isolated))
+            .await
+            .map_err(|e| ProviderError::io("cannot read what was applied", std::io::Error::other(e)))?
+    }
+}
+
+/// `Provider::applied`, blocking.
+fn applied_of(dir: &SandboxDir, id: &str, isolated: bool) -> Result<Applied, ProviderError> {
+    let spec = match dir.read_spec() {
+        Ok(spec) => spec,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ProviderError::NotFound(id.to_string())),
+        Err(e) => return Err(ProviderError::io(format!("cannot read `{}`", dir.record().display()), e)),
+    };
+    let cgroups = dir.read_cgroups();
+    let limits = cgroups.as_ref().map(|c| c.read_back(cgroup::host_swap())).unwrap_or_default();
+    // Only a running daemon's namespaces can be read; the spec says what it was started with.
+    let namespaces = dir.read_pid().filter(ProcId::is_running).map(|d| procs::namespaces_apart(d.pid));
+    let own_net = match &namespaces {
+        Some(ns) => ns.contains(&"net"),
+        None => isolated && own_network(&spec),
+    };
+    let env = daemon_env(&spec, dir, isolated)?;
+    let var = |k: &str| env.get(std::ffi::OsStr::new(k)).map(|v| v.to_string_lossy().into_owned());
+    let rlimits = rlimits_of(&spec)?;
+    let details = BTreeMap::from([
+        ("cgroups".to_string(), serde_json::to_value(&cgroups).unwrap_or_default()),
+        ("namespaces".to_string(), serde_json::to_value(&namespaces).unwrap_or_default()),
+        ("rlimits".to_string(), serde_json::json!({"as": rlimits.address_space, "fsize": rlimits.file_size})),
+    ]);
+    Ok(Applied {
+        image: Some(HOST_IMAGE.to_string()),
+        cpu: limits.cpu,
+        memory: limits.memory,
+        swap: limits.swap,
+        pids: limits.pids,
+        network: Some(if own_net { "none" } else { "egress" }.to_string()),
+        timezone: var("TZ"),
+        locale: var("LC_ALL").or_else(|| var("LANG")),
+        details,
+    })
+}
+
+/// Whether the sandbox gets a network namespace of its own, with only loopback.
+fn own_network(spec: &SandboxSpec) -> bool {
+    spec.network == Network::None || spec.profile == Profile::Eval
+}
+
+/// The limits the daemon sets on each command it starts. Eval's memory is its cgroup's, never
+/// `RLIMIT_AS`, which counts address space and breaks runtimes that reserve more than they use.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rlimits {
+    address_space: Option<u64>,
+    file_size: Option<u64>,
+}
+
+fn rlimits_of(spec: &SandboxSpec) -> Result<Rlimits, ProviderError> {
+    let memory = bytes_of("memory", spec.resources.memory.as_ref())?;
+    Ok(Rlimits {
+        address_space: memory.filter(|_| spec.profile != Profile::Eval),
+        file_size: bytes_of("disk", spec.resources.disk.as_ref())?,
+    })
+}
+
+/// The daemon's whole environment, which every command inherits: never the server's own (its
+/// credentials, its RUST_LOG). Eval takes nothing from the host (not even `PATH`) and fixes
+/// [`EVAL_ENV`].
+fn daemon_env(
+    spec: &SandboxSpec,
+    dir: &SandboxDir,
+    isolated: bool,
+) -> Result<BTreeMap<OsString, OsString>, ProviderError> {
+    let eval = spec.profile == Profile::Eval;
+    let mut env: BTreeMap<OsString, OsString> = BTreeMap::new();
+    let host_path = std::env::var_os("PATH").filter(|_| !eval);
+    env.insert("PATH".into(), host_path.unwrap_or_else(|| DEFAULT_PATH.into()));
+    env.insert("HOME".into(), dir.work().into());
+    env.insert("LANG".into(), "C.UTF-8".into());
+    if eval {
+        env.extend(EVAL_ENV.iter().map(|(k, v)| (k.into(), v.into())));
+    }
+    if !isolated {
+        // Its own /tmp is a namespace away; TMPDIR is what it can have.
+        env.insert("TMPDIR".into(), dir.tmp().into());
+    }
+    for (k, v) in &spec.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(ProviderError::Unsupported(format!("invalid environment variable `{k}`")));
+        }
+        // The daemon would take SANDMAN_TOKEN for its token, and hides SANDMAN_* from commands
+        // anyway.
+        if k.starts_with("SANDMAN_") {
+            continue;
+        }
+        env.insert(k.into(), v.into());
+    }
+    Ok(env)
+}
+
+/// Records an eval sandbox's cgroups in its directory, then makes them: a crash in between
+/// leaves a record that a delete follows, never a cgroup nobody knows of.
+async fn make_cgroups(dir: &SandboxDir, eval: &Eval) -> Result<(), ProviderError> {
+    let (dir, eval) = (dir.clone(), eval.clone());
+    let host_swap = cgroup::host_swap().unwrap_or(u64::MAX);
+    tokio::task::spawn_blocking(move || {
+        dir.write_cgroups(&eval.dirs)
+            .map_err(|e| ProviderError::io(format!("cannot write `{}`", dir.cgroups().display()), e))?;
+        cgroup::create(&eval.dirs, eval.limits, host_swap)
+    })
+    .await
+    .map_err(|e| ProviderError::io("cannot make the sandbox's cgroups", std::io::Error::other(e)))?
+}
+
+/// Removes a sandbox's cgroups once they are empty: a killed sandbox's pid namespace empties a
+/// moment after its init dies. What is still in them after a second is SIGKILLed; after five
+/// the last error is returned.
+async fn remove_cgroups(dirs: &cgroup::Dirs) -> std::io::Result<()> {
+    let mut last = std::io::Error::other("not tried");
+    for attempt in 0..CGROUP_TRIES {
+        let d = dirs.clone();
+        let removed = tokio::task::spawn_blocking(move || {
+            if attempt >= CGROUP_KILL_AFTER {
+                d.kill_members();
+            }
+            d.remove()
+        })
+        .await;
+        match flatten(removed) {
+            Ok(()) => return Ok(()),
+            Err(e) => last = e,
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(last)
 }
 
 /// Every record under `sandboxes`, with the daemon when it runs. Blocking.
@@ -665,6 +896,35 @@ mod tests {
         for bad in ["", ".", "..", "../x", "a/b", ".hidden", "a b"] {
             assert!(check_id(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn eval_fixes_the_environment_and_takes_no_path_from_the_host() {
+        let dir = SandboxDir::new(Path::new("/var/lib/sandman/sandboxes"), "e1");
+        let mut spec = sandman_provider::conformance::spec("e1", HOST_IMAGE);
+        spec.env.insert("SANDMAN_TOKEN".into(), "hijack".into());
+        let plain = daemon_env(&spec, &dir, true).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(plain.get(std::ffi::OsStr::new("PATH")), std::env::var_os("PATH").as_ref());
+        assert!(!plain.contains_key(std::ffi::OsStr::new("TZ")) && !plain.contains_key(std::ffi::OsStr::new("LC_ALL")));
+        spec.profile = Profile::Eval;
+        let eval = daemon_env(&spec, &dir, true).unwrap_or_else(|e| panic!("{e}"));
+        let get = |k: &str| eval.get(std::ffi::OsStr::new(k)).and_then(|v| v.to_str());
+        assert_eq!(get("PATH"), Some(DEFAULT_PATH));
+        for (k, v) in EVAL_ENV {
+            assert_eq!(get(k), Some(v), "{k}");
+        }
+        assert_eq!(get("CONFORMANCE"), Some("yes"));
+        assert_eq!(get("SANDMAN_TOKEN"), None);
+        assert_eq!(get("HOME"), Some("/var/lib/sandman/sandboxes/e1/work"));
+    }
+
+    #[test]
+    fn eval_memory_is_never_an_address_space_rlimit() {
+        let mut spec = sandman_provider::conformance::spec("r1", HOST_IMAGE);
+        spec.resources.memory = Some(Quantity::Text("1Gi".into()));
+        assert_eq!(rlimits_of(&spec).ok().and_then(|r| r.address_space), Some(1 << 30));
+        spec.profile = Profile::Eval;
+        assert_eq!(rlimits_of(&spec).ok().map(|r| r.address_space), Some(None));
     }
 
     #[test]

@@ -66,6 +66,27 @@ fn is_isolated(pid: i32) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|arg| arg == b"--isolate"))
 }
 
+/// The namespaces `pid` has apart from this process, by name (`mount`, `pid`, `ipc`, `uts`,
+/// `net`). For a daemon's waiter, `pid` is the namespace of its children: the waiter stays
+/// outside the sandbox's pid namespace, and everything it starts is inside.
+pub fn namespaces_apart(pid: i32) -> Vec<&'static str> {
+    let ns = |p: &str, file: &str| std::fs::read_link(format!("/proc/{p}/ns/{file}")).ok();
+    [
+        ("mount", "mnt", "mnt"),
+        ("pid", "pid_for_children", "pid"),
+        ("ipc", "ipc", "ipc"),
+        ("uts", "uts", "uts"),
+        ("net", "net", "net"),
+    ]
+    .into_iter()
+    .filter(|(_, theirs, ours)| {
+        let (theirs, ours) = (ns(&pid.to_string(), theirs), ns("self", ours));
+        theirs.is_some() && ours.is_some() && theirs != ours
+    })
+    .map(|(name, _, _)| name)
+    .collect()
+}
+
 /// The direct children of `pid`, from `/proc/PID/task/PID/children` (one small file).
 fn children_of(pid: i32) -> Vec<i32> {
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
@@ -155,5 +176,10 @@ mod tests {
         assert!(me.is_running());
         assert!(!ProcId { start_time: me.start_time + 1, ..me }.is_running());
         assert_eq!(ProcId::parse(&me.to_line()), Some(me));
+    }
+
+    #[test]
+    fn this_process_has_no_namespaces_apart_from_itself() {
+        assert!(namespaces_apart(std::process::id() as i32).is_empty());
     }
 }

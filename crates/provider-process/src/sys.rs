@@ -1,9 +1,9 @@
-//! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `kill`
-//! and `geteuid`, which std does not expose.
+//! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `kill`,
+//! `pidfd_send_signal`, `geteuid` and `access`, which std does not expose.
 #![allow(unsafe_code)]
 
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
@@ -32,6 +32,31 @@ pub fn async_pidfd(pid: i32) -> io::Result<AsyncFd<OwnedFd>> {
     unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(io::Error::from)
 }
 
+/// SIGKILLs `pid` if `still_ours()` holds once a pidfd pins it: checked after opening, so a pid
+/// reused between a listing and the kill is never signalled unless it is ours too. One that is
+/// gone already is fine.
+pub fn kill_pinned(pid: i32, still_ours: impl FnOnce() -> bool) -> io::Result<()> {
+    let fd = match pidfd_open(pid) {
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(()),
+        other => other?,
+    };
+    if !still_ours() {
+        return Ok(());
+    }
+    // SAFETY: `fd` is an open pidfd owned here; a null siginfo and no flags are allowed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    let err = io::Error::last_os_error();
+    if r == 0 || err.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(err) }
+}
+
 /// Sends `signal` to `pid` (a process group when `group`). One that is gone already is fine.
 /// Refuses pids 0, 1 and negative ones, which would address far more than one sandbox.
 pub fn kill(pid: i32, signal: i32, group: bool) -> io::Result<()> {
@@ -51,6 +76,15 @@ pub fn kill(pid: i32, signal: i32, group: bool) -> io::Result<()> {
 pub fn euid() -> u32 {
     // SAFETY: `geteuid` takes no arguments and cannot fail.
     unsafe { libc::geteuid() }
+}
+
+/// Whether this process may write into `dir` (`access(W_OK)`: also false on a read-only mount,
+/// which permission bits do not show to root).
+pub fn writable(dir: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
+    // SAFETY: `path` is a NUL-terminated string that outlives the call.
+    unsafe { libc::access(path.as_ptr(), libc::W_OK) == 0 }
 }
 
 pub const SIGKILL: i32 = libc::SIGKILL;

@@ -60,8 +60,13 @@ async fn refusals_name_the_way_out_and_leave_nothing() {
     let p = provider(state.path(), Isolation::Off);
     let msg = unsupported(p.create(&spec("img", "python:3.12")).await);
     assert!(msg.contains("`python:3.12`") && msg.contains("docker") && msg.contains("kubernetes"), "{msg}");
-    let eval = SandboxSpec { profile: Profile::Eval, ..spec("eval", HOST_IMAGE) };
-    assert!(unsupported(p.create(&eval).await).contains("eval"));
+    // Eval needs fixed resources first of all, and then namespaces, which are off here.
+    let mut eval = SandboxSpec { profile: Profile::Eval, ..spec("eval", HOST_IMAGE) };
+    assert!(unsupported(p.create(&eval).await).contains("resources.cpu"));
+    eval.resources.cpu = Some(Quantity::Number(1.0));
+    eval.resources.memory = Some(Quantity::Text("64Mi".into()));
+    let msg = unsupported(p.create(&eval).await);
+    assert!(msg.contains("eval") && (msg.contains("isolation is off") || msg.contains("not root")), "{msg}");
     let offline = SandboxSpec { network: Network::None, ..spec("net", HOST_IMAGE) };
     assert!(unsupported(p.create(&offline).await).contains("network namespace"));
     assert!(unsupported(p.create(&spec("../escape", HOST_IMAGE)).await).contains("cannot name a directory"));

@@ -57,6 +57,10 @@ struct Args {
     /// RLIMIT_NOFILE (open files) of every process the daemon starts.
     #[arg(long, value_name = "N")]
     rlimit_nofile: Option<u64>,
+    /// Join this cgroup (v1 controller or v2 directory) before anything else; repeatable. The
+    /// daemon and everything it starts are then held to its limits.
+    #[arg(long = "cgroup", value_name = "DIR")]
+    cgroups: Vec<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -78,6 +82,10 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
                 ExitCode::from(2)
             }
         };
+    }
+    // First of all: nothing the daemon allocates or starts may escape the sandbox's limits.
+    if let Err(e) = join_cgroups(&args.cgroups) {
+        return fail(&e);
     }
     let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| args.log.clone());
     tracing_subscriber::fmt()
@@ -133,6 +141,29 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
     }
 }
 
+/// A cgroup the daemon was told to join and could not.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot join the cgroup `{}` (writing to its cgroup.procs)", dir.display())]
+pub struct CgroupError {
+    dir: PathBuf,
+    #[source]
+    source: std::io::Error,
+}
+
+/// Moves this process into each cgroup in `dirs`: `0` written to `cgroup.procs` names the writer,
+/// and moves its whole thread group (here still one thread, before the runtime and any fork).
+pub fn join_cgroups(dirs: &[PathBuf]) -> Result<(), CgroupError> {
+    for dir in dirs {
+        // Not `create`: a missing cgroup is an error, never a file made in its place.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("cgroup.procs"))
+            .and_then(|mut f| std::io::Write::write_all(&mut f, b"0"))
+            .map_err(|source| CgroupError { dir: dir.clone(), source })?;
+    }
+    Ok(())
+}
+
 fn fail(err: &dyn std::error::Error) -> ExitCode {
     let mut msg = format!("error: {err}");
     let mut cur = err.source();
@@ -142,4 +173,19 @@ fn fail(err: &dyn std::error::Error) -> ExitCode {
     }
     eprintln!("{msg}");
     ExitCode::from(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cgroup_that_cannot_be_joined_is_named() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let missing = dir.path().join("no-such-cgroup");
+        let err = join_cgroups(std::slice::from_ref(&missing)).err().unwrap_or_else(|| panic!("joined"));
+        assert!(err.to_string().contains("no-such-cgroup"), "{err}");
+        assert!(!missing.exists(), "a file was made in the cgroup's place");
+        assert!(join_cgroups(&[]).is_ok());
+    }
 }

@@ -24,7 +24,8 @@ pub async fn conditions(State(daemon): State<Arc<Daemon>>) -> Json<Observed> {
             cpus_available: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             cgroup_cpu_limit: cgroup.cpu_limit(),
             cgroup_memory_limit: cgroup.memory_limit(),
-            cgroup_swap_limit: cgroup.swap_limit(),
+            cgroup_swap_limit: cgroup
+                .swap_limit(swap_total(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default())),
             cgroup_pids_limit: cgroup.pids_limit(),
             rlimit_as: rlimits.address_space,
             rlimit_fsize: rlimits.file_size,
@@ -129,21 +130,42 @@ impl Cgroup {
         (quota > 0 && period > 0).then(|| quota as f64 / period as f64)
     }
 
+    /// A v1 memory byte count; v1 reports "no limit" as a huge page-rounded number.
+    fn v1_bytes(&self, file: &str) -> Option<u64> {
+        Self::v1(&self.memory_v1, file)?.parse().ok().filter(|v: &u64| *v < (1 << 60))
+    }
+
     fn memory_limit(&self) -> Option<u64> {
         match self.v2("memory.max") {
             Some(v) => parse_max(&v),
-            // v1 reports "no limit" as a huge page-rounded number.
-            None => Self::v1(&self.memory_v1, "memory.limit_in_bytes")?.parse().ok().filter(|v: &u64| *v < (1 << 60)),
+            None => self.v1_bytes("memory.limit_in_bytes"),
         }
     }
 
-    fn swap_limit(&self) -> Option<u64> {
-        self.v2("memory.swap.max").and_then(|v| parse_max(&v))
+    /// Swap allowed beyond memory: v2 `memory.swap.max`; v1 `memory.memsw.limit_in_bytes` (memory
+    /// and swap together) less `memory.limit_in_bytes`. With no such limit readable, a host with
+    /// no swap at all (`host_swap` is `SwapTotal`) allows none.
+    fn swap_limit(&self, host_swap: Option<u64>) -> Option<u64> {
+        let limit = match self.v2("memory.swap.max") {
+            Some(v) => parse_max(&v),
+            None => self
+                .v1_bytes("memory.memsw.limit_in_bytes")
+                .zip(self.v1_bytes("memory.limit_in_bytes"))
+                .map(|(memsw, memory)| memsw.saturating_sub(memory)),
+        };
+        limit.or_else(|| (host_swap == Some(0)).then_some(0))
     }
 
     fn pids_limit(&self) -> Option<u64> {
         self.v2("pids.max").or_else(|| Self::v1(&self.pids_v1, "pids.max")).and_then(|v| parse_max(&v))
     }
+}
+
+/// `SwapTotal` of `/proc/meminfo`, in bytes.
+fn swap_total(meminfo: &str) -> Option<u64> {
+    let kib: u64 =
+        meminfo.lines().find_map(|l| l.strip_prefix("SwapTotal:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// `max` or a number.
@@ -186,5 +208,70 @@ mod tests {
         assert_eq!(cg.memory_limit(), Some(32 << 20));
         assert_eq!(cg.pids_limit(), Some(64));
         assert_eq!(cg.cpu_limit(), None);
+    }
+
+    fn write(root: &Path, file: &str, text: &str) {
+        let path = root.join(file);
+        std::fs::create_dir_all(path.parent().unwrap_or(root)).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(path, text).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    #[test]
+    fn v1_swap_is_memsw_less_memory_in_a_nested_sandbox_cgroup() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let r = root.path();
+        // The process provider's layout: the daemon in `<server's own>/sandman-<id>` of each
+        // controller; the v2 hierarchy (hybrid) holds no controllers.
+        let sb = "process_api/abc/sandman-sb1";
+        write(r, &format!("memory/{sb}/memory.limit_in_bytes"), "268435456\n");
+        write(r, &format!("memory/{sb}/memory.memsw.limit_in_bytes"), "268435456\n");
+        write(r, "memory/process_api/abc/memory.limit_in_bytes", "9223372036854771712\n");
+        write(r, "cpu/sandman-sb1/cpu.cfs_quota_us", "50000\n");
+        write(r, "cpu/sandman-sb1/cpu.cfs_period_us", "100000\n");
+        write(r, "pids/sandman-sb1/pids.max", "100\n");
+        write(r, "unified/cgroup.procs", "");
+        let lines = format!("8:pids:/sandman-sb1\n4:memory:/{sb}\n1:cpu,cpuacct:/sandman-sb1\n0::/\n");
+        let cg = Cgroup::from_lines(&lines, r);
+        assert_eq!(cg.cpu_limit(), Some(0.5));
+        assert_eq!(cg.memory_limit(), Some(256 << 20));
+        assert_eq!(cg.pids_limit(), Some(100));
+        // memsw equal to memory: no swap, whether or not the host has any.
+        assert_eq!(cg.swap_limit(Some(1 << 30)), Some(0));
+        write(r, &format!("memory/{sb}/memory.memsw.limit_in_bytes"), "301989888\n");
+        assert_eq!(cg.swap_limit(Some(1 << 30)), Some(32 << 20));
+        // memsw unlimited: swap unlimited, unless the host has none.
+        write(r, &format!("memory/{sb}/memory.memsw.limit_in_bytes"), "9223372036854771712\n");
+        assert_eq!(cg.swap_limit(Some(1 << 30)), None);
+        assert_eq!(cg.swap_limit(Some(0)), Some(0));
+    }
+
+    #[test]
+    fn no_swap_anywhere_means_none_allowed() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        // v1 without swap accounting: no memsw file.
+        write(root.path(), "memory/sb/memory.limit_in_bytes", "33554432\n");
+        let cg = Cgroup::from_lines("4:memory:/sb\n", root.path());
+        assert_eq!(cg.swap_limit(Some(0)), Some(0));
+        assert_eq!(cg.swap_limit(Some(4 << 30)), None);
+        assert_eq!(cg.swap_limit(None), None);
+        assert_eq!(swap_total("MemTotal: 100 kB\nSwapTotal:       2048 kB\n"), Some(2 << 20));
+        assert_eq!(swap_total("SwapTotal:              0 kB\n"), Some(0));
+        assert_eq!(swap_total("MemTotal: 100 kB\n"), None);
+    }
+
+    #[test]
+    fn v2_swap_max_wins() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        write(root.path(), "cgroup.controllers", "cpu memory pids\n");
+        write(root.path(), "srv/sandman-sb/memory.max", "67108864\n");
+        write(root.path(), "srv/sandman-sb/memory.swap.max", "0\n");
+        write(root.path(), "srv/sandman-sb/cpu.max", "200000 100000\n");
+        let cg = Cgroup::from_lines("0::/srv/sandman-sb\n", root.path());
+        assert_eq!(cg.memory_limit(), Some(64 << 20));
+        assert_eq!(cg.swap_limit(Some(1 << 30)), Some(0));
+        assert_eq!(cg.cpu_limit(), Some(2.0));
+        write(root.path(), "srv/sandman-sb/memory.swap.max", "max\n");
+        assert_eq!(cg.swap_limit(Some(1 << 30)), None);
+        assert_eq!(cg.swap_limit(Some(0)), Some(0));
     }
 }

@@ -180,3 +180,90 @@ async fn conditions_report_what_the_sandbox_sees() {
     assert_eq!(c["daemon_version"], env!("CARGO_PKG_VERSION"));
     assert!(c["cpus_available"].as_u64().unwrap() >= 1);
 }
+
+#[tokio::test]
+async fn a_cgroup_that_cannot_be_joined_stops_the_start() {
+    let dir = tempfile::tempdir_in(base()).unwrap();
+    let missing = dir.path().join("no-such-cgroup");
+    let out = Command::new(common::daemon_bin())
+        .arg("--listen")
+        .arg(format!("unix:{}/d.sock", dir.path().display()))
+        .arg("--cgroup")
+        .arg(&missing)
+        .env("SANDMAN_TOKEN", "t")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("cannot join the cgroup `{}`", missing.display())), "{err}");
+    assert!(!dir.path().join("d.sock").exists(), "it listened before joining");
+}
+
+/// A fresh cgroup under this test's own in the hierarchy that has `controller` (v1), or in the
+/// unified one when `/sys/fs/cgroup` is v2; removed (once empty) on drop.
+struct TestCgroup(PathBuf);
+
+impl TestCgroup {
+    fn new(controller: &str, name: &str) -> TestCgroup {
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+        let mount = Path::new("/sys/fs/cgroup");
+        let (hierarchy, wanted) = if mount.join("cgroup.controllers").exists() {
+            (mount.to_path_buf(), "")
+        } else {
+            (mount.join(controller), controller)
+        };
+        let path = own
+            .lines()
+            .filter_map(|l| l.split_once(':').and_then(|(_, rest)| rest.split_once(':')))
+            .find(|(cs, _)| if wanted.is_empty() { cs.is_empty() } else { cs.split(',').any(|c| c == wanted) })
+            .map(|(_, p)| p.trim_start_matches('/').to_string())
+            .unwrap();
+        let dir = hierarchy.join(path).join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("cannot make the cgroup {}: {e}", dir.display()));
+        TestCgroup(dir)
+    }
+
+    fn write(&self, file: &str, value: &str) {
+        std::fs::write(self.0.join(file), value).unwrap_or_else(|e| panic!("{file}: {e}"));
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        for _ in 0..250 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_daemon_joins_its_cgroups_first_and_observes_their_limits() {
+    require_root();
+    let memory = TestCgroup::new("memory", "sandmand-memory");
+    let pids = TestCgroup::new("pids", "sandmand-pids");
+    memory.write("memory.limit_in_bytes", "134217728");
+    if memory.0.join("memory.memsw.limit_in_bytes").exists() {
+        memory.write("memory.memsw.limit_in_bytes", "134217728");
+    }
+    pids.write("pids.max", "77");
+    let (memory_arg, pids_arg) = (memory.0.display().to_string(), pids.0.display().to_string());
+    {
+        let (d, _tmp) = isolated(&["--isolate-net", "--cgroup", &memory_arg, "--cgroup", &pids_arg]).await;
+        // The waiter outside and every command inside are in both.
+        let outside = std::fs::read_to_string(format!("/proc/{}/cgroup", d.pid())).unwrap();
+        let inside = stdout(&sh(&d, "cat /proc/self/cgroup").await);
+        for cg in [&memory.0, &pids.0] {
+            let name = cg.file_name().unwrap().to_str().unwrap();
+            assert!(outside.contains(name) && inside.contains(name), "not in {name}: {outside} / {inside}");
+        }
+        let c = d.get("/v1/conditions").await.json();
+        assert_eq!(c["cgroup_memory_limit"], 134217728, "{c}");
+        assert_eq!(c["cgroup_pids_limit"], 77, "{c}");
+        // memsw equal to memory, or a host without swap: no swap either way.
+        assert_eq!(c["cgroup_swap_limit"], 0, "{c}");
+    }
+}

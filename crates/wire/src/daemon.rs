@@ -557,7 +557,8 @@ pub struct Observed {
     /// cgroup memory limit in bytes (`memory.max` or `memory.limit_in_bytes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_memory_limit: Option<u64>,
-    /// cgroup swap limit in bytes beyond memory (`memory.swap.max`, v2 only).
+    /// cgroup swap limit in bytes beyond memory (`memory.swap.max`, or v1's
+    /// `memory.memsw.limit_in_bytes - memory.limit_in_bytes`); 0 when the host has no swap.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_swap_limit: Option<u64>,
     /// cgroup process limit (`pids.max`).

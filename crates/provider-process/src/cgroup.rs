@@ -1,0 +1,456 @@
+//! The cgroups of eval sandboxes: `<the server's own cgroup>/sandman-<id>` in one v2 directory or
+//! in each of the v1 cpu, memory and pids controllers, with fixed limits written at create
+//! ([`create`]), read back for `applied` ([`Dirs::read_back`]) and removed at delete. Start at
+//! [`Dirs::own`]. Blocking file I/O throughout; callers run it off the async threads.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use sandman_provider::ProviderError;
+use serde::{Deserialize, Serialize};
+
+use crate::sys;
+
+/// Where cgroup hierarchies are mounted (the daemon's observer reads them there too).
+pub const MOUNT: &str = "/sys/fs/cgroup";
+
+/// The CFS period the cpu quota is a share of, in microseconds (the kernel's default).
+pub const PERIOD_US: u64 = 100_000;
+
+/// The smallest CFS quota the kernel takes, in microseconds.
+pub const MIN_QUOTA_US: u64 = 1_000;
+
+/// v1 reports "no limit" as a huge page-rounded number.
+const V1_UNLIMITED: u64 = 1 << 60;
+
+/// The controllers eval needs, in the order they are named.
+const CONTROLLERS: [&str; 3] = ["cpu", "memory", "pids"];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Version {
+    /// One controller per hierarchy (`/sys/fs/cgroup/<controller>/…`), as on hybrid hosts.
+    V1,
+    /// The unified hierarchy mounted at `/sys/fs/cgroup` itself.
+    V2,
+}
+
+/// One cgroup directory per controller eval needs; under v2 all three are the same directory.
+/// Serialized as the sandbox's `cgroups.json`, so that a delete or `applied` after a server
+/// restart (which may run in another cgroup) finds the sandbox's own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dirs {
+    pub version: Version,
+    pub cpu: PathBuf,
+    pub memory: PathBuf,
+    pub pids: PathBuf,
+}
+
+/// What an eval sandbox's cgroups hold it to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// Cores.
+    pub cpu: f64,
+    /// Bytes; swap beyond it is none.
+    pub memory: u64,
+    pub pids: u64,
+}
+
+impl Limits {
+    /// The CFS quota, in microseconds per [`PERIOD_US`].
+    pub fn quota_us(&self) -> u64 {
+        (self.cpu * PERIOD_US as f64).round() as u64
+    }
+}
+
+/// The limits as the cgroup files say, in the units `Applied` reports.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReadBack {
+    pub cpu: Option<f64>,
+    pub memory: Option<u64>,
+    /// Bytes of swap allowed beyond memory.
+    pub swap: Option<u64>,
+    pub pids: Option<u64>,
+}
+
+impl Dirs {
+    /// The server's own cgroups, from `/proc/self/cgroup` (`id:controllers:path` lines) and the
+    /// hierarchies under `mount`: v2 when `mount` is the unified hierarchy (it has
+    /// `cgroup.controllers`), else v1. An error says what is missing, for a refusal.
+    pub fn own(self_cgroup: &str, mount: &Path) -> Result<Dirs, String> {
+        let lines: Vec<(&str, &str)> = self_cgroup
+            .lines()
+            .filter_map(|l| {
+                let mut parts = l.splitn(3, ':');
+                parts.next()?;
+                Some((parts.next()?, parts.next()?))
+            })
+            .collect();
+        let under = |hierarchy: PathBuf, path: &str| hierarchy.join(path.trim_start_matches('/'));
+        if mount.join("cgroup.controllers").is_file() {
+            let path = lines
+                .iter()
+                .find(|(controllers, _)| controllers.is_empty())
+                .map(|(_, p)| *p)
+                .ok_or("/proc/self/cgroup has no cgroup v2 line")?;
+            let own = under(mount.to_path_buf(), path);
+            let enabled = std::fs::read_to_string(own.join("cgroup.subtree_control")).unwrap_or_default();
+            let missing: Vec<&str> =
+                CONTROLLERS.into_iter().filter(|c| !enabled.split_whitespace().any(|e| e == *c)).collect();
+            if !missing.is_empty() {
+                return Err(format!(
+                    "cgroup v2: the server's cgroup `{}` does not enable {} for its children (its cgroup.subtree_control)",
+                    own.display(),
+                    quoted(&missing)
+                ));
+            }
+            if !sys::writable(&own) {
+                return Err(format!("cgroup v2: the server's cgroup `{}` is not writable", own.display()));
+            }
+            return Ok(Dirs { version: Version::V2, cpu: own.clone(), memory: own.clone(), pids: own });
+        }
+        let mut found = Vec::new();
+        let mut missing = Vec::new();
+        for controller in CONTROLLERS {
+            let path = lines.iter().find(|(cs, _)| cs.split(',').any(|c| c == controller)).map(|(_, p)| *p);
+            match path.map(|p| under(mount.join(controller), p)) {
+                Some(dir) if dir.is_dir() && sys::writable(&dir) => found.push(dir),
+                Some(dir) => missing.push(format!("`{controller}` (`{}` is not a writable directory)", dir.display())),
+                None => missing.push(format!("`{controller}` (not in /proc/self/cgroup)")),
+            }
+        }
+        match <[PathBuf; 3]>::try_from(found) {
+            Ok([cpu, memory, pids]) if missing.is_empty() => Ok(Dirs { version: Version::V1, cpu, memory, pids }),
+            _ => Err(format!("no writable cgroup v1 controller {}", missing.join(", "))),
+        }
+    }
+
+    /// The cgroups of sandbox `id`: `sandman-<id>` under each of these.
+    pub fn child(&self, id: &str) -> Dirs {
+        let name = format!("sandman-{id}");
+        Dirs {
+            version: self.version,
+            cpu: self.cpu.join(&name),
+            memory: self.memory.join(&name),
+            pids: self.pids.join(&name),
+        }
+    }
+
+    /// Each directory once (v2 has one).
+    pub fn unique(&self) -> Vec<&Path> {
+        let mut dirs: Vec<&Path> = Vec::new();
+        for d in [&self.cpu, &self.memory, &self.pids] {
+            if !dirs.contains(&d.as_path()) {
+                dirs.push(d);
+            }
+        }
+        dirs
+    }
+
+    /// Whether the memory cgroup accounts swap, so that a swap limit can be written: v1
+    /// `memory.memsw.limit_in_bytes`, v2 `memory.swap.max` (absent in a v2 root cgroup, where it
+    /// is checked again once the sandbox's cgroup exists).
+    pub fn accounts_swap(&self) -> bool {
+        match self.version {
+            Version::V1 => self.memory.join("memory.memsw.limit_in_bytes").exists(),
+            Version::V2 => self.memory.join("memory.swap.max").exists() || self.memory == Path::new(MOUNT),
+        }
+    }
+
+    /// Writes the limits into these (existing) directories. `host_swap` is `SwapTotal`: with no
+    /// way to limit swap, a host without swap is the only one where none is guaranteed.
+    fn write_limits(&self, limits: Limits, host_swap: u64) -> Result<(), ProviderError> {
+        let (quota, memory, pids) = (limits.quota_us(), limits.memory.to_string(), limits.pids.to_string());
+        match self.version {
+            Version::V1 => {
+                write(&self.cpu, "cpu.cfs_period_us", &PERIOD_US.to_string())?;
+                write(&self.cpu, "cpu.cfs_quota_us", &quota.to_string())?;
+                // Memory first: memsw may never be below it.
+                write(&self.memory, "memory.limit_in_bytes", &memory)?;
+                if self.memory.join("memory.memsw.limit_in_bytes").exists() {
+                    write(&self.memory, "memory.memsw.limit_in_bytes", &memory)?;
+                } else if host_swap > 0 {
+                    return Err(no_swap_control(&self.memory));
+                }
+                write(&self.pids, "pids.max", &pids)?;
+            }
+            Version::V2 => {
+                write(&self.cpu, "cpu.max", &format!("{quota} {PERIOD_US}"))?;
+                write(&self.memory, "memory.max", &memory)?;
+                if self.memory.join("memory.swap.max").exists() {
+                    write(&self.memory, "memory.swap.max", "0")?;
+                } else if host_swap > 0 {
+                    return Err(no_swap_control(&self.memory));
+                }
+                write(&self.pids, "pids.max", &pids)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The limits the files hold now. Swap is what is allowed beyond memory; with no swap limit
+    /// readable, none when the host has no swap (`host_swap` is `SwapTotal`).
+    pub fn read_back(&self, host_swap: Option<u64>) -> ReadBack {
+        let swap = match self.version {
+            Version::V1 => {
+                let memory = read_u64(&self.memory, "memory.limit_in_bytes").filter(|v| *v < V1_UNLIMITED);
+                let memsw = read_u64(&self.memory, "memory.memsw.limit_in_bytes").filter(|v| *v < V1_UNLIMITED);
+                memsw.zip(memory).map(|(memsw, memory)| memsw.saturating_sub(memory))
+            }
+            Version::V2 => read(&self.memory, "memory.swap.max").and_then(|v| parse_max(&v)),
+        };
+        let swap = swap.or_else(|| (host_swap == Some(0)).then_some(0));
+        match self.version {
+            Version::V1 => {
+                let quota: Option<i64> = read(&self.cpu, "cpu.cfs_quota_us").and_then(|v| v.parse().ok());
+                let period: Option<i64> = read(&self.cpu, "cpu.cfs_period_us").and_then(|v| v.parse().ok());
+                ReadBack {
+                    cpu: quota.zip(period).filter(|(q, p)| *q > 0 && *p > 0).map(|(q, p)| q as f64 / p as f64),
+                    memory: read_u64(&self.memory, "memory.limit_in_bytes").filter(|v| *v < V1_UNLIMITED),
+                    swap,
+                    pids: read(&self.pids, "pids.max").and_then(|v| parse_max(&v)),
+                }
+            }
+            Version::V2 => ReadBack {
+                cpu: read(&self.cpu, "cpu.max").and_then(|v| parse_cpu_max(&v)),
+                memory: read(&self.memory, "memory.max").and_then(|v| parse_max(&v)),
+                swap,
+                pids: read(&self.pids, "pids.max").and_then(|v| parse_max(&v)),
+            },
+        }
+    }
+
+    /// SIGKILLs every process still in these cgroups: what a delete does when they do not empty
+    /// by themselves (an isolated sandbox's do, as its pid namespace dies).
+    pub fn kill_members(&self) {
+        for dir in self.unique() {
+            let procs = dir.join("cgroup.procs");
+            let listed = |pid: i32| {
+                std::fs::read_to_string(&procs).is_ok_and(|t| t.split_whitespace().any(|p| p == pid.to_string()))
+            };
+            let pids: Vec<i32> = std::fs::read_to_string(&procs)
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect();
+            for pid in pids {
+                if let Err(err) = sys::kill_pinned(pid, || listed(pid)) {
+                    tracing::warn!(pid, %err, cgroup = %dir.display(), "cannot kill a process left in a sandbox's cgroup");
+                }
+            }
+        }
+    }
+
+    /// Removes the directories once: fails while processes are still in one (`EBUSY`); one that
+    /// is gone already is fine.
+    pub fn remove(&self) -> io::Result<()> {
+        for dir in self.unique() {
+            match std::fs::remove_dir(dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Makes the cgroups of `dirs` and writes `limits`; on failure removes what it made.
+pub fn create(dirs: &Dirs, limits: Limits, host_swap: u64) -> Result<(), ProviderError> {
+    let mut made: Vec<&Path> = Vec::new();
+    let mut result = Ok(());
+    for dir in dirs.unique() {
+        result = make(dir);
+        if result.is_err() {
+            break;
+        }
+        made.push(dir);
+    }
+    if result.is_ok() {
+        result = dirs.write_limits(limits, host_swap);
+    }
+    if result.is_err() {
+        for dir in made.into_iter().rev() {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+    result
+}
+
+/// Makes one cgroup. One left by a sandbox no longer in the records (a crash between its
+/// directory's removal and its cgroup's) is removed and made anew when empty.
+fn make(dir: &Path) -> Result<(), ProviderError> {
+    let made = match std::fs::create_dir(dir) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            tracing::info!(cgroup = %dir.display(), "replacing a cgroup left by an earlier sandbox");
+            std::fs::remove_dir(dir).map_err(|e| {
+                ProviderError::io(
+                    format!(
+                        "the cgroup `{}` exists already and cannot be removed (processes still in it?)",
+                        dir.display()
+                    ),
+                    e,
+                )
+            })?;
+            std::fs::create_dir(dir)
+        }
+        other => other,
+    };
+    made.map_err(|e| ProviderError::io(format!("cannot make the cgroup `{}`", dir.display()), e))
+}
+
+fn no_swap_control(memory: &Path) -> ProviderError {
+    ProviderError::Unsupported(format!(
+        "eval needs swap limited to nothing beyond memory, and the host has swap but the memory cgroup `{}` cannot limit it (swap accounting is off: boot with swapaccount=1)",
+        memory.display()
+    ))
+}
+
+fn write(dir: &Path, file: &str, value: &str) -> Result<(), ProviderError> {
+    let path = dir.join(file);
+    // Not `fs::write`: a cgroup file is never created, and a missing one is an error. (Truncating
+    // is what a shell's `>` does; cgroup files allow it.)
+    std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&path)
+        .and_then(|mut f| io::Write::write_all(&mut f, value.as_bytes()))
+        .map_err(|e| ProviderError::io(format!("cannot write `{value}` to `{}`", path.display()), e))
+}
+
+fn read(dir: &Path, file: &str) -> Option<String> {
+    std::fs::read_to_string(dir.join(file)).ok().map(|s| s.trim().to_string())
+}
+
+fn read_u64(dir: &Path, file: &str) -> Option<u64> {
+    read(dir, file)?.parse().ok()
+}
+
+/// `max` or a number.
+fn parse_max(v: &str) -> Option<u64> {
+    if v == "max" { None } else { v.parse().ok() }
+}
+
+/// `cpu.max` is `QUOTA PERIOD` or `max PERIOD`.
+fn parse_cpu_max(v: &str) -> Option<f64> {
+    let mut it = v.split_whitespace();
+    let quota: f64 = it.next()?.parse().ok()?;
+    let period: f64 = it.next()?.parse().ok()?;
+    (period > 0.0).then(|| quota / period)
+}
+
+/// `SwapTotal` of `/proc/meminfo`, in bytes.
+pub fn swap_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find_map(|l| l.strip_prefix("SwapTotal:"))?;
+    let kib: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The host's `SwapTotal`, read now (swap can be turned on at any time).
+pub fn host_swap() -> Option<u64> {
+    swap_total(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+fn quoted(names: &[&str]) -> String {
+    names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(root: &Path, file: &str, text: &str) {
+        let path = root.join(file);
+        std::fs::create_dir_all(path.parent().unwrap_or(root)).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(path, text).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    #[test]
+    fn v1_cgroups_are_found_per_controller_under_the_servers_own() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let r = root.path();
+        for d in ["cpu", "memory/process_api/x", "pids"] {
+            std::fs::create_dir_all(r.join(d)).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let lines = "8:pids:/\n4:memory:/process_api/x\n1:cpu,cpuacct:/\n0::/\n";
+        let own = Dirs::own(lines, r).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(own.version, Version::V1);
+        assert_eq!(own.memory, r.join("memory/process_api/x"));
+        let sb = own.child("sb-1");
+        assert_eq!(sb.memory, r.join("memory/process_api/x/sandman-sb-1"));
+        assert_eq!(sb.cpu, r.join("cpu/sandman-sb-1"));
+        assert_eq!(sb.unique().len(), 3);
+        let err = Dirs::own("4:memory:/process_api/x\n1:cpu:/\n", r).err().unwrap_or_default();
+        assert!(err.contains("`pids`") && !err.contains("`cpu`"), "{err}");
+    }
+
+    #[test]
+    fn v2_needs_the_controllers_enabled_for_children() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let r = root.path();
+        put(r, "cgroup.controllers", "cpu memory pids io\n");
+        put(r, "srv/cgroup.subtree_control", "memory io\n");
+        let err = Dirs::own("0::/srv\n", r).err().unwrap_or_default();
+        assert!(err.contains("`cpu`, `pids`") && err.contains("subtree_control"), "{err}");
+        put(r, "srv/cgroup.subtree_control", "cpu memory pids\n");
+        let own = Dirs::own("0::/srv\n", r).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((own.version, own.unique()), (Version::V2, vec![r.join("srv").as_path()]));
+    }
+
+    #[test]
+    fn v1_limits_are_written_and_read_back() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let r = root.path();
+        let dirs = Dirs { version: Version::V1, cpu: r.join("cpu"), memory: r.join("memory"), pids: r.join("pids") };
+        // What the kernel puts in a new cgroup.
+        for (f, v) in [
+            ("cpu/cpu.cfs_period_us", "100000"),
+            ("cpu/cpu.cfs_quota_us", "-1"),
+            ("memory/memory.limit_in_bytes", "9223372036854771712"),
+            ("memory/memory.memsw.limit_in_bytes", "9223372036854771712"),
+            ("pids/pids.max", "max"),
+        ] {
+            put(r, f, v);
+        }
+        assert_eq!(dirs.read_back(Some(1 << 30)), ReadBack::default());
+        dirs.write_limits(Limits { cpu: 1.5, memory: 64 << 20, pids: 50 }, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+        let back = dirs.read_back(Some(1 << 30));
+        assert_eq!(back, ReadBack { cpu: Some(1.5), memory: Some(64 << 20), swap: Some(0), pids: Some(50) });
+        // Without swap accounting, only a host without swap can be held to none.
+        std::fs::remove_file(r.join("memory/memory.memsw.limit_in_bytes")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(dirs.read_back(Some(1 << 30)).swap, None);
+        assert_eq!(dirs.read_back(Some(0)).swap, Some(0));
+        let refused = dirs.write_limits(Limits { cpu: 1.0, memory: 1 << 20, pids: 1 }, 1 << 30);
+        assert!(matches!(&refused, Err(ProviderError::Unsupported(m)) if m.contains("swap")), "{refused:?}");
+        assert!(dirs.write_limits(Limits { cpu: 1.0, memory: 1 << 20, pids: 1 }, 0).is_ok());
+    }
+
+    #[test]
+    fn v2_limits_are_written_and_read_back() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let d = root.path().to_path_buf();
+        for (f, v) in
+            [("cpu.max", "max 100000"), ("memory.max", "max"), ("memory.swap.max", "max"), ("pids.max", "max")]
+        {
+            put(&d, f, v);
+        }
+        let dirs = Dirs { version: Version::V2, cpu: d.clone(), memory: d.clone(), pids: d.clone() };
+        dirs.write_limits(Limits { cpu: 0.25, memory: 1 << 30, pids: 1024 }, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(std::fs::read_to_string(d.join("cpu.max")).ok().as_deref(), Some("25000 100000"));
+        let back = dirs.read_back(Some(1 << 30));
+        assert_eq!(back, ReadBack { cpu: Some(0.25), memory: Some(1 << 30), swap: Some(0), pids: Some(1024) });
+    }
+
+    #[test]
+    fn a_missing_cgroup_file_is_an_error_never_created() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        assert!(write(root.path(), "pids.max", "5").is_err());
+        assert!(!root.path().join("pids.max").exists());
+    }
+
+    #[test]
+    fn swap_total_is_read_in_bytes() {
+        assert_eq!(swap_total("MemTotal: 1 kB\nSwapTotal:    2048 kB\n"), Some(2 << 20));
+        assert_eq!(swap_total("SwapTotal:       0 kB\n"), Some(0));
+        assert_eq!(swap_total(""), None);
+    }
+}
