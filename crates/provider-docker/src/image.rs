@@ -1,13 +1,14 @@
 //! Images: a local image is used as it is; a missing one is pulled, with its progress logged (and,
 //! for a create, reported to whoever waits for the sandbox), and a pull that fails (or stalls) is
-//! `image_pull_failed` with the engine's message.
+//! `image_pull_failed` with the engine's message. Either way the reference is resolved to the
+//! image's ID, which the container is made from.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use bollard::Docker;
 use bollard::errors::Error as BollardError;
-use bollard::models::{CreateImageInfo, ImageConfig};
+use bollard::models::{CreateImageInfo, ImageConfig, ImageInspect};
 use bollard::query_parameters::CreateImageOptions;
 use futures_util::StreamExt;
 use sandman_provider::{Progress as ProgressLine, ProviderError, report_progress};
@@ -28,21 +29,39 @@ pub struct Reporter<'a> {
     pub tx: &'a mpsc::Sender<ProgressLine>,
 }
 
-/// The image's configuration, pulling it first when it is not on this engine.
+/// An image as a reference named it at one moment: what a container made from `id` runs, however
+/// the reference is re-pointed later.
+#[derive(Debug, Clone)]
+pub struct Pinned {
+    /// The image's ID, `sha256:…` (the digest of its configuration).
+    pub id: String,
+    pub config: ImageConfig,
+}
+
+impl Pinned {
+    fn of(image: &str, found: ImageInspect) -> Result<Pinned, ProviderError> {
+        let id = found.id.filter(|id| !id.is_empty()).ok_or_else(|| {
+            ProviderError::Backend(format!("the engine's inspect of image `{image}` gives no image ID"))
+        })?;
+        Ok(Pinned { id, config: found.config.unwrap_or_default() })
+    }
+}
+
+/// The image `image` names now, pulling it first when it is not on this engine.
 pub async fn ensure(
     docker: &Docker,
     image: &str,
     stall: Duration,
     reporter: Option<Reporter<'_>>,
-) -> Result<ImageConfig, ProviderError> {
+) -> Result<Pinned, ProviderError> {
     match docker.inspect_image(image).await {
-        Ok(found) => return Ok(found.config.unwrap_or_default()),
+        Ok(found) => return Pinned::of(image, found),
         Err(BollardError::DockerResponseServerError { status_code: 404, .. }) => {}
         Err(e) => return Err(crate::engine_error(&format!("cannot inspect image `{image}`"), e)),
     }
     pull(docker, image, stall, reporter).await?;
     match docker.inspect_image(image).await {
-        Ok(found) => Ok(found.config.unwrap_or_default()),
+        Ok(found) => Pinned::of(image, found),
         Err(e) => {
             Err(failed(image, &format!("pulled, but the engine does not find it: {}", crate::engine_message(&e))))
         }

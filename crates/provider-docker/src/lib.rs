@@ -5,7 +5,8 @@
 //!
 //! The container's labels are the state of record (the spec less its token, which stays in a
 //! 0600 file); one `docker events` stream reports deaths. `container` builds a container from a
-//! spec without I/O, `watch` is the one watcher, `image` pulls.
+//! spec without I/O (the `eval` profile's fixed conditions included) and reads back what was
+//! applied, `watch` is the one watcher, `image` pulls and pins an image to its ID.
 
 mod container;
 mod elf;
@@ -26,14 +27,14 @@ use sandman_provider::{
     EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider, ProviderError,
     ProviderEvent, Record, SandboxSpec,
 };
-use sandman_wire::server::{Profile, Reason, Resources};
+use sandman_wire::server::{Applied, Profile, Reason, Resources};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use crate::container::{
-    DAEMON_IN_CONTAINER, JOB_LABEL, MANAGED_BY, MANAGED_BY_VALUE, OWNER_LABEL, RUN_IN_CONTAINER, SANDBOX_LABEL,
-    SPEC_LABEL, TOKEN_IN_CONTAINER, container_name,
+    DAEMON_IN_CONTAINER, EVAL_ENV, EVAL_PIDS, IMAGE_LABEL, JOB_LABEL, MANAGED_BY, MANAGED_BY_VALUE, OWNER_LABEL,
+    RUN_IN_CONTAINER, SANDBOX_LABEL, SPEC_LABEL, TOKEN_IN_CONTAINER, container_name,
 };
 pub use crate::elf::{DaemonBinaryError, check_static};
 use crate::hostdir::HostDir;
@@ -133,6 +134,8 @@ pub struct DockerProvider {
     owner: String,
     /// The engine's cpu count; a larger cpu limit is refused.
     host_cpus: f64,
+    /// The engine's cgroup version (`1` or `2`), reported with what was applied.
+    cgroup_version: Option<String>,
     shared: Arc<Shared>,
     /// Handed to the server once.
     events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
@@ -183,6 +186,7 @@ impl DockerProvider {
         };
         let info = docker.info().await.map_err(|e| unreachable(&e))?;
         let host_cpus = info.ncpu.unwrap_or(0) as f64;
+        let cgroup_version = info.cgroup_version.map(|v| v.to_string());
         tracing::info!(
             engine = %address,
             version = info.server_version.as_deref().unwrap_or("?"),
@@ -213,6 +217,7 @@ impl DockerProvider {
             base,
             owner,
             host_cpus,
+            cgroup_version,
             shared,
             events_rx: Mutex::new(Some(events_rx)),
             progress_tx,
@@ -234,16 +239,10 @@ impl DockerProvider {
         self.tasks.wait().await;
     }
 
-    /// Refuses what this provider cannot honour, before anything is made.
+    /// Refuses what this provider cannot honour, before anything is made (for `eval`: cpu or
+    /// memory missing or not exactly applicable, an env contradicting its fixed TZ and locale).
     fn refuse(&self, spec: &SandboxSpec) -> Result<container::Limits, ProviderError> {
         check_id(&spec.id)?;
-        if spec.profile == Profile::Eval {
-            return Err(ProviderError::Unsupported(
-                "profile `eval` is not available on the docker provider yet (it needs guaranteed cpu and memory, \
-                 no network and a pinned environment); use profile `default`"
-                    .into(),
-            ));
-        }
         if spec.image.trim().is_empty() || spec.image.chars().any(char::is_whitespace) {
             return Err(ProviderError::Unsupported(format!("`{}` is not an image reference", spec.image)));
         }
@@ -259,7 +258,7 @@ impl DockerProvider {
 
     async fn make(&self, spec: &SandboxSpec, limits: container::Limits, dir: &HostDir) -> Result<(), ProviderError> {
         let reporter = image::Reporter { id: &spec.id, tx: &self.progress_tx };
-        let image = image::ensure(&self.docker, &spec.image, self.config.pull_stall, Some(reporter)).await?;
+        let pinned = image::ensure(&self.docker, &spec.image, self.config.pull_stall, Some(reporter)).await?;
         let prepared = {
             let (dir, token) = (dir.clone(), spec.token.clone());
             tokio::task::spawn_blocking(move || dir.prepare(&token)).await
@@ -280,7 +279,8 @@ impl DockerProvider {
         }
         let plan = container::Plan {
             spec,
-            image: &image,
+            image_id: &pinned.id,
+            image: &pinned.config,
             limits,
             owner: &self.owner,
             daemon_bin: &self.config.daemon_bin,
@@ -309,7 +309,7 @@ impl DockerProvider {
             reason: Reason::DaemonStartFailed,
             message: format!("cannot start the container of `{}`: {}", spec.id, engine_message(&e)),
         })?;
-        tracing::debug!(sandbox = %spec.id, image = %spec.image, "container started");
+        tracing::debug!(sandbox = %spec.id, image = %spec.image, image_id = %plan.image_id, "container started");
         Ok(())
     }
 
@@ -468,11 +468,8 @@ impl Provider for DockerProvider {
                     tracing::warn!(sandbox = %id, %why, "a sandbox container whose spec cannot be read; reported ended");
                     let ended =
                         Ended { reason: Reason::ProviderError, message: format!("unreadable sandbox record: {why}") };
-                    records.push(Record {
-                        spec: placeholder(&id, &summary.image.unwrap_or_default()),
-                        endpoint,
-                        ended: Some(ended),
-                    });
+                    let image = labels.get(IMAGE_LABEL).cloned().or(summary.image).unwrap_or_default();
+                    records.push(Record { spec: placeholder(&id, &image), endpoint, ended: Some(ended) });
                     continue;
                 }
             };
@@ -504,6 +501,37 @@ impl Provider for DockerProvider {
         let _ = progress;
         image::ensure(&self.docker, image, self.config.pull_stall, None).await?;
         Ok(Prepared { nodes_ready: 1, nodes_total: 1 })
+    }
+
+    /// From the container's `docker inspect`: the image ID it runs (and its image's repo digests),
+    /// the limits, network mode and TZ/locale of its environment as the engine holds them.
+    async fn applied(&self, id: &str) -> Result<Applied, ProviderError> {
+        check_id(id).map_err(|_| ProviderError::NotFound(id.to_string()))?;
+        let name = container_name(id);
+        let found = match self.docker.inspect_container(&name, None).await {
+            Ok(c) => c,
+            Err(BollardError::DockerResponseServerError { status_code: 404, .. }) => {
+                return Err(ProviderError::NotFound(id.to_string()));
+            }
+            Err(e) => return Err(engine_error(&format!("cannot inspect container `{name}`"), e)),
+        };
+        // A container of that name made by another state directory is not this provider's.
+        let labels = found.config.as_ref().and_then(|c| c.labels.as_ref());
+        if labels.and_then(|l| l.get(OWNER_LABEL)) != Some(&self.owner) {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        // The image may have been removed since (the container runs on): its digests are then unknown.
+        let digests = match found.image.as_deref() {
+            Some(image) => match self.docker.inspect_image(image).await {
+                Ok(i) => i.repo_digests.unwrap_or_default(),
+                Err(e) => {
+                    tracing::debug!(sandbox = %id, image, err = %engine_message(&e), "cannot inspect a sandbox's image");
+                    Vec::new()
+                }
+            },
+            None => Vec::new(),
+        };
+        Ok(container::applied_of(&found, &digests, self.cgroup_version.as_deref()))
     }
 }
 

@@ -1,6 +1,7 @@
 //! The Docker provider beyond the conformance suite: an image with no shell, the image's env and
-//! workdir, limits and network in the engine, OOM, failed pulls, restarts, deletes that leave
-//! nothing, the daemon's lease, and refusals.
+//! workdir, limits and network in the engine, the `eval` profile (what is applied, what its daemon
+//! observes, loopback only, fixed TZ and locale, the image pinned at create), OOM, failed pulls,
+//! restarts, deletes that leave nothing, the daemon's lease, and refusals.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 mod common;
@@ -17,8 +18,9 @@ use common::{
 };
 use sandman_provider::conformance::spec;
 use sandman_provider::{Endpoint, Provider, ProviderError, SandboxSpec};
-use sandman_provider_docker::{DockerConfig, DockerProvider, SANDBOX_LABEL, container_name};
-use sandman_wire::server::{Network, Profile, Quantity, Reason};
+use sandman_provider_docker::{DockerConfig, DockerProvider, IMAGE_LABEL, SANDBOX_LABEL, container_name};
+use sandman_wire::daemon::Observed;
+use sandman_wire::server::{Applied, Network, Profile, Quantity, Reason};
 use serde_json::{Value, json};
 
 async fn ready(p: &DockerProvider, s: &SandboxSpec) -> Endpoint {
@@ -279,8 +281,19 @@ async fn a_lapsed_daemon_lease_is_reported_as_lease_expired() {
 async fn refusals_are_clear_and_leave_nothing() {
     let state = State::new();
     let p = state.provider().await;
-    let eval = SandboxSpec { profile: Profile::Eval, ..spec(&id("eval"), BUSYBOX) };
-    assert!(unsupported(p.create(&eval).await).contains("eval"));
+    // Eval without cpu or memory, or with another TZ or locale, is refused by `check`, naming it.
+    let mut no_cpu = eval_spec("eval-cpu", BUSYBOX);
+    no_cpu.resources.cpu = None;
+    let msg = p.check(&no_cpu).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("eval") && msg.contains("resources.cpu"), "{msg}");
+    assert!(unsupported(p.create(&no_cpu).await).contains("resources.cpu"));
+    let mut no_memory = eval_spec("eval-memory", BUSYBOX);
+    no_memory.resources.memory = None;
+    let msg = unsupported(p.create(&no_memory).await);
+    assert!(msg.contains("resources.memory") && !msg.contains("resources.cpu"), "{msg}");
+    let mut tz = eval_spec("eval-tz", BUSYBOX);
+    tz.env.insert("TZ".into(), "Asia/Tokyo".into());
+    assert!(unsupported(p.create(&tz).await).contains("TZ=Asia/Tokyo"));
     let mut disk = spec(&id("disk"), BUSYBOX);
     disk.resources.disk = Some(Quantity::Text("1Gi".into()));
     assert!(unsupported(p.create(&disk).await).contains("resources.disk"));
@@ -316,4 +329,170 @@ async fn a_dynamic_daemon_or_no_engine_is_refused_at_start_with_the_way_out() {
     let err = DockerProvider::connect(nowhere).await.err().unwrap().to_string();
     assert!(err.contains("/nonexistent/docker.sock") && err.contains("dockerd"), "{err}");
     assert!(static_daemon().is_file());
+}
+
+/// An eval spec with the resources eval requires: half a core and 64 MiB.
+fn eval_spec(name: &str, image: &str) -> SandboxSpec {
+    let mut s = SandboxSpec { profile: Profile::Eval, ..spec(&id(name), image) };
+    s.resources.cpu = Some(Quantity::Text("500m".into()));
+    s.resources.memory = Some(Quantity::Text("64Mi".into()));
+    s
+}
+
+async fn applied(p: &DockerProvider, id: &str) -> Applied {
+    p.applied(id).await.unwrap_or_else(|e| panic!("applied of {id}: {e}"))
+}
+
+/// What the sandbox's daemon observes from inside (`GET /v1/conditions`).
+async fn observed(endpoint: &Endpoint, token: &str) -> Observed {
+    let r = call(&socket_of(endpoint), "GET", "/v1/conditions", Some(token), None).await.unwrap().ok();
+    serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("conditions: {e}: {}", String::from_utf8_lossy(&r.body)))
+}
+
+/// `docker image inspect`'s ID of `image`: `sha256:…`.
+fn image_id(image: &str) -> String {
+    docker(&["image", "inspect", "--format", "{{.Id}}", image]).trim().to_string()
+}
+
+/// What this proves: an eval sandbox gets the limits asked for (rounded down as the kernel holds
+/// them: whole pages of memory, whole microseconds of cpu quota; pids defaulting to 1024; no
+/// swap), loopback only although the spec left the network at its default, and TZ=UTC,
+/// LANG=LC_ALL=C.UTF-8; the engine reports them through `applied`, and the daemon inside observes
+/// exactly the same values from its cgroup, `/proc/net/dev` and environment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eval_sandbox_applies_what_was_asked_and_its_daemon_observes_the_same() {
+    let state = State::new();
+    let p = state.provider().await;
+    let mut s = eval_spec("eval", BUSYBOX);
+    // Neither is whole: 100M is 24414.0625 pages, and the quota would be 12345.6789 µs.
+    s.resources.memory = Some(Quantity::Text("100M".into()));
+    s.resources.cpu = Some(Quantity::Number(0.123456789));
+    assert_eq!(s.network, Network::Egress, "the spec should leave the network at its default");
+    let ep = ready(&p, &s).await;
+
+    let a = applied(&p, &s.id).await;
+    assert_eq!(a.image.as_deref(), Some(image_id(BUSYBOX).as_str()), "{a:?}");
+    assert_eq!((a.cpu, a.memory, a.swap, a.pids), (Some(0.12345), Some(99_999_744), Some(0), Some(1024)), "{a:?}");
+    assert_eq!(a.network.as_deref(), Some("none"));
+    assert_eq!((a.timezone.as_deref(), a.locale.as_deref()), (Some("UTC"), Some("C.UTF-8")));
+    let hc = &a.details["HostConfig"];
+    assert_eq!((hc["NanoCpus"].clone(), hc["Memory"].clone()), (json!(123_450_000), json!(99_999_744)), "{hc}");
+    assert_eq!((hc["MemorySwap"].clone(), hc["PidsLimit"].clone()), (json!(99_999_744), json!(1024)), "{hc}");
+    assert_eq!(hc["NetworkMode"], "none");
+    assert_eq!(a.details["Config"]["Image"], json!(a.image), "the container is not made from the image ID");
+    assert_eq!(a.details["ImageReference"], BUSYBOX);
+
+    let o = observed(&ep, &s.token).await;
+    assert_eq!(o.cgroup_cpu_limit, a.cpu, "{o:?}");
+    assert_eq!(o.cgroup_memory_limit, a.memory, "{o:?}");
+    assert_eq!(o.cgroup_pids_limit, a.pids, "{o:?}");
+    assert_eq!(o.network_interfaces, ["lo"], "{o:?}");
+    assert_eq!((o.timezone.as_deref(), o.locale.as_deref()), (a.timezone.as_deref(), a.locale.as_deref()));
+    // Swap beyond memory: none, as the daemon reads it (v1 `memory.memsw.limit_in_bytes` less
+    // `memory.limit_in_bytes`, or v2 `memory.swap.max`) and as the cgroup files say themselves.
+    assert_eq!(o.cgroup_swap_limit, a.swap, "{o:?}");
+    let cgroup = "if [ -e /sys/fs/cgroup/memory/memory.memsw.limit_in_bytes ]; then \
+                  echo $(( $(cat /sys/fs/cgroup/memory/memory.memsw.limit_in_bytes) \
+                  - $(cat /sys/fs/cgroup/memory/memory.limit_in_bytes) )); \
+                  else cat /sys/fs/cgroup/memory.swap.max; fi";
+    assert_eq!(out(&sh(&ep, &s.token, cgroup).await).trim(), "0", "the sandbox may swap");
+
+    // Every command's environment: the fixed TZ and locale, the image's own, nothing of the host's
+    // (the test runs under cargo, whose CARGO_* it would show); its working directory is fresh.
+    let env = out(&sh(&ep, &s.token, "env; echo cwd=$(pwd) files=$(ls -A | wc -l); date +%Z").await);
+    for fixed in ["TZ=UTC", "LANG=C.UTF-8", "LC_ALL=C.UTF-8", "FROM_IMAGE=busybox", "CONFORMANCE=yes"] {
+        assert!(env.lines().any(|l| l == fixed), "no {fixed} in {env}");
+    }
+    assert!(!env.contains("CARGO_") && !env.contains("SANDMAN_"), "{env}");
+    assert!(env.contains("cwd=/work files=0\nUTC\n"), "{env}");
+    p.delete(&s.id).await.unwrap();
+    assert!(matches!(p.applied(&s.id).await, Err(ProviderError::NotFound(_))), "applied of a deleted sandbox");
+}
+
+/// What this proves: an eval sandbox has loopback only: `lo` is its one interface and has no
+/// route out, so a connect to another address fails at once (no packet is sent: there is no
+/// route), while a server on 127.0.0.1 answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eval_sandbox_has_loopback_and_nothing_else() {
+    let state = State::new();
+    let p = state.provider().await;
+    let s = eval_spec("eval-net", BUSYBOX);
+    let ep = ready(&p, &s).await;
+    let dev = out(&exec(&socket_of(&ep), &s.token, &["cat", "/proc/net/dev"]).await.unwrap());
+    let interfaces: Vec<_> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
+    assert_eq!(interfaces, ["lo"], "{dev}");
+    assert_eq!(out(&sh(&ep, &s.token, "ip route; ip -6 route").await), "", "a route beyond loopback");
+    // 192.0.2.1 is TEST-NET-1 (documentation only); with no route the kernel refuses the connect.
+    let away = sh(&ep, &s.token, "nc -w 2 192.0.2.1 80 </dev/null").await;
+    assert_ne!(away["exit_code"], 0, "{away}");
+    assert!(away["stderr"].as_str().unwrap().contains("unreachable"), "{away}");
+    let local = "mkdir -p /tmp/www && echo here > /tmp/www/x && httpd -p 127.0.0.1:8080 -h /tmp/www && \
+                 for i in $(seq 100); do wget -q -O- http://127.0.0.1:8080/x && exit 0; sleep 0.05; done; exit 1";
+    let served = sh(&ep, &s.token, local).await;
+    assert_eq!((served["exit_code"].clone(), out(&served)), (json!(0), "here\n".to_string()), "{served}");
+    p.delete(&s.id).await.unwrap();
+}
+
+/// Removes a test tag however the test ends.
+struct Tag(String);
+
+impl Drop for Tag {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("docker").args(["rmi", &self.0]).output();
+    }
+}
+
+/// What this proves: a sandbox runs the image its reference named at create, and says so: after
+/// the tag is moved to another image, the running sandbox still has the first image's files and
+/// `applied` still names the first image's ID, while a sandbox created from the tag now gets the
+/// second (so the tag did move). The container is made from the ID, with the reference in a label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tag_moved_after_create_changes_nothing_for_a_running_sandbox() {
+    let state = State::new();
+    let p = state.provider().await;
+    let tag = Tag(format!("sandman-test/repoint-{}:latest", std::process::id()));
+    docker(&["tag", BUSYBOX, &tag.0]);
+    let (first, second) = (image_id(BUSYBOX), image_id(NOSHELL));
+    assert_ne!(first, second);
+
+    let s = eval_spec("pinned", &tag.0);
+    let ep = ready(&p, &s).await;
+    let c = inspect(&s.id);
+    assert_eq!((c["Image"].clone(), c["Config"]["Image"].clone()), (json!(first), json!(first)), "{c}");
+    assert_eq!(c["Config"]["Labels"][IMAGE_LABEL], tag.0.as_str());
+    assert_eq!(applied(&p, &s.id).await.image, Some(first.clone()));
+
+    docker(&["tag", NOSHELL, &tag.0]);
+    assert_eq!(image_id(&tag.0), second);
+    let still = exec(&socket_of(&ep), &s.token, &["/bin/busybox", "echo", "still busybox"]).await.unwrap();
+    assert_eq!(out(&still), "still busybox\n", "{still}");
+    assert_eq!(applied(&p, &s.id).await.image, Some(first), "the record follows the moved tag");
+
+    // A sandbox created now (default profile) gets what the tag names now, pinned the same way.
+    let later = spec(&id("pinned-later"), &tag.0);
+    let later_ep = ready(&p, &later).await;
+    let hello = exec(&socket_of(&later_ep), &later.token, &["/hello"]).await.unwrap();
+    assert_eq!(out(&hello), "hello from noshell\n", "{hello}");
+    assert_eq!(applied(&p, &later.id).await.image, Some(second.clone()));
+    assert_eq!(inspect(&later.id)["Config"]["Image"], second.as_str());
+    p.delete(&s.id).await.unwrap();
+    p.delete(&later.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn applied_reports_what_a_default_sandbox_got_and_not_found_for_others() {
+    let (state, other) = (State::new(), State::new());
+    let p = state.provider().await;
+    let mut s = spec(&id("applied-default"), BUSYBOX);
+    s.resources.memory = Some(Quantity::Text("64Mi".into()));
+    p.create(&s).await.unwrap();
+    let a = applied(&p, &s.id).await;
+    assert_eq!(a.image, Some(image_id(BUSYBOX)));
+    assert_eq!((a.cpu, a.memory, a.swap, a.pids), (None, Some(64 << 20), Some(0), None), "{a:?}");
+    assert_eq!((a.network.as_deref(), a.timezone.as_deref(), a.locale.as_deref()), (Some("egress"), None, None));
+    assert!(matches!(p.applied("never-was").await, Err(ProviderError::NotFound(_))));
+    // Another state directory's provider does not own the container.
+    let q = other.provider().await;
+    assert!(matches!(q.applied(&s.id).await, Err(ProviderError::NotFound(_))));
+    p.delete(&s.id).await.unwrap();
 }
