@@ -5,7 +5,7 @@
 
 use bytes::Bytes;
 use http::StatusCode;
-use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::Resource;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, PropagationPolicy};
@@ -103,6 +103,8 @@ pub struct KubeApi {
     pods: Request,
     secrets: Request,
     policies: Request,
+    /// Cluster-scoped: read by `prepare` to find the nodes that may run sandboxes.
+    nodes: Request,
 }
 
 impl std::fmt::Debug for KubeApi {
@@ -119,6 +121,7 @@ impl KubeApi {
             pods: Request::new(Pod::url_path(&(), Some(namespace))),
             secrets: Request::new(Secret::url_path(&(), Some(namespace))),
             policies: Request::new(NetworkPolicy::url_path(&(), Some(namespace))),
+            nodes: Request::new(Node::url_path(&(), None)),
         }
     }
 
@@ -167,6 +170,11 @@ impl KubeApi {
 
     pub async fn list_pods(&self, selector: &str) -> Result<Vec<Pod>, KubeError> {
         self.list(&self.pods, "pods", selector).await
+    }
+
+    /// The nodes matching `selector` (every node when it is empty).
+    pub async fn list_nodes(&self, selector: &str) -> Result<Vec<Node>, KubeError> {
+        self.list(&self.nodes, "nodes", selector).await
     }
 
     pub async fn list_secrets(&self, selector: &str) -> Result<Vec<Secret>, KubeError> {

@@ -146,6 +146,15 @@ pub struct KubeConfig {
     /// Apply the NetworkPolicy that cuts off `network: none` and `eval` sandboxes (one write at
     /// the first such create). Off when `deploy/` manifests manage it.
     pub manage_network_policy: bool,
+    /// The kubelet's `podPidsLimit` on the nodes that run sandboxes, as the operator declares
+    /// it. Kubernetes has no per-pod pids field: the kubelet applies its own setting to every
+    /// pod of its node, and the provider cannot read it back through the API. Declared, it is
+    /// reported as each sandbox's pids limit, and it is what the `eval` profile needs (eval
+    /// sandboxes are refused without it); unset, no pids limit is reported.
+    pub pod_pids_limit: Option<u64>,
+    /// How long [`Provider::prepare`](sandman_provider::Provider::prepare) waits for the nodes
+    /// to pull an image; the nodes not done by then are reported failed.
+    pub prepare_timeout_s: u64,
 }
 
 impl Default for KubeConfig {
@@ -179,6 +188,8 @@ impl Default for KubeConfig {
             create_timeout_s: 600,
             unschedulable_grace_s: 0,
             manage_network_policy: true,
+            pod_pids_limit: None,
+            prepare_timeout_s: 600,
         }
     }
 }
@@ -236,6 +247,12 @@ impl KubeConfig {
         }
         if self.create_timeout_s == 0 {
             return bad("create_timeout_s must be at least 1".into());
+        }
+        if self.prepare_timeout_s == 0 {
+            return bad("prepare_timeout_s must be at least 1".into());
+        }
+        if self.pod_pids_limit == Some(0) {
+            return bad("pod_pids_limit must be at least 1 (leave it out when the nodes set none)".into());
         }
         for (what, q) in [("default_cpu", &self.default_cpu), ("default_memory", &self.default_memory)] {
             if let Some(q) = q
@@ -316,6 +333,15 @@ write_burst: 40
         c.injection = Injection::InitContainer;
         c.default_memory = Some("lots".into());
         assert!(c.validate().is_err());
+        c.default_memory = None;
+        c.pod_pids_limit = Some(0);
+        assert!(c.validate().is_err());
+        c.pod_pids_limit = Some(4096);
+        c.prepare_timeout_s = 0;
+        assert!(c.validate().is_err());
+        c.prepare_timeout_s = 60;
+        c.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(KubeConfig::from_yaml("pod_pids_limit: 4096\n").ok().and_then(|c| c.pod_pids_limit), Some(4096));
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! The Kubernetes provider: one pod per sandbox, the static `sandmand` injected into the
 //! unmodified task image (init container, node directory or image volume), one shared watch of
 //! every sandbox pod, API writes paced by a token bucket. Start at [`KubeProvider`]; the pod is
-//! built in [`pod`], its status read in [`status`], and `docs/kubernetes.md` is the guide.
+//! built in [`pod`], its status read in [`status`], what it applied read back in [`applied`],
+//! images pulled ahead in [`prepare`], and `docs/kubernetes.md` is the guide.
 
 pub mod api;
+pub mod applied;
 pub mod config;
 pub mod pace;
 pub mod pod;
+pub mod prepare;
 pub mod status;
 mod watch;
 
@@ -19,8 +22,11 @@ use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use sandman_provider::{EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
-use sandman_wire::server::Reason;
+use sandman_provider::{
+    EVENT_CAPACITY, Ended, Endpoint, NodeProgress, Prepared, Provider, ProviderError, ProviderEvent, Record,
+    SandboxSpec,
+};
+use sandman_wire::server::{Applied, Reason};
 use tokio::sync::{OnceCell, mpsc, watch as tokio_watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -44,7 +50,10 @@ pub const NETWORK_NONE_POLICY: &str = "sandman-network-none";
 #[derive(Debug)]
 pub struct KubeProvider {
     config: KubeConfig,
-    api: KubeApi,
+    /// Shared with the cleanup of a cancelled prepare, which outlives the call.
+    api: Arc<KubeApi>,
+    /// The namespace's pods, for the watches of `prepare` (the shared watch has its own).
+    pods: kube::Api<Pod>,
     tracker: Arc<Tracker>,
     /// Every sandbox pod, as the shared watch last saw it.
     store: Store<Pod>,
@@ -72,7 +81,14 @@ impl KubeProvider {
         let tasks = TaskTracker::new();
         let cancel = CancellationToken::new();
         tasks.spawn_on(
-            watch::run(pods, pod::selector(&config.instance), writer, tracker.clone(), events_tx, cancel.clone()),
+            watch::run(
+                pods.clone(),
+                pod::selector(&config.instance),
+                writer,
+                tracker.clone(),
+                events_tx,
+                cancel.clone(),
+            ),
             &runtime,
         );
         let pacer = Pacer::new(config.write_qps, config.write_burst);
@@ -85,7 +101,8 @@ impl KubeProvider {
             "kubernetes provider"
         );
         Ok(KubeProvider {
-            api: KubeApi::new(client, &config.namespace, pacer),
+            api: Arc::new(KubeApi::new(client, &config.namespace, pacer)),
+            pods,
             config,
             tracker,
             store,
@@ -406,6 +423,28 @@ impl Provider for KubeProvider {
 
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
         self.events_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// Pulls `image` on every node that may run sandboxes, one short-lived pod per node; see
+    /// [`prepare::run`].
+    async fn prepare(
+        &self,
+        image: &str,
+        progress: mpsc::UnboundedSender<NodeProgress>,
+    ) -> Result<Prepared, ProviderError> {
+        prepare::run(&self.api, self.pods.clone(), &self.config, image, progress).await
+    }
+
+    /// Reads the sandbox's pod from the API server (not the watch's cache, so that the record
+    /// names the pod as it is now) and reports what it applied; see [`applied::applied`].
+    async fn applied(&self, id: &str) -> Result<Applied, ProviderError> {
+        if !pod::is_dns_label(id) {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        match self.api.get_pod(&pod_name(id)).await? {
+            Some(p) => Ok(applied::applied(&p, &self.config)),
+            None => Err(ProviderError::NotFound(id.to_string())),
+        }
     }
 }
 

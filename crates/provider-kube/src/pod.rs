@@ -113,7 +113,8 @@ pub fn daemon_addr(ip: &str, port: u16) -> String {
     if ip.contains(':') { format!("[{ip}]:{port}") } else { format!("{ip}:{port}") }
 }
 
-/// Refuses, touching nothing, a spec no pod could be made from.
+/// Refuses, touching nothing, a spec no pod could be made from, or an `eval` sandbox whose
+/// conditions this provider could not apply and report.
 pub fn check(spec: &SandboxSpec, config: &KubeConfig) -> Result<(), ProviderError> {
     let refuse = |m: String| Err(ProviderError::Unsupported(m));
     if !is_dns_label(&spec.id) || spec.id.len() > MAX_ID {
@@ -122,17 +123,9 @@ pub fn check(spec: &SandboxSpec, config: &KubeConfig) -> Result<(), ProviderErro
             spec.id
         ));
     }
-    let image = spec.image.trim();
-    if image.is_empty() || image.chars().any(char::is_whitespace) {
-        return refuse(format!("image `{}` is not an image reference", spec.image));
-    }
-    if spec.resources.pids.is_some() {
-        return refuse(
-            "resources.pids: Kubernetes limits processes per node (the kubelet's podPidsLimit), not per pod; leave it out"
-                .into(),
-        );
-    }
+    check_image(&spec.image)?;
     resources(spec, config)?;
+    check_pids(spec, config)?;
     for k in spec.env.keys() {
         if k.is_empty() || k.contains('=') || k.chars().any(char::is_control) {
             return refuse(format!("invalid environment variable name `{k}`"));
@@ -147,6 +140,39 @@ pub fn check(spec: &SandboxSpec, config: &KubeConfig) -> Result<(), ProviderErro
         ));
     }
     Ok(())
+}
+
+/// Refuses what cannot be an image reference (Kubernetes would only say so at pull time).
+pub fn check_image(image: &str) -> Result<(), ProviderError> {
+    let trimmed = image.trim();
+    if trimmed.is_empty() || trimmed.chars().any(char::is_whitespace) {
+        return Err(ProviderError::Unsupported(format!("image `{image}` is not an image reference")));
+    }
+    Ok(())
+}
+
+/// The pids limit. Kubernetes has no per-pod field: the kubelet applies its `podPidsLimit` to
+/// every pod of its node. So a sandbox may only ask for the limit the operator declared as
+/// `pod_pids_limit`, and `eval` (which needs a known pids limit) needs it declared.
+fn check_pids(spec: &SandboxSpec, config: &KubeConfig) -> Result<(), ProviderError> {
+    let refuse = |m: String| Err(ProviderError::Unsupported(m));
+    match (spec.resources.pids, config.pod_pids_limit) {
+        (Some(asked), Some(declared)) if asked != declared => refuse(format!(
+            "resources.pids is {asked}, but the kubelet sets pids limits per node (podPidsLimit) and this \
+             provider's nodes declare pod_pids_limit {declared}: ask for {declared} or leave it out"
+        )),
+        (Some(asked), None) => refuse(format!(
+            "resources.pids is {asked}, but the kubelet sets pids limits per node (podPidsLimit), not per pod, and \
+             this provider declares none: leave it out, or declare the nodes' podPidsLimit as pod_pids_limit in the \
+             provider config"
+        )),
+        (None, None) if spec.profile == Profile::Eval => refuse(
+            "the eval profile needs a pids limit: the kubelet sets pids limits per node (podPidsLimit); declare it \
+             as pod_pids_limit in the provider config"
+                .into(),
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// The spec as stored in the pod's annotation: JSON with the token left out.
@@ -187,38 +213,7 @@ pub fn build_pod(spec: &SandboxSpec, config: &KubeConfig) -> Result<Pod, Provide
         annotations.insert(ANNOTATION_TOKEN.to_string(), spec.token.clone());
     }
 
-    let (daemon_volume, init) = match &config.injection {
-        Injection::InitContainer => (
-            Volume {
-                name: DAEMON_VOLUME.into(),
-                empty_dir: Some(EmptyDirVolumeSource {
-                    size_limit: Some(KubeQuantity("64Mi".into())),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            Some(init_container(config)),
-        ),
-        Injection::HostPath { path } => (
-            Volume {
-                name: DAEMON_VOLUME.into(),
-                host_path: Some(HostPathVolumeSource { path: path.clone(), type_: Some("Directory".into()) }),
-                ..Default::default()
-            },
-            None,
-        ),
-        Injection::ImageVolume => (
-            Volume {
-                name: DAEMON_VOLUME.into(),
-                image: Some(ImageVolumeSource {
-                    reference: Some(config.daemon_image.clone()),
-                    pull_policy: Some(config.daemon_image_pull_policy.as_str().into()),
-                }),
-                ..Default::default()
-            },
-            None,
-        ),
-    };
+    let (daemon_volume, init) = daemon_injection(config);
     let token_volume = match config.token {
         TokenDelivery::Secret => Volume {
             name: TOKEN_VOLUME.into(),
@@ -299,6 +294,44 @@ pub fn build_pod(spec: &SandboxSpec, config: &KubeConfig) -> Result<Pod, Provide
         spec: Some(pod_spec),
         status: None,
     })
+}
+
+/// How the daemon reaches a pod's containers (at [`DAEMON_DIR`]): its volume, and the init
+/// container that fills it when [`Injection::InitContainer`]. Shared by sandbox pods and the
+/// pods of [`crate::prepare`], so that both get the daemon the same way.
+pub fn daemon_injection(config: &KubeConfig) -> (Volume, Option<Container>) {
+    match &config.injection {
+        Injection::InitContainer => (
+            Volume {
+                name: DAEMON_VOLUME.into(),
+                empty_dir: Some(EmptyDirVolumeSource {
+                    size_limit: Some(KubeQuantity("64Mi".into())),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            Some(init_container(config)),
+        ),
+        Injection::HostPath { path } => (
+            Volume {
+                name: DAEMON_VOLUME.into(),
+                host_path: Some(HostPathVolumeSource { path: path.clone(), type_: Some("Directory".into()) }),
+                ..Default::default()
+            },
+            None,
+        ),
+        Injection::ImageVolume => (
+            Volume {
+                name: DAEMON_VOLUME.into(),
+                image: Some(ImageVolumeSource {
+                    reference: Some(config.daemon_image.clone()),
+                    pull_policy: Some(config.daemon_image_pull_policy.as_str().into()),
+                }),
+                ..Default::default()
+            },
+            None,
+        ),
+    }
 }
 
 /// The labels of the pod: ownership, the sandbox, its job, and how it is cut off.
@@ -431,6 +464,7 @@ pub fn resources(spec: &SandboxSpec, config: &KubeConfig) -> Result<ResourceRequ
                     .into(),
             ));
         };
+        check_eval_cpu(&cpu)?;
         requests.insert("cpu".to_string(), cpu.clone());
         limits.insert("cpu".to_string(), cpu);
         requests.insert("memory".to_string(), memory.clone());
@@ -453,6 +487,25 @@ pub fn resources(spec: &SandboxSpec, config: &KubeConfig) -> Result<ResourceRequ
         limits: (!limits.is_empty()).then_some(limits),
         ..Default::default()
     })
+}
+
+/// Smallest cpu limit the kubelet applies as asked (a 1 ms CFS quota per 100 ms period).
+const MIN_CPU_LIMIT: f64 = 0.01;
+
+/// Refuses an eval cpu limit the sandbox would not see as given, since the record of an eval
+/// sandbox must state what its commands ran under: the kubelet raises a cpu quota below 10m.
+/// (Memory needs no such check: the kernel rounds `memory.max` down by less than a page, which
+/// the comparison of applied and observed allows for.)
+fn check_eval_cpu(cpu: &KubeQuantity) -> Result<(), ProviderError> {
+    let cores =
+        Quantity::Text(cpu.0.clone()).value().map_err(|e| ProviderError::Unsupported(format!("resources.cpu: {e}")))?;
+    if cores < MIN_CPU_LIMIT {
+        return Err(ProviderError::Unsupported(format!(
+            "the eval profile needs resources.cpu of at least 10m: the kubelet raises a smaller cpu limit ({}) to 10m",
+            cpu.0
+        )));
+    }
+    Ok(())
 }
 
 /// A cpu quantity: a number of cores (to the millicore) or a Kubernetes string.

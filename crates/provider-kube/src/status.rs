@@ -227,6 +227,72 @@ fn memory_limit(pod: &Pod, container: &str) -> Option<String> {
     c.resources.as_ref()?.limits.as_ref()?.get("memory").map(|q| q.0.clone())
 }
 
+/// Where the pod of a [`crate::prepare`] pull is: the image on its node or not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullState {
+    /// Still pulling (or waiting for the daemon's init container).
+    Pending,
+    /// The image is on the node: its container started, or ran and exited 0. `image_id` is the
+    /// digest the runtime resolved, when the status names it.
+    Pulled { image_id: Option<String> },
+    /// It will not get there, and why.
+    Failed(String),
+}
+
+/// Reads the pod of a pull: the same classification as sandbox pods (pull and start failures
+/// by their waiting reasons, at the first `ErrImagePull`), for container `name`.
+pub fn pull_state(pod: &Pod, name: &str) -> PullState {
+    let Some(status) = pod.status.as_ref() else { return PullState::Pending };
+    let init = container(status.init_container_statuses.as_deref(), INIT_CONTAINER);
+    let pull = container(status.container_statuses.as_deref(), name);
+    if let Some(c) = init {
+        if let Some(t) = c.state.as_ref().and_then(|s| s.terminated.as_ref())
+            && t.exit_code != 0
+        {
+            let what = format!("the daemon's init container failed (exit {})", t.exit_code);
+            return PullState::Failed(with_detail(&what, t.message.as_deref().unwrap_or("")));
+        }
+        if let Some(PodState::Ended(e)) = waiting_failure(c, "the daemon image") {
+            return PullState::Failed(e.message);
+        }
+    }
+    if let Some(c) = pull {
+        let image_id = Some(c.image_id.clone()).filter(|i| !i.is_empty());
+        let state = c.state.as_ref();
+        if state.is_some_and(|s| s.running.is_some()) {
+            return PullState::Pulled { image_id };
+        }
+        if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+            let reason = t.reason.as_deref().unwrap_or("Error");
+            let detail = t.message.as_deref().unwrap_or("");
+            return match t.exit_code {
+                0 => PullState::Pulled { image_id },
+                _ if START_FAILURES.contains(&reason) || reason == "ContainerCannotRun" => {
+                    PullState::Failed(with_detail(
+                        &format!("`{}` is on the node, but the daemon cannot start in it ({reason})", c.image),
+                        detail,
+                    ))
+                }
+                code => PullState::Failed(with_detail(
+                    &format!("`{}` is on the node, but the daemon exited {code} in it ({reason})", c.image),
+                    detail,
+                )),
+            };
+        }
+        if let Some(PodState::Ended(e)) = waiting_failure(c, "image") {
+            return PullState::Failed(e.message);
+        }
+    }
+    match status.phase.as_deref() {
+        Some("Succeeded") => PullState::Pulled { image_id: None },
+        Some("Failed") => {
+            let why = status.reason.as_deref().unwrap_or("the pod failed");
+            PullState::Failed(with_detail(why, status.message.as_deref().unwrap_or("")))
+        }
+        _ => PullState::Pending,
+    }
+}
+
 /// One line on where a pending pod is, for a timeout's message.
 pub fn describe(pod: &Pod) -> String {
     let Some(status) = pod.status.as_ref() else { return "not yet seen by the scheduler".into() };

@@ -1,6 +1,7 @@
 //! End to end on a real API server with the fake node (`sandman-fake-node`) as its only
-//! kubelet: the provider conformance suite, and a burst of 1,000 sandboxes checked for the write
-//! rate, readiness, an exec in each, and a release-all that leaves no pod. Both run twice: on a
+//! kubelet: the provider conformance suite, `prepare` (a pull pod per node, progress, cleanup),
+//! and a burst of 1,000 sandboxes checked for the write rate, readiness, an exec in each, and a
+//! release-all that leaves no pod. Each runs twice: on a
 //! real API server, ignored by default since it needs one, named by `SANDMAN_E2E_KUBECONFIG` (see
 //! `docs/kubernetes.md`); and on the crate's mocked API server (`tests/common`) served over HTTP,
 //! which proves the fake node, the real `sandmand` and this suite here, but not the API server:
@@ -9,6 +10,12 @@
 //! cargo build -p sandmand
 //! SANDMAN_E2E_KUBECONFIG=~/.kube/config cargo test -p sandman-provider-kube --test e2e -- --ignored --nocapture
 //! ```
+//!
+//! One more needs a real kubelet, since it checks what a sandbox sees from inside: an `eval`
+//! sandbox is Guaranteed, and its daemon observes the cpu and memory limits, timezone and locale
+//! that `applied` reports. It needs `SANDMAN_E2E_DAEMON_IMAGE` (a sandmand image the nodes can
+//! pull), `kubectl` (to port-forward to the daemon), optionally `SANDMAN_E2E_TASK_IMAGE`
+//! (`busybox:1.36`) and `SANDMAN_E2E_POD_PIDS_LIMIT` (the nodes' podPidsLimit, 1024).
 //!
 //! `SANDMAN_E2E_SANDBOXES` (1000), `SANDMAN_E2E_QPS` (50) and `SANDMAN_E2E_BURST` (100) size the
 //! burst (`SANDMAN_MOCK_*`, 40, 20 and 10, the mocked one); `SANDMAN_E2E_BENCH=1` prints
@@ -33,9 +40,10 @@ use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use sandman_provider::conformance::{self, spec};
-use sandman_provider::{Endpoint, Provider, SandboxSpec};
+use sandman_provider::{Endpoint, NodeProgress, NodeState, Prepared, Provider, ProviderError, SandboxSpec};
 use sandman_provider_kube::{KubeConfig, KubeProvider};
-use sandman_wire::server::Reason;
+use sandman_wire::daemon::Observed;
+use sandman_wire::server::{Profile, Quantity, Reason, Resources};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
@@ -98,6 +106,8 @@ fn daemon_bin() -> PathBuf {
 struct World {
     kubeconfig: PathBuf,
     namespace: String,
+    /// The fake node's Node name.
+    node_name: String,
     client: Client,
     node: tokio::process::Child,
     _state: tempfile::TempDir,
@@ -119,11 +129,12 @@ impl World {
             Err(kube::Error::Api(s)) if s.code == 409 => {}
             Err(e) => panic!("cannot create the default service account: {e}"),
         }
+        let node_name = format!("sandman-fake-{tag}-{suffix}");
         let state = tempfile::Builder::new().prefix("fake-node").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let mut node = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandman-fake-node"))
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .args(["--namespace", &namespace, "--node-name", &format!("sandman-fake-{tag}-{suffix}")])
+            .args(["--namespace", &namespace, "--node-name", &node_name])
             .args(["--scheduler-name", SCHEDULER, "--first-ip", first_ip])
             .args(["--fail-image", "e2e-missing", "--oom-image", "e2e-oom"])
             .arg("--daemon")
@@ -137,7 +148,7 @@ impl World {
         let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
         let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
         assert!(matches!(ready, Ok(Ok(Some(ref l))) if l == "ready"), "the fake node did not start: {ready:?}");
-        World { kubeconfig, namespace, client, node, _state: state }
+        World { kubeconfig, namespace, node_name, client, node, _state: state }
     }
 
     async fn client(&self, log: Option<WriteLog>) -> Client {
@@ -440,4 +451,204 @@ fn most_in_window(times: &[Instant], window: Duration) -> usize {
         most = most.max(end - start + 1);
     }
     most
+}
+
+// ---- prepare, on the fake node ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
+async fn prepare_pulls_on_the_fake_node_on_a_real_api_server() {
+    prepare_suite(World::new(e2e_kubeconfig(), "prep", "127.5.0.1").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_and_the_fake_node_pass_on_a_mocked_api_server() {
+    let mocked = Mocked::start().await;
+    prepare_suite(World::new(mocked.kubeconfig.clone(), "prep", "127.6.0.1").await).await;
+}
+
+/// Every progress line sent so far.
+fn drain(rx: &mut tokio::sync::mpsc::UnboundedReceiver<NodeProgress>) -> Vec<NodeProgress> {
+    let mut lines = Vec::new();
+    while let Ok(line) = rx.try_recv() {
+        lines.push(line);
+    }
+    lines
+}
+
+/// Prepares an image the fake node "pulls" and one it refuses, then checks no pull pod is left.
+async fn prepare_suite(world: World) {
+    let mut config = world.config();
+    // Only this run's node: a real API server may hold fake nodes of other runs.
+    config.node_selector.insert("kubernetes.io/hostname".into(), world.node_name.clone());
+    // A node controller (if the server has one) lifts this taint a moment after the node is Ready.
+    config.tolerations.push(Toleration {
+        key: Some("node.kubernetes.io/not-ready".into()),
+        operator: Some("Exists".into()),
+        effect: Some("NoSchedule".into()),
+        ..Toleration::default()
+    });
+    config.prepare_timeout_s = 120;
+    let p = KubeProvider::new(world.client(None).await, config).unwrap();
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let prepared = p.prepare("busybox:e2e", tx).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(prepared, Prepared { nodes_ready: 1, nodes_total: 1 });
+    let lines = drain(&mut rx);
+    let states: Vec<NodeState> = lines.iter().map(|l| l.state).collect();
+    assert_eq!(states, [NodeState::Pulling, NodeState::Ready], "{lines:?}");
+    assert!(lines.iter().all(|l| l.node == world.node_name && l.nodes_total == 1), "{lines:?}");
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    match p.prepare(MISSING, tx).await {
+        Err(ProviderError::Failed { reason: Reason::ImagePullFailed, message }) => {
+            assert!(message.contains(MISSING), "{message}")
+        }
+        other => panic!("a missing image was prepared: {other:?}"),
+    }
+    let lines = drain(&mut rx);
+    let last = lines.last().unwrap_or_else(|| panic!("no progress"));
+    assert_eq!(last.state, NodeState::Failed);
+    assert!(last.message.contains("ErrImagePull"), "{}", last.message);
+
+    // The pull pods are gone once the fake node has confirmed their deletion.
+    let pods = world.pods();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = pods.list(&ListParams::default().labels("sandman.dev/prepare")).await.unwrap().items.len();
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} pull pods left 60 s after prepare");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    world.tear_down().await;
+}
+
+// ---- eval, on a real kubelet ----
+
+/// `kubectl port-forward` to a pod's daemon port; killed on drop. The test reaches the daemon on
+/// loopback, wherever the pod runs.
+struct PortForward {
+    /// Held only to be killed on drop.
+    _child: tokio::process::Child,
+    addr: String,
+}
+
+impl PortForward {
+    async fn start(kubeconfig: &Path, namespace: &str, pod: &str, port: u16) -> PortForward {
+        let mut child = tokio::process::Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args([
+                "-n",
+                namespace,
+                "port-forward",
+                "--address",
+                "127.0.0.1",
+                &format!("pod/{pod}"),
+                &format!(":{port}"),
+            ])
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run kubectl (needed for port-forward): {e}"));
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        // "Forwarding from 127.0.0.1:41234 -> 7778"
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("kubectl port-forward said nothing within 60 s"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("kubectl port-forward exited"));
+        let addr = line
+            .strip_prefix("Forwarding from ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("unexpected kubectl output: {line}"))
+            .to_string();
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        PortForward { _child: child, addr }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE) and kubectl"]
+async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports() {
+    let kubeconfig = e2e_kubeconfig();
+    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
+        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
+    let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
+    let pids: u64 = env_or("SANDMAN_E2E_POD_PIDS_LIMIT", 1024);
+    let client = client(&kubeconfig, None).await;
+    let namespace = format!("sandman-e2e-eval-{}", unique());
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
+    namespaces.create(&PostParams::default(), &ns).await.unwrap();
+    let config = KubeConfig {
+        namespace: namespace.clone(),
+        daemon_image,
+        pod_pids_limit: Some(pids),
+        manage_network_policy: true,
+        ..KubeConfig::default()
+    };
+    let p = KubeProvider::new(client.clone(), config).unwrap();
+
+    let mut s = spec("e1", &task_image);
+    s.profile = Profile::Eval;
+    s.resources = Resources {
+        cpu: Some(Quantity::Text("500m".into())),
+        memory: Some(Quantity::Text("256Mi".into())),
+        ..Resources::default()
+    };
+    p.create(&s).await.unwrap_or_else(|e| panic!("the eval sandbox was not created: {e}"));
+
+    // Guaranteed, as the API server classed it: requests = limits in every container.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    let pod = pods.get("sandman-e1").await.unwrap();
+    let status = pod.status.clone().unwrap();
+    assert_eq!(status.qos_class.as_deref(), Some("Guaranteed"));
+    let spec_of_pod = pod.spec.clone().unwrap();
+    for c in spec_of_pod.containers.iter().chain(spec_of_pod.init_containers.iter().flatten()) {
+        let r = c.resources.clone().unwrap();
+        assert_eq!(r.requests, r.limits, "{}: requests differ from limits", c.name);
+    }
+
+    // What the provider reports it applied.
+    let applied = p.applied("e1").await.unwrap();
+    assert_eq!(applied.cpu, Some(0.5));
+    assert_eq!(applied.memory, Some(256 * 1024 * 1024));
+    assert_eq!(applied.swap, Some(0));
+    assert_eq!(applied.pids, Some(pids));
+    assert_eq!(applied.network.as_deref(), Some("policy"));
+    assert_eq!((applied.timezone.as_deref(), applied.locale.as_deref()), (Some("UTC"), Some("C.UTF-8")));
+    let image_id = status.container_statuses.iter().flatten().find(|c| c.name == "task").unwrap().image_id.clone();
+    assert!(image_id.contains("sha256:"), "the runtime named no digest: {image_id}");
+    assert_eq!(applied.image.as_deref(), Some(image_id.as_str()), "the record names the digest that runs");
+
+    // What the daemon sees from inside equals it.
+    let forward = PortForward::start(&kubeconfig, &namespace, "sandman-e1", 7778).await;
+    check_health(&Endpoint::Tcp(forward.addr.clone())).await.unwrap();
+    let (code, observed) = call(&forward.addr, "GET", "/v1/conditions", Some(&s.token), None).await.unwrap();
+    assert_eq!(code, 200, "{observed}");
+    let observed: Observed = serde_json::from_value(observed).unwrap();
+    assert_eq!(observed.cgroup_cpu_limit, applied.cpu, "cpu limit seen inside");
+    assert_eq!(observed.cgroup_memory_limit, applied.memory, "memory limit seen inside");
+    if observed.cgroup_swap_limit.is_some() {
+        assert_eq!(observed.cgroup_swap_limit, applied.swap, "swap limit seen inside (cgroup v2)");
+    }
+    assert_eq!(observed.timezone, applied.timezone);
+    assert_eq!(observed.locale, applied.locale);
+    let (code, out) = call(
+        &forward.addr,
+        "POST",
+        "/v1/exec",
+        Some(&s.token),
+        Some(json!({"argv": ["/bin/sh", "-c", "echo \"$TZ $LC_ALL $LANG\""]})),
+    )
+    .await
+    .unwrap();
+    assert_eq!((code, out["stdout"].as_str()), (200, Some("UTC C.UTF-8 C.UTF-8\n")), "{out}");
+
+    drop(forward);
+    p.delete("e1").await.unwrap();
+    let _ = namespaces.delete(&namespace, &DeleteParams::default()).await;
 }

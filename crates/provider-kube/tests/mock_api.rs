@@ -587,3 +587,315 @@ async fn list_recovers_specs_and_tokens_and_starts_over_an_expired_paginated_lis
     assert_eq!(records[1].spec, b);
     assert_eq!(records[1].ended.as_ref().map(|e| e.reason), Some(Reason::OomKilled));
 }
+
+// ---- applied ----
+
+#[tokio::test]
+async fn applied_reads_the_pod_back_and_a_missing_pod_is_not_found() {
+    let mut watches = Watches::default();
+    let (client, mock) = mock(move |req| {
+        if is(req, "GET", "/pods") && req.is_watch() {
+            return watches.next();
+        }
+        if is(req, "GET", "/pods") {
+            return ok(pod_list("882", vec![]));
+        }
+        if is(req, "GET", "/pods/sandman-sbx-0001") {
+            return ok(json("pod-running-ready.json"));
+        }
+        Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+    });
+    let p = KubeProvider::new(client, KubeConfig { pod_pids_limit: Some(4096), ..config() }).unwrap();
+    let a = p.applied("sbx-0001").await.unwrap();
+    assert_eq!(a.image.as_deref(), Some("sha256:c0966323d8fdf2e5ca2a03565cd3bd6d24d9d19a25e2c4aeb1f7005767e4adba"));
+    assert_eq!((a.cpu, a.memory, a.pids), (Some(1.0), Some(268_435_456), Some(4096)));
+    assert_eq!(a.details["resourceVersion"], "854");
+    let reads: Vec<_> = mock.seen().into_iter().filter(|r| r.path.contains("/pods/")).collect();
+    assert_eq!(reads.len(), 1);
+    assert_eq!(
+        (reads[0].method.as_str(), reads[0].path.as_str()),
+        ("GET", "/api/v1/namespaces/sandman-fixtures/pods/sandman-sbx-0001")
+    );
+    match p.applied("sbx-gone").await {
+        Err(ProviderError::NotFound(id)) => assert_eq!(id, "sbx-gone"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(p.applied("Not_A_Sandbox").await, Err(ProviderError::NotFound(_))));
+}
+
+// ---- prepare ----
+
+const PREPARED: &str = "busybox:local";
+
+/// The provider's config for prepare: the recorded fake node's label and taint.
+fn prepare_config() -> KubeConfig {
+    KubeConfig {
+        node_selector: BTreeMap::from([("sandman.dev/fake".into(), "true".into())]),
+        tolerations: vec![k8s_openapi::api::core::v1::Toleration {
+            key: Some("sandman.dev/fake".into()),
+            operator: Some("Exists".into()),
+            ..Default::default()
+        }],
+        ..config()
+    }
+}
+
+/// The recorded Node under another name: Ready (as its kubelet would report), cordoned, or as the
+/// node controller left it once the kubelet stopped posting status.
+fn node(name: &str, state: &str) -> Value {
+    let mut node = json("node-create-fake-201.json");
+    node["metadata"]["name"] = name.into();
+    node["metadata"]["labels"]["kubernetes.io/hostname"] = name.into();
+    node["spec"]["taints"] = serde_json::json!([{"key": "sandman.dev/fake", "value": "true", "effect": "NoSchedule"}]);
+    match state {
+        "lost" => node["status"] = json("node-fake-unreachable.json")["status"].clone(),
+        _ => {
+            node["status"]["conditions"] =
+                serde_json::json!([{"type": "Ready", "status": "True", "reason": "KubeletReady"}]);
+        }
+    }
+    if state == "cordoned" {
+        node["spec"]["unschedulable"] = true.into();
+    }
+    node
+}
+
+/// A recorded pod status given to a pull pod: its container named `pull`, running `image`.
+fn pull_status(fixture: &str, image: &str) -> Value {
+    let mut status = json(fixture)["status"].clone();
+    for c in status["containerStatuses"].as_array_mut().unwrap() {
+        c["name"] = "pull".into();
+        c["image"] = image.into();
+    }
+    status
+}
+
+/// What one prepare did: its answer, its progress lines, and the requests it sent.
+struct PrepareRun {
+    result: Result<sandman_provider::Prepared, ProviderError>,
+    progress: Vec<sandman_provider::NodeProgress>,
+    seen: Vec<common::Seen>,
+}
+
+/// Runs one prepare against a mocked API server listing `nodes`, of which `eligible` may run
+/// sandboxes; once their pull pods are created, the watch of the pull pods shows each the
+/// statuses `outcome` gives for its node, in order.
+async fn prepare_on(
+    nodes: Vec<Value>,
+    eligible: usize,
+    config: KubeConfig,
+    outcome: impl Fn(&str) -> Vec<Value>,
+) -> PrepareRun {
+    let feed_watches = Arc::new(Mutex::new(Watches::default()));
+    let feed = feed_watches.lock().unwrap().push();
+    let mut sandbox_watches = Watches::default();
+    let (client, mock) = mock(move |req| {
+        if req.path == "/api/v1/nodes" {
+            let list = serde_json::json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "1200"},
+                "items": nodes});
+            return ok(list);
+        }
+        let preparing = req.query.get("labelSelector").is_some_and(|s| s.contains("sandman.dev/prepare="));
+        if is(req, "GET", "/pods") && req.is_watch() {
+            return if preparing { feed_watches.lock().unwrap().next() } else { sandbox_watches.next() };
+        }
+        if is(req, "GET", "/pods") {
+            return ok(pod_list("1200", vec![]));
+        }
+        if is(req, "POST", "/pods") {
+            let mut pod = req.json();
+            pod["metadata"]["uid"] = format!("uid-{}", pod["metadata"]["name"].as_str().unwrap()).into();
+            pod["metadata"]["resourceVersion"] = "1201".into();
+            pod["status"] = serde_json::json!({"phase": "Pending", "qosClass": "Guaranteed"});
+            return Reply::Json(StatusCode::CREATED, pod);
+        }
+        if is(req, "DELETE", "/pods") {
+            return ok(pod_list("1300", vec![]));
+        }
+        Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+    });
+    let p = KubeProvider::new(client, config).unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let creates = |seen: &[common::Seen]| seen.iter().filter(|r| is(r, "POST", "/pods")).cloned().collect::<Vec<_>>();
+    let feeder = async {
+        if eligible == 0 {
+            return;
+        }
+        mock.until("the pull pods' creates", |seen| creates(seen).len() == eligible).await;
+        let mut rv = 1210;
+        for posted in creates(&mock.seen()) {
+            let mut pod = posted.json();
+            pod["metadata"]["uid"] = format!("uid-{}", pod["metadata"]["name"].as_str().unwrap()).into();
+            let node = pod["spec"]["nodeName"].as_str().unwrap().to_string();
+            for status in outcome(&node) {
+                rv += 1;
+                pod["metadata"]["resourceVersion"] = rv.to_string().into();
+                pod["status"] = status;
+                feed.send(event("MODIFIED", &pod)).await.unwrap();
+            }
+        }
+    };
+    let (result, ()) = tokio::join!(p.prepare(PREPARED, tx), feeder);
+    let mut progress = Vec::new();
+    while let Ok(line) = rx.try_recv() {
+        progress.push(line);
+    }
+    PrepareRun { result, progress, seen: mock.seen() }
+}
+
+/// The progress lines of one node, as (state, message).
+fn lines_of(run: &PrepareRun, node: &str) -> Vec<(sandman_provider::NodeState, String)> {
+    run.progress.iter().filter(|l| l.node == node).map(|l| (l.state, l.message.clone())).collect()
+}
+
+#[tokio::test]
+async fn prepare_pulls_on_each_eligible_node_reports_each_and_deletes_its_pods() {
+    use sandman_provider::NodeState::{Failed, Pulling, Ready};
+    let nodes =
+        vec![node("node-b", "ready"), node("node-a", "ready"), node("node-c", "lost"), node("node-d", "cordoned")];
+    let run = prepare_on(nodes, 2, prepare_config(), |node| match node {
+        // Initialising, then done: `sandmand --version` exited 0.
+        "node-a" => {
+            vec![pull_status("status-init-running.json", PREPARED), pull_status("status-succeeded.json", PREPARED)]
+        }
+        // The recorded first pull failure.
+        _ => vec![pull_status("status-errimagepull.json", PREPARED)],
+    })
+    .await;
+    assert_eq!(*run.result.as_ref().unwrap(), sandman_provider::Prepared { nodes_ready: 1, nodes_total: 2 });
+
+    // The progress: Pulling once each pod is made, then Ready or Failed with the kubelet's reason.
+    let a = lines_of(&run, "node-a");
+    assert_eq!(a.len(), 2, "{a:?}");
+    assert_eq!(a[0], (Pulling, format!("pulling `{PREPARED}`")));
+    assert_eq!(a[1].0, Ready);
+    assert!(a[1].1.contains("sha256:c0966323d8fd"), "the digest pulled: {}", a[1].1);
+    let b = lines_of(&run, "node-b");
+    assert_eq!(b.len(), 2, "{b:?}");
+    assert_eq!(b[0].0, Pulling);
+    assert_eq!(b[1].0, Failed);
+    assert!(b[1].1.contains("ErrImagePull") && b[1].1.contains("no such host"), "{}", b[1].1);
+    assert!(run.progress.iter().all(|l| l.nodes_total == 2));
+    assert!(lines_of(&run, "node-c").is_empty() && lines_of(&run, "node-d").is_empty(), "skipped nodes reported");
+
+    // The nodes were listed with the provider's node selector.
+    let listed: Vec<_> = run.seen.iter().filter(|r| r.path == "/api/v1/nodes").collect();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].query.get("labelSelector").map(String::as_str), Some("sandman.dev/fake=true"));
+
+    // One pod per eligible node, exactly the pull pod: its node, the image, IfNotPresent, our
+    // labels, no privileges.
+    let creates: Vec<Value> = run.seen.iter().filter(|r| is(r, "POST", "/pods")).map(common::Seen::json).collect();
+    assert_eq!(creates.len(), 2);
+    let prepare_run = creates[0]["metadata"]["labels"]["sandman.dev/prepare"].as_str().unwrap().to_string();
+    let mut on: Vec<&str> = Vec::new();
+    for pod in &creates {
+        let node = pod["spec"]["nodeName"].as_str().unwrap();
+        on.push(node);
+        let name = pod["metadata"]["name"].as_str().unwrap();
+        let want =
+            sandman_provider_kube::prepare::build_pull_pod(PREPARED, node, name, &prepare_run, &prepare_config());
+        assert_eq!(*pod, serde_json::to_value(want).unwrap());
+        let c = &pod["spec"]["containers"][0];
+        assert_eq!((c["image"].as_str(), c["imagePullPolicy"].as_str()), (Some(PREPARED), Some("IfNotPresent")));
+        assert_eq!(pod["metadata"]["labels"]["app.kubernetes.io/managed-by"], "sandman");
+        assert_eq!(pod["metadata"]["labels"]["sandman.dev/node"], node);
+        assert_eq!(c["securityContext"]["privileged"], false);
+        assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+        assert_eq!(c["securityContext"]["capabilities"]["drop"], serde_json::json!(["ALL"]));
+        assert!(pod["spec"].get("hostNetwork").is_none() && pod["spec"].get("hostPID").is_none());
+    }
+    on.sort();
+    assert_eq!(on, ["node-a", "node-b"]);
+
+    // One watch on the run's label (no poll per pod), then one deletecollection of its pods.
+    let selector = sandman_provider_kube::prepare::selector("sandman", &prepare_run);
+    let watches: Vec<_> = run
+        .seen
+        .iter()
+        .filter(|r| r.is_watch() && r.query.get("labelSelector").is_some_and(|s| s.contains("sandman.dev/prepare")))
+        .collect();
+    assert!(!watches.is_empty());
+    assert!(watches.iter().all(|w| w.query["labelSelector"] == selector));
+    assert!(
+        !run.seen.iter().any(|r| is(r, "GET", "/pods/sandman-prepare-") || r.path.contains("/pods/sandman-prepare"))
+    );
+    let deletes: Vec<_> = run.seen.iter().filter(|r| r.method == "DELETE").collect();
+    assert_eq!(deletes.len(), 1, "{deletes:#?}");
+    assert_eq!(deletes[0].path, "/api/v1/namespaces/sandman-fixtures/pods");
+    assert_eq!(deletes[0].query["labelSelector"], selector);
+}
+
+#[tokio::test]
+async fn prepare_fails_when_no_node_can_pull_the_image_and_still_deletes_its_pods() {
+    let nodes = vec![node("node-a", "ready"), node("node-b", "ready")];
+    let run = prepare_on(nodes, 2, prepare_config(), |node| match node {
+        "node-a" => vec![pull_status("status-errimagepull.json", PREPARED)],
+        _ => vec![pull_status("status-imagepullbackoff.json", PREPARED)],
+    })
+    .await;
+    match &run.result {
+        Err(ProviderError::Failed { reason: Reason::ImagePullFailed, message }) => {
+            assert!(message.contains(PREPARED) && message.contains("2 tried"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(lines_of(&run, "node-b")[1].1.contains("ImagePullBackOff"));
+    assert_eq!(run.seen.iter().filter(|r| r.method == "DELETE").count(), 1);
+}
+
+#[tokio::test]
+async fn prepare_with_no_node_to_run_sandboxes_names_the_selector_and_makes_nothing() {
+    let nodes = vec![node("node-c", "lost"), node("node-d", "cordoned")];
+    let run = prepare_on(nodes, 0, prepare_config(), |_| vec![]).await;
+    match run.result {
+        Err(ProviderError::Failed { reason: Reason::Unschedulable, message }) => {
+            assert!(message.contains("node_selector `sandman.dev/fake=true`"), "{message}");
+            assert!(message.contains("node-c: not Ready") && message.contains("node-d: cordoned"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(run.seen.iter().all(|r| !r.is_write()), "a write with no node to prepare");
+    assert!(run.progress.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn nodes_not_done_by_the_prepare_deadline_are_failed() {
+    let config = KubeConfig { prepare_timeout_s: 30, ..prepare_config() };
+    let run = prepare_on(vec![node("node-a", "ready")], 1, config, |_| {
+        vec![pull_status("status-init-running.json", PREPARED)]
+    })
+    .await;
+    assert!(
+        matches!(run.result, Err(ProviderError::Failed { reason: Reason::ImagePullFailed, .. })),
+        "{:?}",
+        run.result
+    );
+    let a = lines_of(&run, "node-a");
+    assert_eq!(a.last().map(|l| l.0), Some(sandman_provider::NodeState::Failed));
+    assert!(a.last().unwrap().1.contains("was not pulled within 30 s"), "{a:?}");
+    assert_eq!(run.seen.iter().filter(|r| r.method == "DELETE").count(), 1);
+}
+
+#[tokio::test]
+async fn prepare_without_the_right_to_list_nodes_says_which_role_grants_it() {
+    let mut watches = Watches::default();
+    let (client, mock) = mock(move |req| {
+        if req.path == "/api/v1/nodes" {
+            return Reply::Json(StatusCode::FORBIDDEN, json("error-403-forbidden.json"));
+        }
+        if is(req, "GET", "/pods") && req.is_watch() {
+            return watches.next();
+        }
+        ok(pod_list("1", vec![]))
+    });
+    let p = KubeProvider::new(client, prepare_config()).unwrap();
+    let (tx, _rx) = mpsc::unbounded_channel();
+    match p.prepare(PREPARED, tx).await {
+        Err(ProviderError::Backend(m)) => {
+            assert!(m.contains("sandman-server-nodes") && m.contains("cannot list resource \"nodes\""), "{m}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(mock.writes().is_empty());
+}

@@ -3,12 +3,15 @@
 //! `SANDMAN_BLESS=1 cargo test -p sandman-provider-kube --test pod_spec` and review the diff.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Pod, Toleration};
 use sandman_provider::conformance::spec;
 use sandman_provider::{ProviderError, SandboxSpec};
 use sandman_provider_kube::pod::{self, build_pod, build_secret};
+use sandman_provider_kube::prepare;
 use sandman_provider_kube::{Injection, KubeConfig, PullPolicy, TokenDelivery, network_none_policy};
 use sandman_wire::server::{Network, Profile, Quantity, Resources};
 use serde_json::Value;
@@ -77,9 +80,14 @@ fn the_default_pod() {
     assert_snapshot("pod-default", &pod);
 }
 
+/// The provider's config with the nodes' podPidsLimit declared, as eval needs.
+fn eval_config() -> KubeConfig {
+    KubeConfig { pod_pids_limit: Some(1024), ..config() }
+}
+
 #[test]
 fn the_eval_pod_is_guaranteed_and_cut_off() {
-    let pod = build_pod(&eval_sandbox(), &config()).unwrap();
+    let pod = build_pod(&eval_sandbox(), &eval_config()).unwrap();
     assert_snapshot("pod-eval", &pod);
     let spec = pod.spec.as_ref().unwrap();
     for c in spec.containers.iter().chain(spec.init_containers.iter().flatten()) {
@@ -100,6 +108,68 @@ fn the_eval_pod_is_guaranteed_and_cut_off() {
         .collect();
     assert_eq!(env.get("TZ").map(String::as_str), Some("UTC"));
     assert_eq!(env.get("LC_ALL").map(String::as_str), Some("C.UTF-8"));
+    assert_eq!(env.get("LANG").map(String::as_str), Some("C.UTF-8"));
+    // The reference is the one asked for: Kubernetes resolves it when the pod starts, and the
+    // record names the digest it ran (the container status's imageID).
+    assert_eq!(spec.containers[0].image.as_deref(), Some("python:3.12-slim"));
+}
+
+#[test]
+fn the_eval_environment_wins_over_the_asked_one() {
+    let mut s = eval_sandbox();
+    s.env.insert("TZ".into(), "Europe/Paris".into());
+    s.env.insert("LANG".into(), "fr_FR.UTF-8".into());
+    let pod = build_pod(&s, &eval_config()).unwrap();
+    let env = &pod.spec.as_ref().unwrap().containers[0].env;
+    let get = |k: &str| env.iter().flatten().find(|e| e.name == k).and_then(|e| e.value.clone());
+    assert_eq!(get("TZ").as_deref(), Some("UTC"));
+    assert_eq!(get("LANG").as_deref(), Some("C.UTF-8"));
+}
+
+#[test]
+fn eval_is_refused_where_its_pids_limit_is_unknown_or_not_the_asked_one() {
+    let refused = |s: &SandboxSpec, config: &KubeConfig| match pod::check(s, config) {
+        Err(ProviderError::Unsupported(m)) => m,
+        other => panic!("not refused: {other:?}"),
+    };
+    // No declared podPidsLimit: eval cannot state its pids limit.
+    let m = refused(&eval_sandbox(), &config());
+    assert!(m.contains("podPidsLimit") && m.contains("pod_pids_limit"), "{m}");
+    assert!(build_pod(&eval_sandbox(), &config()).is_err(), "build_pod must refuse what check refuses");
+    // Declared, and asked for the same: fine; asked for another: both named.
+    let mut s = eval_sandbox();
+    s.resources.pids = Some(1024);
+    pod::check(&s, &eval_config()).unwrap();
+    s.resources.pids = Some(256);
+    let m = refused(&s, &eval_config());
+    assert!(m.contains("256") && m.contains("1024") && m.contains("podPidsLimit"), "{m}");
+    // The default profile may ask for the declared limit too, and no other.
+    let mut s = sandbox();
+    s.resources.pids = Some(1024);
+    pod::check(&s, &eval_config()).unwrap();
+    assert!(refused(&s, &config()).contains("pod_pids_limit"));
+    // The default profile needs none.
+    pod::check(&sandbox(), &config()).unwrap();
+}
+
+#[test]
+fn an_eval_cpu_limit_the_kubelet_would_raise_is_refused() {
+    let refused = |s: &SandboxSpec| match pod::check(s, &eval_config()) {
+        Err(ProviderError::Unsupported(m)) => m,
+        other => panic!("not refused: {other:?}"),
+    };
+    let mut s = eval_sandbox();
+    // Memory in any unit: the kernel rounds it down by less than a page, which is allowed for.
+    s.resources.memory = Some(Quantity::Text("1G".into()));
+    pod::check(&s, &eval_config()).unwrap();
+    s.resources.cpu = Some(Quantity::Text("5m".into()));
+    assert!(refused(&s).contains("10m"));
+    s.resources.cpu = Some(Quantity::Text("10m".into()));
+    pod::check(&s, &eval_config()).unwrap();
+    // The default profile sets no cpu limit.
+    let mut s = sandbox();
+    s.resources.cpu = Some(Quantity::Text("5m".into()));
+    pod::check(&s, &config()).unwrap();
 }
 
 #[test]
@@ -203,8 +273,9 @@ fn what_no_pod_can_be_made_from_is_refused_clearly() {
     assert!(refused(s, &config()).contains("cannot name a pod"));
     let mut s = eval_sandbox();
     s.resources = Resources::default();
-    assert!(refused(s.clone(), &config()).contains("Guaranteed"));
-    let with_defaults = KubeConfig { default_cpu: Some("1".into()), default_memory: Some("1Gi".into()), ..config() };
+    assert!(refused(s.clone(), &eval_config()).contains("Guaranteed"));
+    let with_defaults =
+        KubeConfig { default_cpu: Some("1".into()), default_memory: Some("1Gi".into()), ..eval_config() };
     assert!(pod::check(&s, &with_defaults).is_ok(), "the configured defaults make it Guaranteed");
     let mut s = sandbox();
     s.image = " ".into();
@@ -212,4 +283,95 @@ fn what_no_pod_can_be_made_from_is_refused_clearly() {
     let mut s = sandbox();
     s.resources.memory = Some(Quantity::Text("plenty".into()));
     assert!(refused(s, &config()).contains("resources.memory"));
+}
+
+// ---- prepare ----
+
+#[test]
+fn the_pull_pod_of_prepare() {
+    let mut config = config();
+    config.tolerations = vec![Toleration {
+        key: Some("sandman.dev/pool".into()),
+        operator: Some("Exists".into()),
+        effect: Some("NoSchedule".into()),
+        ..Toleration::default()
+    }];
+    config.image_pull_secrets = vec!["regcred".into()];
+    config.runtime_class = Some("gvisor".into());
+    let pod = prepare::build_pull_pod(
+        "python:3.12-slim",
+        "node-a",
+        "sandman-prepare-0123456789ab-0",
+        "0123456789ab",
+        &config,
+    );
+    assert_snapshot("pod-prepare", &pod);
+    let spec = pod.spec.as_ref().unwrap();
+    assert_eq!(spec.node_name.as_deref(), Some("node-a"), "bound to its node, no scheduler");
+    assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+    let pull = &spec.containers[0];
+    assert_eq!(pull.image.as_deref(), Some("python:3.12-slim"));
+    assert_eq!(pull.image_pull_policy.as_deref(), Some("IfNotPresent"));
+    assert_eq!(pull.command.as_deref(), Some(&["/.sandman/sandmand".to_string(), "--version".to_string()][..]));
+    let sc = pull.security_context.as_ref().unwrap();
+    assert_eq!(
+        (sc.privileged, sc.allow_privilege_escalation, sc.run_as_non_root),
+        (Some(false), Some(false), Some(true))
+    );
+    assert_eq!(sc.capabilities.as_ref().and_then(|c| c.drop.clone()), Some(vec!["ALL".to_string()]));
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    assert!(spec.host_network.is_none() && spec.host_pid.is_none() && spec.host_ipc.is_none());
+    // The daemon comes as into sandbox pods: the same init container.
+    let sandbox_pod = build_pod(&sandbox(), &config).unwrap();
+    assert_eq!(spec.init_containers, sandbox_pod.spec.unwrap().init_containers);
+    // Found by its run's label, and never by the shared watch of sandbox pods.
+    let labels = pod.metadata.labels.as_ref().unwrap();
+    assert!(prepare::selector("sandman", "0123456789ab").split(',').all(|t| {
+        let (k, v) = t.split_once('=').unwrap();
+        labels.get(k).map(String::as_str) == Some(v)
+    }));
+    assert!(!labels.contains_key("sandman.dev/sandbox"));
+}
+
+/// A recorded Node, made Ready (as a kubelet's status would) with these taints.
+fn ready_node(name: &str, taints: Value) -> k8s_openapi::api::core::v1::Node {
+    let mut node = common::json("node-create-fake-201.json");
+    node["metadata"]["name"] = name.into();
+    node["spec"]["taints"] = taints;
+    node["status"]["conditions"] = serde_json::json!([{"type": "Ready", "status": "True", "reason": "KubeletReady"}]);
+    serde_json::from_value(node).unwrap()
+}
+
+#[test]
+fn prepare_takes_the_nodes_a_sandbox_could_land_on() {
+    let fake = serde_json::json!([{"key": "sandman.dev/fake", "value": "true", "effect": "NoSchedule"}]);
+    let tolerated = vec![Toleration {
+        key: Some("sandman.dev/fake".into()),
+        operator: Some("Exists".into()),
+        ..Toleration::default()
+    }];
+    // The recorded node as created: no Ready condition yet.
+    let created: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(common::json("node-create-fake-201.json")).unwrap();
+    assert!(prepare::eligible(&created, &tolerated).unwrap_err().contains("not Ready"));
+    // The recorded node after the node controller gave up on it.
+    let lost: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(common::json("node-fake-unreachable.json")).unwrap();
+    assert!(prepare::eligible(&lost, &tolerated).unwrap_err().contains("Unknown"));
+    let ready = ready_node("a", fake.clone());
+    prepare::eligible(&ready, &tolerated).unwrap();
+    let why = prepare::eligible(&ready, &[]).unwrap_err();
+    assert!(why.contains("sandman.dev/fake=true:NoSchedule"), "{why}");
+    let equal_other_value = vec![Toleration {
+        key: Some("sandman.dev/fake".into()),
+        operator: Some("Equal".into()),
+        value: Some("false".into()),
+        ..Toleration::default()
+    }];
+    assert!(prepare::eligible(&ready, &equal_other_value).is_err());
+    let soft = ready_node("b", serde_json::json!([{"key": "x", "effect": "PreferNoSchedule"}]));
+    prepare::eligible(&soft, &[]).unwrap();
+    let mut cordoned = ready_node("c", serde_json::json!([]));
+    cordoned.spec.as_mut().unwrap().unschedulable = Some(true);
+    assert!(prepare::eligible(&cordoned, &[]).unwrap_err().contains("cordoned"));
 }

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{json, pod};
-use sandman_provider_kube::status::{PodState, classify};
+use sandman_provider_kube::status::{PodState, PullState, classify, pull_state};
 use sandman_wire::server::Reason;
 
 /// The reason and message of an ended state, or a panic naming what it was instead.
@@ -143,4 +143,31 @@ fn the_recorded_list_of_mixed_states_maps_like_each_pod_alone() {
     ];
     let want: Vec<(String, Option<Reason>)> = want.iter().map(|(n, r)| (n.to_string(), *r)).collect();
     assert_eq!(reasons, want);
+}
+
+/// A pull of `prepare` read from the recorded pods, their main container taken as the pull's.
+fn pull(name: &str) -> PullState {
+    pull_state(&pod(name), "task")
+}
+
+#[test]
+fn a_pull_is_done_once_its_container_started_or_succeeded_and_failed_by_the_same_reasons() {
+    let digest = Some("sha256:c0966323d8fdf2e5ca2a03565cd3bd6d24d9d19a25e2c4aeb1f7005767e4adba".to_string());
+    assert_eq!(pull("pod-create-201.json"), PullState::Pending);
+    assert_eq!(pull("status-init-running.json"), PullState::Pending);
+    assert_eq!(pull("pod-running-ready.json"), PullState::Pulled { image_id: digest.clone() });
+    assert_eq!(pull("status-succeeded.json"), PullState::Pulled { image_id: digest });
+    for (name, says) in [
+        ("status-errimagepull.json", "(ErrImagePull): failed to pull and unpack"),
+        ("status-imagepullbackoff.json", "(ImagePullBackOff)"),
+        ("status-start-error-command-not-found.json", "the daemon cannot start in it (StartError)"),
+        ("status-failed-exit-3.json", "the daemon exited 3 in it"),
+        ("status-init-container-failed.json", "the daemon's init container failed (exit 1)"),
+        ("status-deadline-exceeded.json", "exited 137"),
+    ] {
+        match pull(name) {
+            PullState::Failed(m) => assert!(m.contains(says), "{name}: `{m}` does not say `{says}`"),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
 }

@@ -3,6 +3,8 @@
 //! scheduler name to itself, runs each pod's `sandmand` as a local process on a loopback address
 //! of its own (127.x.y.z, never any other address), writes pod status as a kubelet would, fails
 //! the images and OOM-kills the pods it is told to, and kills the process when the pod is deleted.
+//! The pull pods of `prepare` (label `sandman.dev/prepare`) it "pulls": they succeed at once, or
+//! fail with `ErrImagePull` for the images it is told to fail.
 //! It is part of the tests (`tests/e2e.rs`); `docs/kubernetes.md` says how to run it by hand.
 #![allow(clippy::print_stdout)]
 
@@ -32,6 +34,9 @@ use tokio_util::task::TaskTracker;
 const FAKE_TAINT: &str = "sandman.dev/fake";
 const TASK: &str = "task";
 const INIT: &str = "sandman-init";
+/// The label and container of the pull pods of `prepare`.
+const PREPARE_LABEL: &str = "sandman.dev/prepare";
+const PULL: &str = "pull";
 const HEARTBEAT: Duration = Duration::from_secs(10);
 /// How long a started daemon may take to listen before its pod is failed.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(20);
@@ -347,6 +352,10 @@ impl FakeNode {
     /// Running reported once the daemon listens; then its end reported.
     async fn start(self: Arc<Self>, pod: Pod, stop: CancellationToken) {
         let name = pod.metadata.name.clone().unwrap_or_default();
+        if pod.metadata.labels.as_ref().is_some_and(|l| l.contains_key(PREPARE_LABEL)) {
+            self.pull(&pod).await;
+            return;
+        }
         let Some(task) = container(&pod, TASK) else {
             tracing::warn!(pod = %name, "no `task` container; ignoring the pod");
             return;
@@ -426,6 +435,23 @@ impl FakeNode {
             }
         };
         self.patch_status(&pod, status).await;
+    }
+
+    /// A pull pod of `prepare`: the image "pulled" (or refused, like a task image), then its
+    /// container (`sandmand --version`) exits 0 at once.
+    async fn pull(&self, pod: &Pod) {
+        let image = image_of(pod, PULL);
+        let status = if self.args.fail_images.iter().any(|f| image.contains(f.as_str())) {
+            let message = format!(
+                "failed to pull and unpack image \"{image}\": sandman fake node: pulls of images matching --fail-image are refused"
+            );
+            pull_status(pod, json!({"waiting": {"reason": "ErrImagePull", "message": message}}), "Pending")
+        } else {
+            let started = now();
+            let done = json!({"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": started, "finishedAt": now()}});
+            pull_status(pod, done, "Succeeded")
+        };
+        self.patch_status(pod, status).await;
     }
 
     /// Starts `sandmand` as the pod's task container would, but listening on `ip` and reading
@@ -601,6 +627,18 @@ fn running_status(pod: &Pod, ip: &str, started: &Value) -> Value {
         "initContainerStatuses": init_done(pod, started),
         "containerStatuses": [{"name": TASK, "image": image_of(pod, TASK), "imageID": "", "ready": true, "restartCount": 0,
             "started": true, "state": {"running": {"startedAt": started}}}]
+    }})
+}
+
+/// The status of a pull pod whose container is in `state`.
+fn pull_status(pod: &Pod, state: Value, phase: &str) -> Value {
+    let started = now();
+    json!({"metadata": uid_of(pod), "status": {
+        "phase": phase, "hostIP": "127.0.0.1", "startTime": started,
+        "conditions": [condition("Initialized", true, None), condition("PodScheduled", true, None)],
+        "initContainerStatuses": init_done(pod, &started),
+        "containerStatuses": [{"name": PULL, "image": image_of(pod, PULL), "imageID": "", "ready": false, "restartCount": 0,
+            "started": false, "state": state}]
     }})
 }
 

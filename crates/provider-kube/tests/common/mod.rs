@@ -290,8 +290,10 @@ pub struct Cluster {
     pub nodes: BTreeMap<String, Value>,
     rv: u64,
     /// Every event so far, with its resource version, for watches resuming from one.
-    history: Vec<(u64, Bytes)>,
-    watchers: Vec<mpsc::Sender<Bytes>>,
+    /// Each with the object's labels, which a watch's label selector is matched against.
+    history: Vec<(u64, Bytes, serde_json::Map<String, Value>)>,
+    /// Open watches and their label selectors.
+    watchers: Vec<(String, mpsc::Sender<Bytes>)>,
     next_ip: u32,
     /// Answer the next pod creates with the recorded 429 first.
     pub throttle_next: u32,
@@ -323,8 +325,9 @@ impl Cluster {
     pub fn emit(&mut self, kind: &str, object: &Value) {
         let rv: u64 = object["metadata"]["resourceVersion"].as_str().and_then(|s| s.parse().ok()).unwrap_or(self.rv);
         let line = event(kind, object);
-        self.history.push((rv, line.clone()));
-        self.watchers.retain(|w| w.try_send(line.clone()).is_ok());
+        let labels = object["metadata"]["labels"].as_object().cloned().unwrap_or_default();
+        self.watchers.retain(|(selector, w)| !selects(selector, &labels) || w.try_send(line.clone()).is_ok());
+        self.history.push((rv, line, labels));
     }
 
     /// Stores a changed pod with a new resource version and tells the watches.
@@ -422,12 +425,12 @@ impl Cluster {
             ("GET", ["pods"]) if req.is_watch() => {
                 let from: u64 = req.query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
                 let (tx, rx) = mpsc::channel(100_000);
-                for (rv, line) in &self.history {
-                    if *rv > from {
+                for (rv, line, labels) in &self.history {
+                    if *rv > from && selects(&selector, labels) {
                         let _ = tx.try_send(line.clone());
                     }
                 }
-                self.watchers.push(tx);
+                self.watchers.push((selector.clone(), tx));
                 Reply::Stream(rx)
             }
             ("GET", ["pods"]) => ok(self.list("PodList", selected(&self.pods))),
@@ -449,7 +452,7 @@ impl Cluster {
                 let rv = self.bump();
                 pod["metadata"]["uid"] = format!("uid-{name}").into();
                 pod["metadata"]["resourceVersion"] = rv.to_string().into();
-                pod["status"] = serde_json::json!({"phase": "Pending", "qosClass": "Burstable"});
+                pod["status"] = serde_json::json!({"phase": "Pending", "qosClass": qos_class(&pod)});
                 self.pods.insert(name, pod.clone());
                 self.emit("ADDED", &pod);
                 Reply::Json(StatusCode::CREATED, pod)
@@ -516,9 +519,22 @@ impl Cluster {
         }
     }
 
-    /// Nodes: registered, their status patched, deleted.
+    /// Nodes: registered, listed by label, their status patched, deleted.
     fn node(&mut self, req: &Seen, rest: &str) -> Reply {
         match (req.method.as_str(), rest.split_once('/')) {
+            ("GET", None) if rest.is_empty() => {
+                let selector = req.query.get("labelSelector").cloned().unwrap_or_default();
+                let items = self
+                    .nodes
+                    .values()
+                    .filter(|n| {
+                        let none = serde_json::Map::new();
+                        selects(&selector, n["metadata"]["labels"].as_object().unwrap_or(&none))
+                    })
+                    .cloned()
+                    .collect();
+                ok(self.list("NodeList", items))
+            }
             ("POST", None) if rest.is_empty() => {
                 let node = req.json();
                 let name = node["metadata"]["name"].as_str().unwrap().to_string();
@@ -536,6 +552,28 @@ impl Cluster {
             }
             _ => not_found(rest),
         }
+    }
+}
+
+/// The QoS class the API server gives a pod: Guaranteed when every container's cpu and memory
+/// requests equal its limits, BestEffort when none has any, else Burstable.
+fn qos_class(pod: &Value) -> &'static str {
+    let spec = &pod["spec"];
+    let containers: Vec<&Value> =
+        spec["containers"].as_array().into_iter().chain(spec["initContainers"].as_array()).flatten().collect();
+    let r = |c: &Value, kind: &str, what: &str| c["resources"][kind][what].as_str().map(str::to_string);
+    let guaranteed = containers.iter().all(|c| {
+        ["cpu", "memory"].iter().all(|w| r(c, "limits", w).is_some() && r(c, "requests", w) == r(c, "limits", w))
+    });
+    let none = containers
+        .iter()
+        .all(|c| ["cpu", "memory"].iter().all(|w| r(c, "limits", w).is_none() && r(c, "requests", w).is_none()));
+    if guaranteed {
+        "Guaranteed"
+    } else if none {
+        "BestEffort"
+    } else {
+        "Burstable"
     }
 }
 
