@@ -58,6 +58,15 @@ pub enum Command {
     Job(JobCmd),
     /// Make images ready ahead of the creates that need them, printing each as it is done.
     Prepare(PrepareCmd),
+    /// Show a sandbox's signed conditions record: what was asked, what the provider applied and
+    /// what the daemon observes from inside, with every difference flagged.
+    Conditions(ConditionsCmd),
+    /// Check a signed conditions record (`sandman conditions ID --json > FILE`): exits 0 when it
+    /// is intact and signed by the server, 1 when not.
+    Verify(VerifyCmd),
+    /// Run a command in fresh sandboxes of one spec and report whether the results agree: exits
+    /// 0 when every run gave the same exit status, stdout and stderr, 1 when not.
+    Determinism(DeterminismCmd),
 }
 
 /// How a sandbox is made (shared by `create` and `run`).
@@ -227,6 +236,54 @@ pub struct LsCmd {
     pub label: Option<String>,
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ConditionsCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    /// The sandbox.
+    pub id: String,
+    /// Print the signed record as JSON (what `verify` checks).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct VerifyCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    /// The signed record (JSON), or `-` for stdin.
+    #[arg(value_name = "FILE")]
+    pub file: String,
+    /// Verify offline with the server's key file (`<state-dir>/conditions.key`) instead of
+    /// asking the server.
+    #[arg(long, value_name = "PATH")]
+    pub key_file: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct DeterminismCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    /// The task image (`host` for the process provider).
+    pub image: String,
+    #[command(flatten)]
+    pub sandbox: SandboxFlags,
+    #[command(flatten)]
+    pub exec: ExecFlags,
+    /// How many fresh sandboxes run the command.
+    #[arg(long, short = 'n', default_value_t = 5, value_name = "N")]
+    pub runs: usize,
+    /// How many runs at once (1: one after the other).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub parallel: usize,
+    /// Print the verdict and every run as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The command and its arguments (after `--`).
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -28,7 +28,11 @@ pub async fn exec(client: &Client, cmd: ExecCmd) -> anyhow::Result<ExitCode> {
 }
 
 /// The request for `command`: argv as given, or one shell string with `--shell`.
-fn exec_request(command: Vec<String>, env: BTreeMap<String, String>, flags: &ExecFlags) -> anyhow::Result<ExecRequest> {
+pub fn exec_request(
+    command: Vec<String>,
+    env: BTreeMap<String, String>,
+    flags: &ExecFlags,
+) -> anyhow::Result<ExecRequest> {
     let stdin = if flags.stdin {
         let mut text = String::new();
         io::stdin().read_to_string(&mut text).context("could not read stdin (it is sent as UTF-8 text)")?;
@@ -141,7 +145,7 @@ async fn release_interrupted_create(client: &Client, create: CreateSandbox) {
     }
 }
 
-async fn release(client: &Client, id: &str) {
+pub async fn release(client: &Client, id: &str) {
     let released = tokio::select! {
         released = tokio::time::timeout(RELEASE_TIMEOUT, client.release(id)) => released,
         _ = shutdown_signal() => {

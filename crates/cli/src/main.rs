@@ -6,6 +6,7 @@
 
 mod cli;
 mod cp;
+mod eval;
 mod exec;
 mod format;
 mod jobs;
@@ -62,11 +63,14 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Logs(cmd) => procs::logs(&connect(&cmd.conn)?, cmd).await,
         Command::Job(cmd) => jobs::job(&connect(cmd.conn())?, cmd).await,
         Command::Prepare(cmd) => prepare::prepare(&connect(&cmd.conn)?, cmd).await,
+        Command::Conditions(cmd) => eval::conditions(&connect(&cmd.conn)?, cmd).await,
+        Command::Verify(cmd) => eval::verify(cmd).await,
+        Command::Determinism(cmd) => eval::determinism(&connect(&cmd.conn)?, cmd).await,
     }
 }
 
 /// The client: `--url` and `--token` where given, the environment otherwise.
-fn connect(conn: &Connection) -> anyhow::Result<Client> {
+pub(crate) fn connect(conn: &Connection) -> anyhow::Result<Client> {
     let url = conn.url.clone().unwrap_or_else(env::url_from_env);
     let token = match &conn.token {
         Some(token) => token.clone(),

@@ -101,7 +101,8 @@ async fn sandman_serve_runs_unmodified_images_through_docker() {
     let hello = http.exec(&bare_id, json!({"argv": ["/hello"]})).await;
     assert_eq!(hello["stdout"], "hello from noshell\n", "{hello}");
 
-    // A pull that cannot succeed fails at once with its reason; eval is refused before anything.
+    // A pull that cannot succeed fails at once with its reason; eval without fixed resources is
+    // refused before anything.
     let started = Instant::now();
     let pulled = http.post("/v1/sandboxes", json!({"image": MISSING})).await;
     let err = pulled.error(400, "invalid_argument");
@@ -109,7 +110,24 @@ async fn sandman_serve_runs_unmodified_images_through_docker() {
     assert!(err["message"].as_str().unwrap().contains(MISSING), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5), "the failed pull took {:?}", started.elapsed());
     let eval = http.post("/v1/sandboxes", json!({"image": BUSYBOX, "profile": "eval"})).await;
-    assert!(eval.error(400, "invalid_argument")["message"].as_str().unwrap().contains("eval"));
+    let message = eval.error(400, "invalid_argument")["message"].as_str().unwrap().to_string();
+    assert!(message.contains("resources.cpu and resources.memory"), "{message}");
+
+    // An eval sandbox: ready only with conditions that match, recorded, signed and verifiable.
+    let resources = json!({"cpu": "500m", "memory": "64Mi", "pids": 100});
+    let eval = http.create(json!({"image": BUSYBOX, "profile": "eval", "resources": resources})).await;
+    let eval_id = eval["id"].as_str().unwrap().to_string();
+    let signed = http.get(&format!("/v1/sandboxes/{eval_id}/conditions")).await.ok();
+    let record = &signed["record"];
+    assert_eq!(record["mismatches"], json!([]), "{record}");
+    assert!(record["applied"]["image"].as_str().unwrap().starts_with("sha256:"), "{record}");
+    assert_eq!(record["observed"]["network_interfaces"], json!(["lo"]), "{record}");
+    assert_eq!(record["observed"]["cgroup_memory_limit"], 64u64 << 20, "{record}");
+    assert_eq!(record["observed"]["cgroup_cpu_limit"], 0.5, "{record}");
+    assert_eq!(record["observed"]["cgroup_pids_limit"], 100, "{record}");
+    assert_eq!(record["observed"]["timezone"], "UTC", "{record}");
+    assert_eq!(http.post("/v1/verify", signed.clone()).await.ok()["valid"], true);
+    http.release(&eval_id).await.ok();
 
     // kill -9 of the server: a new one finds both sandboxes in the containers' labels.
     let wrote = http.exec(&id, json!({"argv": ["sh", "-c", "echo kept > /tmp/state"]})).await;

@@ -294,28 +294,13 @@ fn temp_env_server(bin: &std::path::Path, state: &std::path::Path) -> Server {
     Server::start_bin_env(bin, state, &[], &[("PATH", &filtered.join(":"))], &["SANDMAN_DAEMON"])
 }
 
-/// Runs the `sandman` CLI against `server`, answering (exit code, stdout, stderr).
-fn cli(server: &Server, args: &[&str]) -> (i32, String, String) {
-    let out = std::process::Command::new(e2e::sandman_bin())
-        .args(args)
-        .env("SANDMAN_URL", &server.url)
-        .env("SANDMAN_TOKEN", e2e::TOKEN)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_drives_a_real_server() {
     let server = Server::start();
-    let (code, id, err) = cli(&server, &["create", "host", "--label", "who=cli"]);
+    let (code, id, err) = e2e::cli(&server, &["create", "host", "--label", "who=cli"]);
     assert_eq!(code, 0, "{err}");
     let id = id.trim().to_string();
-    let (code, out, _) = cli(&server, &["exec", &id, "--", "sh", "-c", "echo out; echo err >&2; exit 3"]);
+    let (code, out, _) = e2e::cli(&server, &["exec", &id, "--", "sh", "-c", "echo out; echo err >&2; exit 3"]);
     assert_eq!((code, out.as_str()), (3, "out\n"));
 
     // cp in and out, a directory with a mode and a symlink.
@@ -325,12 +310,12 @@ async fn the_cli_drives_a_real_server() {
     std::fs::write(src.join("bin/run.sh"), "#!/bin/sh\necho run\n").unwrap();
     std::fs::set_permissions(src.join("bin/run.sh"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     std::os::unix::fs::symlink("bin/run.sh", src.join("latest")).unwrap();
-    let (code, _, err) = cli(&server, &["cp", src.to_str().unwrap(), &format!("{id}:/tmp/proj")]);
+    let (code, _, err) = e2e::cli(&server, &["cp", src.to_str().unwrap(), &format!("{id}:/tmp/proj")]);
     assert_eq!(code, 0, "{err}");
-    let (code, out, _) = cli(&server, &["exec", &id, "--", "/tmp/proj/latest"]);
+    let (code, out, _) = e2e::cli(&server, &["exec", &id, "--", "/tmp/proj/latest"]);
     assert_eq!((code, out.as_str()), (0, "run\n"));
     let back = local.path().join("back");
-    let (code, _, err) = cli(&server, &["cp", &format!("{id}:/tmp/proj"), back.to_str().unwrap()]);
+    let (code, _, err) = e2e::cli(&server, &["cp", &format!("{id}:/tmp/proj"), back.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(std::fs::read_to_string(back.join("bin/run.sh")).unwrap(), "#!/bin/sh\necho run\n");
     assert_eq!(std::fs::read_link(back.join("latest")).unwrap().to_str(), Some("bin/run.sh"));
@@ -341,21 +326,21 @@ async fn the_cli_drives_a_real_server() {
         .await
         .ok();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let (code, out, _) = cli(&server, &["ps", &id]);
+    let (code, out, _) = e2e::cli(&server, &["ps", &id]);
     assert_eq!(code, 0);
     assert!(out.contains("bg"), "{out}");
-    let (code, out, _) = cli(&server, &["logs", &id, "bg"]);
+    let (code, out, _) = e2e::cli(&server, &["logs", &id, "bg"]);
     assert_eq!((code, out.as_str()), (0, "logged\n"));
 
-    let (code, out, _) = cli(&server, &["ls", "--json"]);
+    let (code, out, _) = e2e::cli(&server, &["ls", "--json"]);
     assert_eq!(code, 0);
     let listed: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(listed.as_array().map(|a| a.len()).unwrap_or_else(|| listed["sandboxes"].as_array().unwrap().len()), 1);
-    let (code, _, _) = cli(&server, &["rm", &id]);
+    let (code, _, _) = e2e::cli(&server, &["rm", &id]);
     assert_eq!(code, 0);
-    let (code, _, err) = cli(&server, &["rm", &id]);
+    let (code, _, err) = e2e::cli(&server, &["rm", &id]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("gone") && err.contains("released"), "{err}");
-    let (code, out, err) = cli(&server, &["run", "host", "--", "sh", "-c", "echo ran; exit 4"]);
+    let (code, out, err) = e2e::cli(&server, &["run", "host", "--", "sh", "-c", "echo ran; exit 4"]);
     assert_eq!((code, out.as_str()), (4, "ran\n"), "{err}");
 }

@@ -15,7 +15,8 @@ use hyper_util::rt::TokioExecutor;
 use sandman_wire::ErrorBody;
 use sandman_wire::server::{
     CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool,
-    PoolList, PoolSpec, PrepareRequest, PrepareResult, Sandbox, SandboxList, ServerHealth,
+    PoolList, PoolSpec, PrepareRequest, PrepareResult, Sandbox, SandboxList, ServerHealth, SignedConditions,
+    Verification,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -167,6 +168,18 @@ impl Client {
     /// has failed.
     pub async fn prepare(&self, req: &PrepareRequest) -> Result<PrepareResult, ClientError> {
         self.json(Req::new(Method::POST, "/v1/prepare".into()).json(req)?).await
+    }
+
+    /// `GET /v1/sandboxes/{id}/conditions`: the sandbox's signed conditions record (asked,
+    /// applied, observed, mismatches).
+    pub async fn conditions(&self, id: &str) -> Result<SignedConditions, ClientError> {
+        self.json(Req::new(Method::GET, sandbox_path(id, "/conditions"))).await
+    }
+
+    /// `POST /v1/verify`: whether a signed conditions record (any JSON, as it was kept) is
+    /// intact and signed by this server.
+    pub async fn verify(&self, signed: &serde_json::Value) -> Result<Verification, ClientError> {
+        self.json(Req::new(Method::POST, "/v1/verify".into()).json(signed)?).await
     }
 
     /// `GET /v1/events`: the lifecycle events kept so far (`follow` is ignored).

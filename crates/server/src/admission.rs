@@ -97,6 +97,8 @@ pub struct Ticket {
     pub enqueued: Instant,
     /// Arrival order, for ties.
     seq: u64,
+    /// The position it was last told (see [`Admission::progress`]).
+    reported: u64,
 }
 
 /// What became of an offered create.
@@ -220,34 +222,54 @@ impl Admission {
             flow.vtime = flow.vtime.max(vtime);
         }
         self.seq += 1;
-        flow.queue.push_back(Ticket { id: id.to_string(), enqueued: now, seq: self.seq });
+        flow.queue.push_back(Ticket { id: id.to_string(), enqueued: now, seq: self.seq, reported: u64::MAX });
         self.queued_in.insert(id.to_string(), tenant.clone());
         let (position, wait) = self.estimate(&tenant);
+        if let Some(t) = self.flows.get_mut(&tenant).and_then(|f| f.queue.back_mut()) {
+            t.reported = position;
+        }
         Offer::Queued { position, wait }
+    }
+
+    /// Queued creates whose place moved enough since they were last told (a quarter of the way
+    /// to the front, or any move in the last ten places), with their new place and wait: each
+    /// create hears about log(position) times, not once per admission. Costs one pass over the
+    /// queue per tenant; the admission task calls it at most once a second.
+    pub fn progress(&mut self) -> Vec<(String, Tenant, u64, Option<Duration>)> {
+        let flows: Vec<(Tenant, f64, f64, usize)> =
+            self.flows.iter().map(|(t, f)| (t.clone(), f.vtime, f.weight, f.queue.len())).collect();
+        let global = self.global.as_ref().map(TokenBucket::rate);
+        let mut out = Vec::new();
+        for (tenant, flow) in self.flows.iter_mut() {
+            let own = flow.bucket.as_ref().map(TokenBucket::rate);
+            for (k, ticket) in flow.queue.iter_mut().enumerate() {
+                let ahead = ahead_of(tenant, flow.vtime, flow.weight, k, &flows);
+                let position = ahead as u64 + 1;
+                let moved = position < ticket.reported && (position <= 10 || position * 4 <= ticket.reported * 3);
+                if moved {
+                    ticket.reported = position;
+                    out.push((ticket.id.clone(), tenant.clone(), position, wait_for(ahead, k, global, own)));
+                }
+            }
+        }
+        out
     }
 
     /// Where the last create of `tenant`'s queue stands: about how many creates are admitted
     /// before it (itself included), and about when it is admitted.
     fn estimate(&self, tenant: &Tenant) -> (u64, Option<Duration>) {
         let Some(flow) = self.flows.get(tenant) else { return (0, None) };
-        let k = flow.queue.len().saturating_sub(1) as f64;
-        let tag = flow.vtime + k / flow.weight;
-        let mut ahead = k;
-        for (t, other) in &self.flows {
-            if t == tenant || other.queue.is_empty() {
-                continue;
-            }
-            let before = ((tag - other.vtime) * other.weight).ceil().max(0.0);
-            ahead += before.min(other.queue.len() as f64);
-        }
-        let position = ahead as u64 + 1;
-        let global = self.global.as_ref().map(|g| (ahead + 1.0) / g.rate);
-        let own = flow.bucket.as_ref().map(|b| (k + 1.0) / b.rate);
-        let wait = match (global, own) {
-            (Some(g), Some(o)) => Some(g.max(o)),
-            (g, o) => g.or(o),
-        };
-        (position, wait.map(|s| Duration::from_secs_f64(s.min(1e6))))
+        let k = flow.queue.len().saturating_sub(1);
+        let flows: Vec<(Tenant, f64, f64, usize)> =
+            self.flows.iter().map(|(t, f)| (t.clone(), f.vtime, f.weight, f.queue.len())).collect();
+        let ahead = ahead_of(tenant, flow.vtime, flow.weight, k, &flows);
+        let wait = wait_for(
+            ahead,
+            k,
+            self.global.as_ref().map(TokenBucket::rate),
+            flow.bucket.as_ref().map(TokenBucket::rate),
+        );
+        (ahead as u64 + 1, wait)
     }
 
     /// Takes a queued create off the queue; false when it is not queued (it was admitted, or
@@ -311,6 +333,35 @@ impl Admission {
             out.push((tenant, ticket));
         }
     }
+}
+
+/// About how many creates are admitted before the `k`-th of `tenant`'s queue (its own `k`
+/// before it, and each other tenant's whose start tags come first): `flows` is every tenant's
+/// (tenant, start tag of its head, weight, queue length).
+fn ahead_of(tenant: &Tenant, vtime: f64, weight: f64, k: usize, flows: &[(Tenant, f64, f64, usize)]) -> f64 {
+    let k = k as f64;
+    let tag = vtime + k / weight;
+    let mut ahead = k;
+    for (t, other_vtime, other_weight, len) in flows {
+        if t == tenant || *len == 0 {
+            continue;
+        }
+        let before = ((tag - other_vtime) * other_weight).ceil().max(0.0);
+        ahead += before.min(*len as f64);
+    }
+    ahead
+}
+
+/// About how long until a create with `ahead` creates before it overall, `k` of them its own
+/// tenant's, is admitted, from the global rate and the tenant's own.
+fn wait_for(ahead: f64, k: usize, global: Option<f64>, own: Option<f64>) -> Option<Duration> {
+    let global = global.map(|r| (ahead + 1.0) / r);
+    let own = own.map(|r| (k as f64 + 1.0) / r);
+    let wait = match (global, own) {
+        (Some(g), Some(o)) => Some(g.max(o)),
+        (g, o) => g.or(o),
+    };
+    wait.map(|s| Duration::from_secs_f64(s.min(1e6)))
 }
 
 /// Creates admitted over the last few seconds, for the achieved-rate gauge.

@@ -19,7 +19,8 @@ use sandman_provider::Provider;
 use sandman_wire::ErrorCode;
 use sandman_wire::server::{
     CreateSandbox, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool,
-    PoolList, PoolSpec, PrepareRequest, PrepareResult, Reason, Sandbox, SandboxList, ServerHealth,
+    PoolList, PoolSpec, PrepareRequest, PrepareResult, Reason, Sandbox, SandboxList, ServerHealth, SignedConditions,
+    Verification,
 };
 use tokio::sync::{broadcast, mpsc};
 use tower::ServiceBuilder;
@@ -47,6 +48,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}"),
     ("DELETE", "/v1/sandboxes/{id}"),
     ("POST", "/v1/sandboxes/{id}/keepalive"),
+    ("GET", "/v1/sandboxes/{id}/conditions"),
     ("ANY", "/v1/sandboxes/{id}/{*call}"),
     ("PUT", "/v1/jobs/{job}"),
     ("GET", "/v1/jobs/{job}"),
@@ -58,6 +60,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/pools/{name}"),
     ("DELETE", "/v1/pools/{name}"),
     ("POST", "/v1/prepare"),
+    ("POST", "/v1/verify"),
     ("GET", "/v1/events"),
 ];
 
@@ -67,12 +70,14 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(release))
         .route("/v1/sandboxes/{id}/keepalive", post(keepalive))
+        .route("/v1/sandboxes/{id}/conditions", get(conditions))
         .route("/v1/jobs/{job}", get(get_job).put(put_job).delete(delete_job))
         .route("/v1/jobs/{job}/heartbeat", post(heartbeat))
         .route("/v1/jobs/{job}/usage", get(job_usage))
         .route("/v1/pools", get(list_pools))
         .route("/v1/pools/{name}", get(get_pool).put(put_pool).delete(delete_pool))
         .route("/v1/prepare", post(prepare))
+        .route("/v1/verify", post(verify))
         .route("/v1/events", get(events))
         .layer(ServiceBuilder::new().layer(HandleErrorLayer::new(edge_error)).timeout(limits.request_timeout));
     // Proxied calls carry their own timeouts (the daemon enforces `timeout_ms`), and streams may
@@ -204,6 +209,22 @@ async fn prepare(
     ApiJson(req): ApiJson<PrepareRequest>,
 ) -> ServerResult<Json<PrepareResult>> {
     service.prepare(req).await.map(Json)
+}
+
+async fn conditions(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> ServerResult<Json<SignedConditions>> {
+    service.conditions(&id).await.map(Json)
+}
+
+/// Takes any JSON (not the typed record): whatever was signed, unknown fields included, is
+/// what must verify.
+async fn verify(
+    State(service): State<Arc<Service>>,
+    ApiJson(signed): ApiJson<serde_json::Value>,
+) -> ServerResult<Json<Verification>> {
+    service.verify(&signed).map(Json)
 }
 
 /// Events buffered for one follower before it is slowed down.

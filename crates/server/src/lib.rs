@@ -6,6 +6,7 @@ pub mod accounting;
 pub mod admission;
 pub mod api;
 pub mod auth;
+pub mod conditions;
 pub mod config;
 pub mod daemon;
 pub mod error;

@@ -41,7 +41,7 @@ pub async fn forward(
     let uri =
         daemon::uri(&endpoint, &path_and_query).map_err(|e| ServerError::InvalidArgument(format!("bad path: {e}")))?;
     let (mut parts, body) = req.into_parts();
-    let body = if !target.env.is_empty()
+    let body = if (!target.env.is_empty() || target.eval)
         && parts.method == http::Method::POST
         && starts_command(&rest)
         && is_json(&parts.headers)
@@ -49,6 +49,9 @@ pub async fn forward(
         let bytes = sandman_http::extract::read_limited(body, sandman_http::extract::MAX_JSON_BODY)
             .await
             .map_err(ServerError::Body)?;
+        if target.eval {
+            check_eval_call(&bytes).map_err(ServerError::InvalidArgument)?;
+        }
         parts.headers.remove(header::CONTENT_LENGTH);
         Body::from(merge_env(bytes, &target.env))
     } else {
@@ -95,6 +98,15 @@ fn is_json(headers: &http::HeaderMap) -> bool {
         .is_none_or(|v| v.trim_start().to_ascii_lowercase().starts_with("application/json"))
 }
 
+/// Refuses a command of an `eval` sandbox whose `env` changes what eval fixes (TZ, locale).
+fn check_eval_call(body: &[u8]) -> Result<(), String> {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else { return Ok(()) };
+    let Some(env) = v.get("env").and_then(|e| e.as_object()) else { return Ok(()) };
+    let env: BTreeMap<String, String> =
+        env.iter().filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string()))).collect();
+    crate::conditions::check_eval_env(&env)
+}
+
 /// The body with `env` added to its `env` object, the body's own values winning; a body that is
 /// not a JSON object goes on unchanged, for the daemon to refuse.
 fn merge_env(body: bytes::Bytes, env: &BTreeMap<String, String>) -> bytes::Bytes {
@@ -125,5 +137,13 @@ mod tests {
         let raw = bytes::Bytes::from_static(b"not json");
         assert_eq!(merge_env(raw.clone(), &env), raw);
         assert!(starts_command("exec/stream") && starts_command("sessions") && !starts_command("sessions/s1/run"));
+    }
+
+    #[test]
+    fn an_eval_sandboxs_command_may_not_change_its_timezone_or_locale() {
+        assert!(check_eval_call(br#"{"argv":["date"],"env":{"TZ":"UTC","X":"1"}}"#).is_ok());
+        assert!(check_eval_call(br#"{"argv":["date"]}"#).is_ok());
+        let e = check_eval_call(br#"{"argv":["date"],"env":{"TZ":"Asia/Tokyo"}}"#).err().unwrap_or_default();
+        assert!(e.contains("TZ=Asia/Tokyo"), "{e}");
     }
 }

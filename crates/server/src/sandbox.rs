@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sandman_provider::{Endpoint, SandboxSpec};
-use sandman_wire::server::{Reason, Sandbox as WireSandbox, SandboxState};
+use sandman_wire::server::{Reason, Sandbox as WireSandbox, SandboxState, SignedConditions};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -101,6 +101,8 @@ pub struct Inner {
     pub timers: Timers,
     /// When the daemon's own lease was last renewed by the server.
     pub daemon_touched: Instant,
+    /// The signed conditions record, once taken.
+    pub conditions: Option<SignedConditions>,
 }
 
 #[derive(Debug)]
@@ -116,6 +118,9 @@ pub struct Sandbox {
     pub claimed_ms: Option<u64>,
     /// For a claimed sandbox, when its pool made it.
     pub pool_created_ms: Option<u64>,
+    /// A create whose caller went away while it was queued: taken off the queue, and not what
+    /// a retry with its idempotency key answers.
+    pub abandoned: std::sync::atomic::AtomicBool,
     /// Lifecycle and timers. Held only for reads and transitions, never across `.await`.
     inner: Mutex<Inner>,
     /// The current state, for creates that wait for readiness.
@@ -132,6 +137,7 @@ impl Sandbox {
             env_overlay: Arc::default(),
             claimed_ms: None,
             pool_created_ms: None,
+            abandoned: Default::default(),
             inner: Mutex::new(Inner {
                 state,
                 reason: None,
@@ -142,6 +148,7 @@ impl Sandbox {
                 ended_at: None,
                 timers,
                 daemon_touched: now,
+                conditions: None,
             }),
             state_tx: watch::Sender::new(state),
         }

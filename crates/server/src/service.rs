@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use sandman_provider::{Endpoint, Progress, Provider, ProviderEvent, SandboxSpec, ServerMeta};
-use sandman_wire::daemon::{ExecRequest, ExecResult, Info, Usage};
+use sandman_wire::daemon::{ExecRequest, ExecResult, Info, Observed, Usage};
 use sandman_wire::server::{
-    CreateSandbox, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolSpec, Reason, Sandbox as WireSandbox,
-    SandboxState, UsageRecord,
+    Asked, ConditionsRecord, CreateSandbox, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolSpec, Profile,
+    Reason, Sandbox as WireSandbox, SandboxState, SignedConditions, UsageRecord, Verification,
 };
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
@@ -23,6 +23,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::accounting::Accounting;
 use crate::admission::{Admission, Offer, RateMeter, Tenant, Ticket};
+use crate::conditions::{self, KEY_FILE, Signer};
 use crate::daemon::{self, DaemonClient};
 use crate::error::{ServerError, ServerResult};
 use crate::events::Events;
@@ -88,6 +89,8 @@ pub enum Daemons {
 pub const DAEMON_LEASE_SLACK_S: u64 = 60;
 /// Daemon keepalives the server sends at once on behalf of heartbeats.
 const KEEPALIVE_CONCURRENCY: usize = 64;
+/// How often, at most, queued creates are told their new place (see `Admission::progress`).
+const QUEUE_PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// Output kept from a setup command, and how much of its tail a failure message shows.
 const SETUP_OUTPUT_BYTES: u64 = 64 * 1024;
 const SETUP_TAIL_CHARS: usize = 2000;
@@ -173,6 +176,8 @@ pub struct Service {
     claims: ClaimJournal,
     pub accounting: Accounting,
     pub events: Events,
+    /// Signs conditions records; why not, when the key could not be read or made.
+    signer: Result<Signer, String>,
     /// Gates holding a job's creates of an image until enough nodes have it.
     pub gates: Gates,
     pub metrics: Metrics,
@@ -213,6 +218,9 @@ impl Service {
             claims,
             accounting,
             events: Events::default(),
+            signer: Signer::open(&settings.state_dir).map_err(|e| {
+                format!("cannot read or make the signing key {}: {e}", settings.state_dir.join(KEY_FILE).display())
+            }),
             gates: Gates::default(),
             metrics,
             daemons: daemon::client(),
@@ -359,6 +367,9 @@ impl Service {
         }
         check_resources(&req.resources)?;
         check_env(&req.env)?;
+        if req.profile == Profile::Eval {
+            conditions::check_eval_env(&req.env).map_err(ServerError::InvalidArgument)?;
+        }
         for k in req.labels.keys() {
             if k.is_empty() || k.len() > 63 || !k.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c)) {
                 return Err(ServerError::InvalidArgument(format!("invalid label key `{k}`")));
@@ -462,6 +473,8 @@ impl Service {
                 .as_ref()
                 .and_then(|k| table.by_key.get(k))
                 .and_then(|id| table.by_id.get(id))
+                // A create given up by its caller while queued made nothing: a retry starts anew.
+                .filter(|sb| !sb.abandoned.load(std::sync::atomic::Ordering::Relaxed))
                 .cloned();
             match existing {
                 Some(sb) => {
@@ -532,7 +545,10 @@ impl Service {
         if !req.wait {
             return Ok(sandbox.to_wire());
         }
-        self.wait_settled(&sandbox, deadline).await
+        let mut guard = AbandonGuard { service: self, sb: &sandbox, armed: true };
+        let settled = self.wait_settled(&sandbox, deadline).await;
+        guard.armed = false;
+        settled
     }
 
     /// Counts a new sandbox of its job; `made` when the provider makes it (not a claim).
@@ -612,6 +628,7 @@ impl Service {
     /// One task admits every queued create: it sleeps until the next token is due (the global
     /// one, or a job's own) or a create is queued, then admits what the rates allow.
     async fn admission_loop(self: Arc<Self>) {
+        let mut told = Instant::now();
         loop {
             let now = Instant::now();
             let (admitted, next) = self.admission().admit(now);
@@ -619,6 +636,10 @@ impl Service {
                 let n = admitted.len() as u64;
                 self.metrics.admitted("queue", n);
                 self.meter().add(now, n);
+                if now.saturating_duration_since(told) >= QUEUE_PROGRESS_EVERY {
+                    told = now;
+                    self.tell_queue_progress();
+                }
             }
             for (_, ticket) in admitted {
                 self.start_admitted(ticket, now);
@@ -634,6 +655,18 @@ impl Service {
                 _ = self.admission_wake.notified() => {}
                 _ = sleep => {}
             }
+        }
+    }
+
+    /// Tells queued creates whose place moved enough where they now stand, as events.
+    fn tell_queue_progress(&self) {
+        let moved = self.admission().progress();
+        for (id, tenant, position, wait) in moved {
+            let job = match &tenant {
+                Tenant::Job(j) => Some(j.as_str()),
+                Tenant::NoJob | Tenant::Pool(_) => None,
+            };
+            self.events.emit_queued(&id, job, position, wait);
         }
     }
 
@@ -695,6 +728,28 @@ impl Service {
         if let Err(msg) = self.run_setup(&sb, &endpoint, &sb.setup).await {
             self.fail(&sb, Reason::SetupFailed, msg).await;
             return;
+        }
+        if sb.spec.profile == Profile::Eval {
+            // An eval sandbox is ready only once its conditions are recorded and match.
+            match self.take_conditions(&sb, &endpoint).await {
+                Ok(signed) if signed.record.mismatches.is_empty() => sb.lock().conditions = Some(signed),
+                Ok(signed) => {
+                    let what: Vec<String> = signed
+                        .record
+                        .mismatches
+                        .iter()
+                        .map(|m| format!("{} applied {} but observed {}", m.field, m.applied, m.observed))
+                        .collect();
+                    sb.lock().conditions = Some(signed);
+                    self.fail(&sb, Reason::ConditionsMismatch, what.join("; ")).await;
+                    return;
+                }
+                Err(e) => {
+                    self.fail(&sb, Reason::ConditionsMismatch, format!("its conditions could not be recorded: {e}"))
+                        .await;
+                    return;
+                }
+            }
         }
         match sb.transition(SandboxState::Ready, None, None) {
             Ok(prev) => {
@@ -794,7 +849,7 @@ impl Service {
             cpu_seconds: usage.map(|u| (u.cpu_user_ms + u.cpu_system_ms) as f64 / 1000.0),
             peak_memory_kib: usage.map(|u| u.max_rss_kib),
             pool_idle_seconds: sb.claimed_ms.zip(sb.pool_created_ms).map(|(c, p)| c.saturating_sub(p) as f64 / 1000.0),
-            conditions: None,
+            conditions: sb.lock().conditions.clone(),
         };
         self.accounting.record(&record, &self.metrics);
         if let Some(name) = sb.pool().filter(|_| sb.claimed_ms.is_none()) {
@@ -872,7 +927,12 @@ impl Service {
         inner.daemon_touched = now;
         let endpoint =
             inner.endpoint.clone().ok_or_else(|| ServerError::Internal(format!("sandbox `{id}` has no endpoint")))?;
-        Ok(CallTarget { endpoint, token: sb.spec.token.clone(), env: sb.env_overlay.clone() })
+        Ok(CallTarget {
+            endpoint,
+            token: sb.spec.token.clone(),
+            env: sb.env_overlay.clone(),
+            eval: sb.spec.profile == Profile::Eval,
+        })
     }
 
     /// Renews the lease of a live sandbox, passing the renewal on to its daemon when the
@@ -1300,6 +1360,8 @@ impl Service {
                 let mut inner = sb.lock();
                 inner.endpoint = old.lock().endpoint.clone();
                 inner.daemon_touched = old.lock().daemon_touched;
+                // Taken when the pool's sandbox became ready; the sandbox is the same.
+                inner.conditions = old.lock().conditions.clone();
                 if !has_setup {
                     inner.ready_at_ms = Some(claimed_ms);
                 }
@@ -1349,6 +1411,79 @@ impl Service {
             self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, None);
             self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
         }
+    }
+
+    // ---- conditions ----
+
+    /// The sandbox's signed conditions record: taken once (at readiness for `eval` sandboxes,
+    /// at the first ask for others) and kept, then written with its accounting record.
+    pub async fn conditions(&self, id: &str) -> ServerResult<SignedConditions> {
+        let sb = self.get(id)?;
+        let (state, endpoint, kept) = {
+            let inner = sb.lock();
+            (inner.state, inner.endpoint.clone(), inner.conditions.clone())
+        };
+        if let Some(kept) = kept {
+            return Ok(kept);
+        }
+        let endpoint = match (state, endpoint) {
+            (SandboxState::Ready, Some(e)) => e,
+            (SandboxState::Queued | SandboxState::Creating, _) => {
+                return Err(ServerError::Conflict(format!(
+                    "sandbox `{id}` is {}; its conditions are recorded once it is ready",
+                    state.as_str()
+                )));
+            }
+            _ => return Err(sb.gone_error()),
+        };
+        let signed = self.take_conditions(&sb, &endpoint).await.map_err(ServerError::Unavailable)?;
+        Ok(sb.lock().conditions.get_or_insert(signed).clone())
+    }
+
+    /// Asks the provider what it applied and the daemon what it observes, and signs the record.
+    async fn take_conditions(&self, sb: &Sandbox, endpoint: &Endpoint) -> Result<SignedConditions, String> {
+        let signer = self.signer.as_ref().map_err(Clone::clone)?;
+        if self.settings.daemons == Daemons::Absent {
+            return Err("this server's sandboxes have no daemon to observe them".into());
+        }
+        let applied = self
+            .provider
+            .applied(sb.id())
+            .await
+            .map_err(|e| format!("the provider could not say what it applied: {e}"))?;
+        let observed: Observed = daemon::call_json::<(), _>(
+            &self.daemons,
+            endpoint,
+            &sb.spec.token,
+            http::Method::GET,
+            "/v1/conditions",
+            None,
+        )
+        .await
+        .map_err(|e| format!("the daemon could not report what it observes: {e}"))?;
+        let mismatches = conditions::mismatches(&applied, &observed);
+        Ok(signer.sign(ConditionsRecord {
+            sandbox: sb.id().to_string(),
+            job: sb.spec.job.clone(),
+            provider: self.provider.name().to_string(),
+            server_version: crate::api::VERSION.to_string(),
+            recorded_ms: now_ms(),
+            asked: Asked {
+                image: sb.spec.image.clone(),
+                resources: sb.spec.resources.clone(),
+                profile: sb.spec.profile,
+                network: sb.spec.network,
+            },
+            applied,
+            observed,
+            mismatches,
+        }))
+    }
+
+    /// Whether a signed conditions record is intact and signed by this server.
+    pub fn verify(&self, signed: &serde_json::Value) -> ServerResult<Verification> {
+        let signer = self.signer.as_ref().map_err(|e| ServerError::Unavailable(e.clone()))?;
+        Ok(signer.verify(signed))
     }
 
     // ---- metrics ----
@@ -1594,12 +1729,35 @@ impl Service {
     }
 }
 
+/// Takes a waiting create off the admission queue when its caller goes away (the request is
+/// dropped) before it is admitted: nothing is made for nobody. Disarmed once the wait ends.
+struct AbandonGuard<'a> {
+    service: &'a Arc<Service>,
+    sb: &'a Arc<Sandbox>,
+    armed: bool,
+}
+
+impl Drop for AbandonGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed || self.sb.state() != SandboxState::Queued {
+            return;
+        }
+        let message = "its caller went away while it was queued for admission".to_string();
+        if self.service.cancel_queued(self.sb, Reason::Released, Some(message)) {
+            self.sb.abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(sandbox = self.sb.id(), "a queued create's caller went away; taken off the queue");
+        }
+    }
+}
+
 /// Where a proxied call goes, and the claimer's environment merged into it.
 #[derive(Debug, Clone)]
 pub struct CallTarget {
     pub endpoint: Endpoint,
     pub token: String,
     pub env: Arc<BTreeMap<String, String>>,
+    /// An `eval` sandbox: its commands may not change the environment eval fixes.
+    pub eval: bool,
 }
 
 fn check_resources(r: &sandman_wire::server::Resources) -> ServerResult<()> {
@@ -2019,6 +2177,67 @@ mod tests {
         let made = fake(&s).list().await.unwrap_or_default();
         assert_eq!(made.len(), 1);
         assert!(made.iter().all(|r| r.spec.job.is_none()), "the timed-out create was made anyway");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_create_whose_caller_goes_away_is_taken_off_the_queue_and_a_retry_starts_anew() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 0.1, 100);
+        s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
+        let req = CreateSandbox { idempotency_key: Some("k".into()), ..create_req(Some("j"), true) };
+        let waiting = {
+            let (s, req) = (s.clone(), req.clone());
+            tokio::spawn(async move { s.create(req).await })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(s.queued(), 1);
+        // The caller hangs up: its request future is dropped.
+        waiting.abort();
+        let _ = waiting.await;
+        assert_eq!(s.queued(), 0);
+        let gone = s.list(&ListQuery { job: Some("j".into()), ..Default::default() }).unwrap_or_default();
+        assert_eq!((gone.len(), gone[0].state, gone[0].reason), (1, SandboxState::Gone, Some(Reason::Released)));
+        assert!(gone[0].message.as_deref().is_some_and(|m| m.contains("went away")), "{:?}", gone[0].message);
+        // A retry with the same key is a new create, not the abandoned one.
+        let retry = s.create(CreateSandbox { wait: false, ..req }).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_ne!(retry.id, gone[0].id);
+        assert_eq!(retry.state, SandboxState::Queued);
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let made: Vec<String> = fake(&s).list().await.unwrap_or_default().into_iter().map(|r| r.spec.id).collect();
+        assert!(made.contains(&retry.id) && !made.contains(&gone[0].id), "{made:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn queued_creates_hear_their_place_move_a_few_times_not_at_every_admission() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 10.0, 10_000);
+        let mut ids = Vec::new();
+        for _ in 0..200 {
+            ids.push(s.create(create_req(Some("q"), false)).await.unwrap_or_else(|e| panic!("{e}")).id);
+        }
+        tokio::time::sleep(Duration::from_secs(25)).await;
+        let events = s.events.list(&crate::events::Filter { job: Some("q"), idempotency_key: None }, 0);
+        let told = |id: &str| -> Vec<u64> {
+            events
+                .iter()
+                .filter(|e| e.sandbox == id && e.state == Some(SandboxState::Queued))
+                .filter_map(|e| e.queue_position)
+                .collect()
+        };
+        let last = told(&ids[199]);
+        // First told its place at the back, then told again as it moved up, always forward.
+        assert!(last.len() >= 4, "{last:?}");
+        assert!(last.windows(2).all(|w| w[1] < w[0]), "{last:?}");
+        assert!(last[0] >= 190 && *last.last().unwrap_or(&u64::MAX) <= 10, "{last:?}");
+        // About log(position) times each, not once per admission (that would be ~20,000).
+        let all: usize = ids.iter().map(|id| told(id).len()).sum();
+        assert!(all < 200 * 20, "{all}");
+        let waits: Vec<u64> = events
+            .iter()
+            .filter(|e| e.sandbox == ids[199] && e.state == Some(SandboxState::Queued))
+            .filter_map(|e| e.estimated_wait_ms)
+            .collect();
+        assert!(waits.windows(2).all(|w| w[1] < w[0]), "{waits:?}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -256,3 +256,18 @@ pub fn scratch() -> PathBuf {
     std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
     base
 }
+
+/// Runs the `sandman` CLI against `server`, answering (exit code, stdout, stderr).
+pub fn cli(server: &Server, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(sandman_bin())
+        .args(args)
+        .env("SANDMAN_URL", &server.url)
+        .env("SANDMAN_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

@@ -1,0 +1,441 @@
+//! Conditions records: what a sandbox's create asked for, what the provider applied, what the
+//! daemon observes from inside, and every place where the last two differ, signed with the
+//! server's key (HMAC-SHA256 over the record's canonical JSON) so that a result can carry proof
+//! of the conditions it ran under. `sandman verify` (through `POST /v1/verify`) checks one.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use ring::{digest, hmac};
+use sandman_wire::daemon::Observed;
+use sandman_wire::server::{Applied, Mismatch, SignedConditions, Verification};
+use serde_json::Value;
+
+/// The signing key's file in the state directory: 32 random bytes, made on first start (0600).
+pub const KEY_FILE: &str = "conditions.key";
+
+/// Environment an `eval` sandbox's commands always get; a create may not set these otherwise.
+pub const EVAL_ENV: [(&str, &str); 3] = [("TZ", "UTC"), ("LANG", "C.UTF-8"), ("LC_ALL", "C.UTF-8")];
+
+const SCHEME: &str = "hmac-sha256:";
+/// Bytes a memory or swap limit may differ by between applied and observed: the kernel rounds
+/// limits to its page size.
+const PAGE: u64 = 4096;
+
+/// Signs and checks conditions records with the server's key.
+pub struct Signer {
+    key: hmac::Key,
+    key_id: String,
+}
+
+impl std::fmt::Debug for Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Signer").field("key_id", &self.key_id).finish_non_exhaustive()
+    }
+}
+
+impl Signer {
+    /// Reads the key from `state_dir`, making it on first start.
+    pub fn open(state_dir: &Path) -> std::io::Result<Signer> {
+        let path = state_dir.join(KEY_FILE);
+        match std::fs::read(&path) {
+            Ok(key) if key.len() >= 32 => return Ok(Signer::new(&key)),
+            Ok(key) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} holds {} bytes; a signing key has 32", path.display(), key.len()),
+                ));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        std::fs::create_dir_all(state_dir)?;
+        let mut key = [0u8; 32];
+        std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key))?;
+        match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path) {
+            Ok(mut f) => {
+                f.write_all(&key)?;
+                f.sync_all()?;
+                Ok(Signer::new(&key))
+            }
+            // Another server on this state directory made it first: use theirs.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(Signer::new(&std::fs::read(&path)?)),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn new(key: &[u8]) -> Signer {
+        let id = digest::digest(&digest::SHA256, key);
+        Signer { key: hmac::Key::new(hmac::HMAC_SHA256, key), key_id: hex::encode(&id.as_ref()[..8]) }
+    }
+
+    pub fn key_id(&self) -> &str {
+        &self.key_id
+    }
+
+    pub fn sign(&self, record: sandman_wire::server::ConditionsRecord) -> SignedConditions {
+        let value = serde_json::to_value(&record).unwrap_or(Value::Null);
+        let tag = hmac::sign(&self.key, &canonical(&value));
+        SignedConditions {
+            record,
+            signature: format!("{SCHEME}{}", hex::encode(tag.as_ref())),
+            key_id: self.key_id.clone(),
+        }
+    }
+
+    /// Checks a signed record as it was handed in (any JSON: fields this server does not know
+    /// are part of what was signed, so adding one breaks the signature too).
+    pub fn verify(&self, signed: &Value) -> Verification {
+        match self.check(signed) {
+            Ok(()) => Verification { valid: true, problem: None },
+            Err(problem) => Verification { valid: false, problem: Some(problem) },
+        }
+    }
+
+    fn check(&self, signed: &Value) -> Result<(), String> {
+        let record = signed.get("record").ok_or("no `record` in it")?;
+        let signature = signed.get("signature").and_then(Value::as_str).ok_or("no `signature` in it")?;
+        let hex_tag = signature.strip_prefix(SCHEME).ok_or_else(|| format!("the signature is not `{SCHEME}<hex>`"))?;
+        let tag = hex::decode(hex_tag).map_err(|_| "the signature is not hex".to_string())?;
+        if let Some(id) = signed.get("key_id").and_then(Value::as_str)
+            && id != self.key_id
+        {
+            return Err(format!("signed with key `{id}`, not this server's `{}`", self.key_id));
+        }
+        hmac::verify(&self.key, &canonical(record), &tag)
+            .map_err(|_| "the signature does not match the record: it was changed after signing".to_string())
+    }
+}
+
+/// The bytes signed: compact JSON with every object's keys sorted (serde_json's map is ordered).
+pub fn canonical(value: &Value) -> Vec<u8> {
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+/// Every place where what the provider applied and what the daemon observes differ; only what
+/// the provider says it applied is compared.
+pub fn mismatches(applied: &Applied, observed: &Observed) -> Vec<Mismatch> {
+    let mut out = Vec::new();
+    let mut differ = |field: &str, applied: String, observed: String| {
+        out.push(Mismatch { field: field.into(), applied, observed });
+    };
+    let show = |v: Option<String>| v.unwrap_or_else(|| "none".into());
+    if let Some(cpu) = applied.cpu {
+        let seen = observed.cgroup_cpu_limit;
+        if !seen.is_some_and(|o| (o - cpu).abs() <= cpu * 0.01 + 1e-3) {
+            differ("cpu", cpu.to_string(), show(seen.map(|o| o.to_string())));
+        }
+    }
+    let bytes = |field: &str, applied: Option<u64>, seen: Option<u64>, differ: &mut dyn FnMut(&str, String, String)| {
+        if let Some(a) = applied
+            && seen.is_none_or(|o| o.abs_diff(a) >= PAGE)
+        {
+            differ(field, a.to_string(), show(seen.map(|o| o.to_string())));
+        }
+    };
+    bytes("memory", applied.memory, observed.cgroup_memory_limit, &mut differ);
+    bytes("swap", applied.swap, observed.cgroup_swap_limit, &mut differ);
+    // A pod-wide pids limit (the kubelet's podPidsLimit) sits on the pod's cgroup, above the
+    // container's own: the daemon cannot see it, so there is nothing to compare.
+    let pod_scope = applied.details.get("pidsScope").and_then(Value::as_str) == Some("pod");
+    if let Some(pids) = applied.pids.filter(|_| !pod_scope)
+        && observed.cgroup_pids_limit != Some(pids)
+    {
+        differ("pids", pids.to_string(), show(observed.cgroup_pids_limit.map(|o| o.to_string())));
+    }
+    if applied.network.as_deref() == Some("none") && observed.network_interfaces.iter().any(|i| i != "lo") {
+        differ("network", "none (loopback only)".into(), observed.network_interfaces.join(","));
+    }
+    if let Some(tz) = &applied.timezone
+        && observed.timezone.as_ref() != Some(tz)
+    {
+        differ("timezone", tz.clone(), show(observed.timezone.clone()));
+    }
+    if let Some(locale) = &applied.locale
+        && observed.locale.as_ref() != Some(locale)
+    {
+        differ("locale", locale.clone(), show(observed.locale.clone()));
+    }
+    out
+}
+
+/// Refuses an `eval` create whose environment sets what eval fixes.
+pub fn check_eval_env(env: &std::collections::BTreeMap<String, String>) -> Result<(), String> {
+    let clashes: Vec<String> = EVAL_ENV
+        .iter()
+        .filter_map(|(k, v)| {
+            env.get(*k).filter(|have| have != v).map(|have| format!("{k}={have} (eval fixes {k}={v})"))
+        })
+        .collect();
+    if clashes.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("the eval profile fixes the environment it runs in; the request sets {}", clashes.join(", ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandman_wire::server::{Asked, ConditionsRecord, Network, Profile, Resources};
+
+    fn record() -> ConditionsRecord {
+        ConditionsRecord {
+            sandbox: "sb-1".into(),
+            job: Some("j".into()),
+            provider: "process".into(),
+            server_version: "0.1.0".into(),
+            recorded_ms: 1,
+            asked: Asked {
+                image: "host".into(),
+                resources: Resources::default(),
+                profile: Profile::Eval,
+                network: Network::None,
+            },
+            applied: Applied { cpu: Some(1.0), memory: Some(1 << 28), ..Default::default() },
+            observed: Observed {
+                cgroup_cpu_limit: Some(1.0),
+                cgroup_memory_limit: Some(1 << 28),
+                ..Default::default()
+            },
+            mismatches: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_signed_record_verifies_and_any_change_breaks_it() {
+        let signer = Signer::new(&[7u8; 32]);
+        let signed = serde_json::to_value(signer.sign(record())).unwrap_or_default();
+        assert_eq!(signer.verify(&signed), Verification { valid: true, problem: None });
+        // Through text and back, as a file a result carries.
+        let text = serde_json::to_string_pretty(&signed).unwrap_or_default();
+        let reread: Value = serde_json::from_str(&text).unwrap_or_default();
+        assert!(signer.verify(&reread).valid);
+
+        let mut tampered = signed.clone();
+        tampered["record"]["applied"]["memory"] = Value::from(1u64 << 30);
+        let v = signer.verify(&tampered);
+        assert!(!v.valid && v.problem.as_deref().is_some_and(|p| p.contains("changed after signing")), "{v:?}");
+        let mut added = signed.clone();
+        added["record"]["note"] = Value::from("looks fine");
+        assert!(!signer.verify(&added).valid);
+        let other = Signer::new(&[8u8; 32]);
+        let v = other.verify(&signed);
+        assert!(!v.valid && v.problem.as_deref().is_some_and(|p| p.contains("not this server's")), "{v:?}");
+        let mut unsigned = signed.clone();
+        unsigned["signature"] = Value::from("md5:00");
+        assert!(!signer.verify(&unsigned).valid);
+    }
+
+    #[test]
+    fn the_key_is_made_once_and_kept_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let a = Signer::open(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        let b = Signer::open(dir.path()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(a.key_id(), b.key_id());
+        let mode = std::fs::metadata(dir.path().join(KEY_FILE)).map(|m| m.permissions().mode()).unwrap_or(0);
+        assert_eq!(mode & 0o777, 0o600);
+        let signed = serde_json::to_value(a.sign(record())).unwrap_or_default();
+        assert!(b.verify(&signed).valid);
+    }
+
+    #[test]
+    fn differences_between_applied_and_observed_are_flagged() {
+        let applied = Applied {
+            cpu: Some(0.5),
+            memory: Some(512 << 20),
+            swap: Some(0),
+            pids: Some(256),
+            network: Some("none".into()),
+            timezone: Some("UTC".into()),
+            locale: Some("C.UTF-8".into()),
+            ..Default::default()
+        };
+        let same = Observed {
+            cgroup_cpu_limit: Some(0.5),
+            cgroup_memory_limit: Some(512 << 20),
+            cgroup_swap_limit: Some(0),
+            cgroup_pids_limit: Some(256),
+            network_interfaces: vec!["lo".into()],
+            timezone: Some("UTC".into()),
+            locale: Some("C.UTF-8".into()),
+            ..Default::default()
+        };
+        assert_eq!(mismatches(&applied, &same), []);
+        let off = Observed {
+            cgroup_cpu_limit: None,
+            cgroup_memory_limit: Some(1 << 30),
+            cgroup_swap_limit: None,
+            cgroup_pids_limit: Some(255),
+            network_interfaces: vec!["eth0".into(), "lo".into()],
+            timezone: Some("Europe/Paris".into()),
+            locale: None,
+            ..Default::default()
+        };
+        let fields: Vec<String> = mismatches(&applied, &off).into_iter().map(|m| m.field).collect();
+        assert_eq!(fields, ["cpu", "memory", "swap", "pids", "network", "timezone", "locale"]);
+        // Nothing applied, nothing compared.
+        assert_eq!(mismatches(&Applied::default(), &off), []);
+        // A pod-wide pids limit is not visible from inside: not compared.
+        let pod = Applied {
+            pids: Some(256),
+            details: [("pidsScope".to_string(), Value::from("pod"))].into_iter().collect(),
+            ..Default::default()
+        };
+        assert_eq!(mismatches(&pod, &Observed::default()), []);
+    }
+
+    #[test]
+    fn eval_refuses_an_environment_that_changes_what_it_fixes() {
+        let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        assert!(check_eval_env(&env(&[("TZ", "UTC"), ("FOO", "1")])).is_ok());
+        let e = check_eval_env(&env(&[("TZ", "Asia/Tokyo"), ("LC_ALL", "fr_FR.UTF-8")])).err().unwrap_or_default();
+        assert!(e.contains("TZ=Asia/Tokyo") && e.contains("LC_ALL=fr_FR.UTF-8"), "{e}");
+    }
+
+    /// The service over the fake provider, whose every sandbox's daemon is `daemon`: an
+    /// in-process stand-in answering health and `GET /v1/conditions` with `observed`.
+    async fn with_daemon(dir: &Path, applied: Applied, observed: Observed) -> std::sync::Arc<crate::service::Service> {
+        use crate::provider::AnyProvider;
+        use crate::service::{Service, Settings};
+        use axum::routing::get;
+        use sandman_provider::Endpoint;
+        use sandman_provider::fake::FakeProvider;
+
+        let socket = dir.join("daemon.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
+        let app = axum::Router::new()
+            .route("/v1/health", get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }))
+            .route("/v1/conditions", get(move || async move { axum::Json(observed) }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let fake = FakeProvider::new(Endpoint::Unix(socket));
+        fake.set_applied(applied);
+        std::fs::create_dir_all(dir.join("state")).unwrap_or_else(|e| panic!("{e}"));
+        let settings = Settings { create_rate: None, ..Settings::new(dir.join("state")) };
+        let service = Service::new(settings, AnyProvider::Fake(fake), "t".into());
+        service.start_background();
+        service
+    }
+
+    fn eval_create(job: &str) -> sandman_wire::server::CreateSandbox {
+        sandman_wire::server::CreateSandbox {
+            image: "any".into(),
+            job: Some(job.into()),
+            profile: Profile::Eval,
+            wait: true,
+            ..Default::default()
+        }
+    }
+
+    fn strict() -> Applied {
+        Applied { pids: Some(64), network: Some("none".into()), timezone: Some("UTC".into()), ..Default::default() }
+    }
+
+    #[tokio::test]
+    async fn an_eval_sandbox_is_ready_with_its_record_which_verifies_and_outlives_it() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let observed = Observed {
+            daemon_version: "test".into(),
+            cgroup_pids_limit: Some(64),
+            network_interfaces: vec!["lo".into()],
+            timezone: Some("UTC".into()),
+            ..Default::default()
+        };
+        let s = with_daemon(dir.path(), strict(), observed.clone()).await;
+        let sb = s.create(eval_create("ev")).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sb.state, sandman_wire::server::SandboxState::Ready);
+        let signed = s.conditions(&sb.id).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(signed.record.observed, observed);
+        assert_eq!(signed.record.applied, strict());
+        assert_eq!((signed.record.asked.profile, signed.record.mismatches.len()), (Profile::Eval, 0));
+        let value = serde_json::to_value(&signed).unwrap_or_default();
+        assert!(s.verify(&value).map(|v| v.valid).unwrap_or(false));
+        let mut tampered = value.clone();
+        tampered["record"]["observed"]["cgroup_pids_limit"] = Value::from(4096);
+        assert!(!s.verify(&tampered).map(|v| v.valid).unwrap_or(true));
+        // The record taken at readiness is the one answered, and the one kept after release.
+        let again = s.conditions(&sb.id).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(again, signed);
+        s.release(&sb.id, sandman_wire::server::Reason::Released).await.unwrap_or_else(|e| panic!("{e}"));
+        let file = dir.path().join("state").join(crate::accounting::FILE);
+        let mut lines = String::new();
+        for _ in 0..500 {
+            lines = std::fs::read_to_string(&file).unwrap_or_default();
+            if !lines.is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let rec: sandman_wire::server::UsageRecord =
+            serde_json::from_str(lines.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(rec.conditions, Some(signed));
+    }
+
+    #[tokio::test]
+    async fn an_eval_sandbox_whose_daemon_sees_other_conditions_fails_naming_them() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let observed = Observed {
+            cgroup_pids_limit: None,
+            network_interfaces: vec!["eth0".into(), "lo".into()],
+            timezone: Some("UTC".into()),
+            ..Default::default()
+        };
+        let s = with_daemon(dir.path(), strict(), observed).await;
+        let err = s.create(eval_create("ev")).await.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("conditions_mismatch"), "{err}");
+        assert!(err.contains("pids applied 64 but observed none") && err.contains("eth0"), "{err}");
+        assert!(!err.contains("timezone"), "{err}");
+        // A default sandbox on the same server is not held to it; its record flags the same.
+        let default = sandman_wire::server::CreateSandbox { profile: Profile::Default, ..eval_create("d") };
+        let sb = s.create(default).await.unwrap_or_else(|e| panic!("{e}"));
+        let signed = s.conditions(&sb.id).await.unwrap_or_else(|e| panic!("{e}"));
+        let fields: Vec<&str> = signed.record.mismatches.iter().map(|m| m.field.as_str()).collect();
+        assert_eq!(fields, ["pids", "network"]);
+    }
+
+    #[tokio::test]
+    async fn an_eval_create_that_sets_the_fixed_environment_is_refused() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = with_daemon(dir.path(), Applied::default(), Observed::default()).await;
+        let mut req = eval_create("ev");
+        req.env.insert("TZ".into(), "America/New_York".into());
+        let err = s.create(req).await.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("TZ=America/New_York"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_claimed_eval_sandbox_keeps_the_record_taken_when_its_pool_made_it() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let observed = Observed {
+            cgroup_pids_limit: Some(64),
+            network_interfaces: vec!["lo".into()],
+            timezone: Some("UTC".into()),
+            ..Default::default()
+        };
+        let s = with_daemon(dir.path(), strict(), observed).await;
+        let pool = sandman_wire::server::PoolSpec {
+            image: "any".into(),
+            profile: Profile::Eval,
+            min_ready: 1,
+            ..Default::default()
+        };
+        s.put_pool("ev", pool).unwrap_or_else(|e| panic!("{e}"));
+        let mut ready = 0;
+        for _ in 0..500 {
+            ready = s.pool("ev").map(|p| p.ready).unwrap_or(0);
+            if ready > 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(ready, 1);
+        let req = sandman_wire::server::CreateSandbox { pool: Some("ev".into()), ..eval_create("claimer") };
+        let sb = s.create(req).await.unwrap_or_else(|e| panic!("{e}"));
+        let signed = s.conditions(&sb.id).await.unwrap_or_else(|e| panic!("{e}"));
+        // Taken before the claim: no job then, and the same sandbox.
+        assert_eq!((signed.record.sandbox.as_str(), signed.record.job.as_deref()), (sb.id.as_str(), None));
+        assert!(signed.record.recorded_ms <= sb.created_at_ms, "{} > {}", signed.record.recorded_ms, sb.created_at_ms);
+    }
+}
