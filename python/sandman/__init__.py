@@ -20,6 +20,7 @@ from ._async.client import (
     AsyncStream,
 )
 from ._core import __version__
+from .conditions import canonical_json, conditions_key, verify_conditions
 from ._sync.client import ExecStream, Job, OutputStream, Process, Sandbox, Sandman, Session, Stream
 from .errors import (
     Conflict,
@@ -37,6 +38,11 @@ from .errors import (
     Unavailable,
 )
 from .models import (
+    PREPARE_PHASES,
+    REASONS,
+    Applied,
+    Asked,
+    ConditionsRecord,
     DaemonInfo,
     DirListing,
     Event,
@@ -48,13 +54,21 @@ from .models import (
     Health,
     JobAction,
     JobInfo,
+    JobUsage,
+    Mismatch,
+    Observed,
     OutputChunk,
     OutputEvent,
+    PoolInfo,
+    PreparedImage,
+    PrepareResult,
     ProcessInfo,
     SandboxInfo,
     SessionInfo,
     SessionResult,
+    SignedConditions,
     Usage,
+    Verification,
 )
 
 __all__ = [
@@ -90,6 +104,10 @@ __all__ = [
     "Unavailable",
     "Internal",
     "TransportError",
+    # conditions, checked offline
+    "verify_conditions",
+    "canonical_json",
+    "conditions_key",
     # records
     "DaemonInfo",
     "DirListing",
@@ -102,11 +120,24 @@ __all__ = [
     "Health",
     "JobAction",
     "JobInfo",
+    "JobUsage",
     "OutputChunk",
     "OutputEvent",
+    "PoolInfo",
+    "PreparedImage",
+    "PrepareResult",
     "ProcessInfo",
     "SandboxInfo",
     "SessionInfo",
     "SessionResult",
+    "SignedConditions",
+    "ConditionsRecord",
+    "Asked",
+    "Applied",
+    "Observed",
+    "Mismatch",
+    "Verification",
     "Usage",
+    "REASONS",
+    "PREPARE_PHASES",
 ]

@@ -242,7 +242,7 @@ def health_call() -> Call:
 
 
 def create_call(
-    image: str,
+    image: Optional[str],
     *,
     job: Optional[str],
     resources: Optional[Mapping[str, Any]],
@@ -252,6 +252,7 @@ def create_call(
     idle_timeout: Optional[int],
     lease: Optional[int],
     pool: Optional[str],
+    setup: Optional[Sequence[str]],
     env: Optional[Mapping[str, str]],
     labels: Optional[Mapping[str, str]],
     provider: Optional[str],
@@ -259,7 +260,12 @@ def create_call(
     wait: bool,
     wait_timeout: Optional[int],
 ) -> Call:
-    """`POST /v1/sandboxes`, always keyed: a resend after a lost answer returns the same sandbox."""
+    """`POST /v1/sandboxes`, always keyed: a resend after a lost answer returns the same sandbox.
+
+    With no `image`, `host` is asked for, unless `pool` names a pool: then the image is left out
+    and the pool's is used."""
+    if image is None and pool is None:
+        image = "host"
     body = _drop_none(
         {
             "image": image,
@@ -274,6 +280,7 @@ def create_call(
             "idle_timeout_s": idle_timeout,
             "lease_s": lease,
             "pool": pool,
+            "setup": setup_list(setup),
             "idempotency_key": idempotency_key or new_idempotency_key(),
             "wait_timeout_s": wait_timeout,
         }
@@ -283,6 +290,17 @@ def create_call(
     read = CREATE_TIMEOUT if wait_timeout is None else wait_timeout + CALL_TIMEOUT_SLACK
     call = Call("POST", "/v1/sandboxes", json=body, idempotent=True, key=body["idempotency_key"])
     return call.with_timeout(read)
+
+
+def setup_list(setup: Optional[Sequence[str]]) -> Optional[List[str]]:
+    """Setup commands as the wire wants them: a list of shell strings (left out when empty). A
+    lone string is refused rather than sent one character per command."""
+    if setup is None:
+        return None
+    if isinstance(setup, str):
+        raise errors.InvalidArgument("`setup` is a list of shell commands: pass [\"...\"], not a string")
+    commands = [str(c) for c in setup]
+    return commands or None
 
 
 def new_idempotency_key() -> str:
@@ -330,8 +348,87 @@ def heartbeat_call(name: str) -> Call:
     return Call("POST", job_path(name, "/heartbeat"), idempotent=True)
 
 
-def events_call(job: Optional[str], after: Optional[int], follow: bool) -> Call:
-    params = _drop_none({"job": job, "after": None if after is None else str(after)})
+def job_usage_call(name: str) -> Call:
+    return Call("GET", job_path(name, "/usage"), idempotent=True)
+
+
+def pool_path(name: str) -> str:
+    return f"/v1/pools/{seg(name)}"
+
+
+def put_pool_call(
+    name: str,
+    image: str,
+    *,
+    min_ready: int,
+    max: Optional[int],
+    resources: Optional[Mapping[str, Any]],
+    profile: Optional[str],
+    network: Optional[str],
+    env: Optional[Mapping[str, str]],
+    setup: Optional[Sequence[str]],
+    lease: Optional[int],
+    provider: Optional[str],
+) -> Call:
+    """`PUT /v1/pools/{name}`: the whole spec, so sending it again sets the same pool."""
+    body = _drop_none(
+        {
+            "image": image,
+            "provider": provider,
+            "resources": dict(resources) if resources else None,
+            "profile": profile,
+            "network": network,
+            "env": dict(env) if env else None,
+            "min_ready": min_ready,
+            "max": max,
+            "setup": setup_list(setup),
+            "lease_s": lease,
+        }
+    )
+    return Call("PUT", pool_path(name), json=body, idempotent=True)
+
+
+def get_pool_call(name: str) -> Call:
+    return Call("GET", pool_path(name), idempotent=True)
+
+
+def list_pools_call() -> Call:
+    return Call("GET", "/v1/pools", idempotent=True)
+
+
+def delete_pool_call(name: str) -> Call:
+    # A resend of a delete that went through answers `not_found`, which `delete_pool` reports.
+    return Call("DELETE", pool_path(name), idempotent=True)
+
+
+def prepare_call(
+    images: Sequence[str], *, job: Optional[str], hold_until: Optional[float], timeout: Optional[float]
+) -> Call:
+    """`POST /v1/prepare`. It answers once every image is ready or has failed, which may take as
+    long as the slowest pull: the read timeout is `timeout` (None: no limit on the client's side;
+    the server bounds control calls with its own `--request-timeout-s`). Preparing again does no
+    harm, so it is resent where that is safe."""
+    if isinstance(images, str):
+        raise errors.InvalidArgument("`images` is a list of image names: pass [\"...\"], not a string")
+    body = _drop_none({"images": [str(i) for i in images], "job": job, "hold_until": hold_until})
+    return Call("POST", "/v1/prepare", json=body, idempotent=True).with_timeout(timeout)
+
+
+def conditions_call(sandbox_id: str) -> Call:
+    return Call("GET", sandbox_path(sandbox_id, "/conditions"), idempotent=True)
+
+
+def verify_call(signed: Mapping[str, Any]) -> Call:
+    # The record is sent back exactly as it was answered: the server checks its signature.
+    return Call("POST", "/v1/verify", json=dict(signed), idempotent=True)
+
+
+def events_call(
+    job: Optional[str], after: Optional[int], follow: bool, idempotency_key: Optional[str] = None
+) -> Call:
+    params = _drop_none(
+        {"job": job, "after": None if after is None else str(after), "idempotency_key": idempotency_key}
+    )
     if follow:
         params["follow"] = "true"
         return Call("GET", "/v1/events", params=params, accept="application/x-ndjson", idempotent=True)

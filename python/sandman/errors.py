@@ -3,7 +3,8 @@
 Every failed call raises one of these. `code` is the stable wire code, `reason` the machine-readable
 reason where the server gives one (for `Gone`, why the sandbox ended: `released`, `lease_expired`,
 ...), `message` a sentence for people (never parse it), `status` the HTTP status when there was an
-answer.
+answer, and `retry_after` the seconds the server asked to wait before trying again (its
+`Retry-After` header: a full admission queue answers 429 with it), when it asked.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class SandmanError(Exception):
         code: Optional[str] = None,
         reason: Optional[str] = None,
         status: Optional[int] = None,
+        retry_after: Optional[float] = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -49,6 +51,8 @@ class SandmanError(Exception):
             self.code = code
         self.reason = reason
         self.status = status
+        #: Seconds the server asked to wait before sending the call again (`Retry-After`).
+        self.retry_after = retry_after
 
     def __str__(self) -> str:
         return self.message
@@ -107,7 +111,9 @@ class Timeout(SandmanError):
 
 
 class QuotaExceeded(SandmanError):
-    """429: a job's quota (`max_sandboxes`) is used up."""
+    """429: a job's quota (`max_sandboxes`) is used up, or the server's admission queue is full
+    (then `retry_after` says when to try again; nothing was created, and the same create, with
+    its idempotency key, may be sent again)."""
 
     code = "quota_exceeded"
 
@@ -172,16 +178,29 @@ def error_class(code: str) -> Type[SandmanError]:
     return _BY_CODE.get(code, SandmanError)
 
 
+def retry_after_seconds(headers: Optional[Mapping[str, str]]) -> Optional[float]:
+    """The `Retry-After` header in seconds, when it is a number (the server never sends a date)."""
+    value = None if headers is None else headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
+
+
 def error_from_response(status: int, body: bytes, headers: Optional[Mapping[str, str]] = None) -> SandmanError:
     """The exception for an error answer: from its `{"error": {...}}` body when it has one."""
+    retry_after = retry_after_seconds(headers)
     try:
         detail = json.loads(body.decode("utf-8"))["error"]
         code = str(detail["code"])
         message = str(detail.get("message", code))
         reason = detail.get("reason")
-        return error_class(code)(message, code=code, reason=reason, status=status)
+        return error_class(code)(message, code=code, reason=reason, status=status, retry_after=retry_after)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         pass
     cls = _BY_STATUS.get(status, Internal if status >= 500 else InvalidArgument)
     text = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}"
-    return cls(f"HTTP {status}: {text}", status=status)
+    return cls(f"HTTP {status}: {text}", status=status, retry_after=retry_after)

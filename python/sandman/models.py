@@ -27,13 +27,61 @@ __all__ = [
     "SandboxInfo",
     "JobInfo",
     "JobAction",
+    "JobUsage",
+    "PoolInfo",
+    "PreparedImage",
+    "PrepareResult",
     "Event",
+    "Asked",
+    "Applied",
+    "Observed",
+    "Mismatch",
+    "ConditionsRecord",
+    "SignedConditions",
+    "Verification",
     "Health",
+    "REASONS",
+    "PREPARE_PHASES",
 ]
+
+#: Why a sandbox ended (`SandboxInfo.reason`, `Event.reason`, `Gone.reason`), as the server's wire
+#: enum has them. `conditions_mismatch`: an `eval` sandbox whose daemon observed other limits,
+#: network, timezone or locale than the provider applied (the message names each difference).
+#: A newer server may send a reason not listed here; the SDK passes it through as a string.
+REASONS = (
+    "released",
+    "lease_expired",
+    "idle_expired",
+    "ttl_expired",
+    "job_deleted",
+    "image_pull_failed",
+    "unschedulable",
+    "daemon_start_failed",
+    "ready_timeout",
+    "oom_killed",
+    "evicted",
+    "node_lost",
+    "provider_error",
+    "setup_failed",
+    "queue_timeout",
+    "conditions_mismatch",
+)
+
+#: Where the preparation of an image is (`Event.phase` of a `prepare` event): `started`, then
+#: `pulling` lines as nodes report, then `ready` or `failed`.
+PREPARE_PHASES = ("started", "pulling", "ready", "failed")
 
 
 def _opt_int(value: Any) -> Optional[int]:
     return None if value is None else int(value)
+
+
+def _opt_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def _opt_str(value: Any) -> Optional[str]:
+    return None if value is None else str(value)
 
 
 @dataclass(frozen=True)
@@ -435,6 +483,10 @@ class JobInfo:
     last_heartbeat_ms: Optional[int] = None
     #: The whole spec as the server holds it.
     spec: Dict[str, Any] = field(default_factory=dict)
+    #: Most creates a second the job is admitted (None: only the server's global rate).
+    create_rate: Optional[float] = None
+    #: The job's share of the create rate while jobs queue (None: 1).
+    weight: Optional[float] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "JobInfo":
@@ -447,6 +499,8 @@ class JobInfo:
             created=int(d.get("created", 0)),
             last_heartbeat_ms=_opt_int(d.get("last_heartbeat_ms")),
             spec=spec,
+            create_rate=_opt_float(spec.get("create_rate")),
+            weight=_opt_float(spec.get("weight")),
         )
 
 
@@ -463,16 +517,158 @@ class JobAction:
 
 
 @dataclass(frozen=True)
+class JobUsage:
+    """`GET /v1/jobs/{job}/usage`: the sums of the accounting records of a job's ended sandboxes."""
+
+    job: str
+    #: Sandboxes of the job that have ended (and so are in the sums).
+    sandboxes: int
+    #: Sandboxes of the job alive now (not yet in the sums).
+    live: int
+    #: Ended sandboxes by reason (`released`, `lease_expired`, ...).
+    by_reason: Dict[str, int] = field(default_factory=dict)
+    sandbox_seconds: float = 0.0
+    #: CPU (user + system) of the finished commands, where the daemon reported it.
+    cpu_seconds: float = 0.0
+    #: How many records carried CPU and memory figures.
+    with_usage: int = 0
+    #: Largest peak resident set of any finished command, in KiB.
+    peak_memory_kib: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "JobUsage":
+        return cls(
+            job=str(d.get("job", "")),
+            sandboxes=int(d.get("sandboxes", 0)),
+            live=int(d.get("live", 0)),
+            by_reason={str(k): int(v) for k, v in (d.get("by_reason") or {}).items()},
+            sandbox_seconds=float(d.get("sandbox_seconds", 0.0)),
+            cpu_seconds=float(d.get("cpu_seconds", 0.0)),
+            with_usage=int(d.get("with_usage", 0)),
+            peak_memory_kib=_opt_int(d.get("peak_memory_kib")),
+        )
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """A warm pool: its spec and its sizes (`GET /v1/pools/{name}`)."""
+
+    name: str
+    image: str
+    #: Sandboxes kept ready, unclaimed.
+    min_ready: int
+    #: Most unclaimed sandboxes (ready or being created) at once; None: `min_ready`.
+    max: Optional[int]
+    #: Ready and unclaimed now.
+    ready: int
+    #: Being created (or queued for admission) to refill the pool.
+    creating: int
+    #: Claimed from the pool and still alive.
+    claimed: int
+    #: Claims served since the server started.
+    claims: int
+    #: The last failure to refill the pool, while refills are failing.
+    last_error: Optional[str] = None
+    #: Shell commands run in each sandbox before it joins the pool.
+    setup: List[str] = field(default_factory=list)
+    #: The whole spec as the server holds it (resources, profile, network, env, lease_s, ...).
+    spec: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PoolInfo":
+        spec = dict(d.get("spec") or {})
+        return cls(
+            name=str(d["name"]),
+            image=str(spec.get("image", "")),
+            min_ready=int(spec.get("min_ready", 0)),
+            max=_opt_int(spec.get("max")),
+            ready=int(d.get("ready", 0)),
+            creating=int(d.get("creating", 0)),
+            claimed=int(d.get("claimed", 0)),
+            claims=int(d.get("claims", 0)),
+            last_error=_opt_str(d.get("last_error")),
+            setup=[str(c) for c in spec.get("setup") or []],
+            spec=spec,
+        )
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """How the preparation of one image ended."""
+
+    image: str
+    ok: bool
+    #: Nodes that have the image, of those that may run sandboxes (1 of 1 for one host).
+    nodes_ready: int
+    nodes_total: int
+    duration_ms: int
+    #: Why it failed.
+    message: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PreparedImage":
+        return cls(
+            image=str(d.get("image", "")),
+            ok=bool(d.get("ok", False)),
+            nodes_ready=int(d.get("nodes_ready", 0)),
+            nodes_total=int(d.get("nodes_total", 0)),
+            duration_ms=int(d.get("duration_ms", 0)),
+            message=_opt_str(d.get("message")),
+        )
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """`POST /v1/prepare`: one `PreparedImage` per image asked for, in the order asked."""
+
+    images: List[PreparedImage]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PrepareResult":
+        return cls([PreparedImage.from_dict(i) for i in d.get("images", [])])
+
+    @property
+    def ok(self) -> bool:
+        """Every image is ready."""
+        return all(i.ok for i in self.images)
+
+    @property
+    def failed(self) -> List[PreparedImage]:
+        return [i for i in self.images if not i.ok]
+
+
+@dataclass(frozen=True)
 class Event:
-    """One lifecycle event of a sandbox."""
+    """One event of the server: a sandbox's lifecycle (`kind` `sandbox`: `sandbox` and `state`
+    are set) or the preparation of an image (`kind` `prepare`: `image` and `phase` are set, and
+    for a `pulling` line `node`, `nodes_ready` and `nodes_total`)."""
 
     seq: int
     time_ms: int
+    #: The sandbox; empty for a `prepare` event.
     sandbox: str
+    #: The sandbox's new state; empty for a `prepare` event.
     state: str
     job: Optional[str] = None
     reason: Optional[str] = None
     message: Optional[str] = None
+    #: `sandbox` or `prepare`.
+    kind: str = "sandbox"
+    #: For a `queued` sandbox: about how many creates will be admitted before it.
+    queue_position: Optional[int] = None
+    #: For a `queued` sandbox: about how long until it is admitted.
+    estimated_wait_ms: Optional[int] = None
+    #: On the progress of a `creating` sandbox: the idempotency key of its create.
+    idempotency_key: Optional[str] = None
+    #: For a `prepare` event: the image.
+    image: Optional[str] = None
+    #: For a `prepare` event: `started`, `pulling`, `ready` or `failed` (see `PREPARE_PHASES`).
+    phase: Optional[str] = None
+    #: For a `pulling` line: the node it is about.
+    node: Optional[str] = None
+    #: For a `prepare` event: nodes that have the image so far, of `nodes_total`.
+    nodes_ready: Optional[int] = None
+    nodes_total: Optional[int] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Event":
@@ -484,6 +680,15 @@ class Event:
             job=d.get("job"),
             reason=d.get("reason"),
             message=d.get("message"),
+            kind=str(d.get("kind", "sandbox")),
+            queue_position=_opt_int(d.get("queue_position")),
+            estimated_wait_ms=_opt_int(d.get("estimated_wait_ms")),
+            idempotency_key=_opt_str(d.get("idempotency_key")),
+            image=_opt_str(d.get("image")),
+            phase=_opt_str(d.get("phase")),
+            node=_opt_str(d.get("node")),
+            nodes_ready=_opt_int(d.get("nodes_ready")),
+            nodes_total=_opt_int(d.get("nodes_total")),
         )
 
     @classmethod
@@ -492,6 +697,203 @@ class Event:
         if d.get("event", "sandbox") != "sandbox":
             return None
         return cls.from_dict(d)
+
+
+# ---- conditions ----
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a create asked for, as the conditions record keeps it."""
+
+    image: str
+    resources: Dict[str, Any]
+    profile: str
+    network: str
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Asked":
+        return cls(
+            image=str(d.get("image", "")),
+            resources=dict(d.get("resources") or {}),
+            profile=str(d.get("profile", "default")),
+            network=str(d.get("network", "egress")),
+        )
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What the provider applied to a sandbox, as the provider reports it (None: nothing applied,
+    or it cannot tell)."""
+
+    #: The image as it runs, pinned to its digest where the provider resolves one.
+    image: Optional[str] = None
+    #: CPU limit in cores.
+    cpu: Optional[float] = None
+    #: Memory limit in bytes.
+    memory: Optional[int] = None
+    #: Swap allowed beyond memory, in bytes (0: none).
+    swap: Optional[int] = None
+    #: Largest number of processes.
+    pids: Optional[int] = None
+    #: `none` (loopback only), `policy` (denied by a network policy) or `egress`.
+    network: Optional[str] = None
+    timezone: Optional[str] = None
+    locale: Optional[str] = None
+    #: Provider specifics (Docker's host config, the pod's QoS class, ...).
+    details: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Applied":
+        return cls(
+            image=_opt_str(d.get("image")),
+            cpu=_opt_float(d.get("cpu")),
+            memory=_opt_int(d.get("memory")),
+            swap=_opt_int(d.get("swap")),
+            pids=_opt_int(d.get("pids")),
+            network=_opt_str(d.get("network")),
+            timezone=_opt_str(d.get("timezone")),
+            locale=_opt_str(d.get("locale")),
+            details=dict(d.get("details") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the sandbox's daemon observes from inside: the machine, its cgroup limits, the limits
+    it sets on commands, the network interfaces, timezone and locale."""
+
+    daemon_version: str
+    kernel: str
+    cpu_model: str
+    cpus_available: int
+    network_interfaces: List[str]
+    hostname: str
+    #: The daemon is PID 1 of its pid namespace.
+    pid1: bool
+    #: cgroup cpu quota in cores.
+    cgroup_cpu_limit: Optional[float] = None
+    #: cgroup memory limit in bytes.
+    cgroup_memory_limit: Optional[int] = None
+    #: cgroup swap limit in bytes beyond memory.
+    cgroup_swap_limit: Optional[int] = None
+    cgroup_pids_limit: Optional[int] = None
+    rlimit_as: Optional[int] = None
+    rlimit_fsize: Optional[int] = None
+    rlimit_nofile: Optional[int] = None
+    timezone: Optional[str] = None
+    locale: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Observed":
+        return cls(
+            daemon_version=str(d.get("daemon_version", "")),
+            kernel=str(d.get("kernel", "")),
+            cpu_model=str(d.get("cpu_model", "")),
+            cpus_available=int(d.get("cpus_available", 0)),
+            network_interfaces=[str(i) for i in d.get("network_interfaces") or []],
+            hostname=str(d.get("hostname", "")),
+            pid1=bool(d.get("pid1", False)),
+            cgroup_cpu_limit=_opt_float(d.get("cgroup_cpu_limit")),
+            cgroup_memory_limit=_opt_int(d.get("cgroup_memory_limit")),
+            cgroup_swap_limit=_opt_int(d.get("cgroup_swap_limit")),
+            cgroup_pids_limit=_opt_int(d.get("cgroup_pids_limit")),
+            rlimit_as=_opt_int(d.get("rlimit_as")),
+            rlimit_fsize=_opt_int(d.get("rlimit_fsize")),
+            rlimit_nofile=_opt_int(d.get("rlimit_nofile")),
+            timezone=_opt_str(d.get("timezone")),
+            locale=_opt_str(d.get("locale")),
+        )
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One place where what the provider applied and what the daemon observes differ."""
+
+    #: `cpu`, `memory`, `swap`, `pids`, `network`, `timezone` or `locale`.
+    field: str
+    applied: str
+    observed: str
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Mismatch":
+        return cls(str(d.get("field", "")), str(d.get("applied", "")), str(d.get("observed", "")))
+
+
+@dataclass(frozen=True)
+class ConditionsRecord:
+    """The conditions a sandbox runs under: asked, applied, observed, and where the last two
+    differ."""
+
+    sandbox: str
+    provider: str
+    server_version: str
+    #: When the record was taken.
+    recorded_ms: int
+    asked: Asked
+    applied: Applied
+    observed: Observed
+    mismatches: List[Mismatch] = field(default_factory=list)
+    job: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ConditionsRecord":
+        return cls(
+            sandbox=str(d.get("sandbox", "")),
+            provider=str(d.get("provider", "")),
+            server_version=str(d.get("server_version", "")),
+            recorded_ms=int(d.get("recorded_ms", 0)),
+            asked=Asked.from_dict(d.get("asked") or {}),
+            applied=Applied.from_dict(d.get("applied") or {}),
+            observed=Observed.from_dict(d.get("observed") or {}),
+            mismatches=[Mismatch.from_dict(m) for m in d.get("mismatches") or []],
+            job=_opt_str(d.get("job")),
+        )
+
+
+@dataclass(frozen=True)
+class SignedConditions:
+    """`GET /v1/sandboxes/{id}/conditions`: the record and the server's HMAC-SHA256 over its
+    canonical JSON. `raw` is the answer exactly as parsed: what `verify_conditions` and
+    `client.verify` check (the typed fields drop what this SDK does not know, so they cannot)."""
+
+    record: ConditionsRecord
+    #: `hmac-sha256:<hex>`.
+    signature: str
+    #: The first 16 hex digits of the SHA-256 of the signing key: which server signed it.
+    key_id: str
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SignedConditions":
+        return cls(
+            record=ConditionsRecord.from_dict(d.get("record") or {}),
+            signature=str(d.get("signature", "")),
+            key_id=str(d.get("key_id", "")),
+            raw=dict(d),
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The record as the server answered it (to store next to results, or to verify later)."""
+        return dict(self.raw)
+
+    @property
+    def matches(self) -> bool:
+        """What the daemon observed agrees with what the provider applied."""
+        return not self.record.mismatches
+
+
+@dataclass(frozen=True)
+class Verification:
+    """`POST /v1/verify`: whether a signed conditions record is intact and signed by this server."""
+
+    valid: bool
+    #: Why not, when it is not.
+    problem: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Verification":
+        return cls(bool(d.get("valid", False)), _opt_str(d.get("problem")))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, Iterator
+from typing import Any, AsyncIterator, Callable, Dict, Iterator
 
+import httpx
 import pytest
 
 import sandman
@@ -129,6 +130,21 @@ async def api(request: Any, server: Server) -> AsyncIterator[Any]:
             yield SyncAsAsync(c)
         finally:
             c.close()
+
+
+@pytest.fixture(params=["async", "sync"])
+def mock_api(request: Any) -> Callable[[Callable[[httpx.Request], httpx.Response]], Any]:
+    """Makes a client of a fake server: `mock_api(handler)` answers every request with
+    `handler(request)` (an `httpx.MockTransport`), without retries. Async, or the sync client
+    behind `SyncAsAsync`, as the `api` fixture; use it as an async context manager."""
+
+    def make(handler: Callable[[httpx.Request], httpx.Response]) -> Any:
+        transport = httpx.MockTransport(handler)
+        if request.param == "async":
+            return AsyncSandman("http://sandman.test", "t", transport=transport, retries=0)
+        return SyncAsAsync(Sandman("http://sandman.test", "t", transport=transport, retries=0))
+
+    return make
 
 
 def unique(prefix: str) -> str:

@@ -318,3 +318,14 @@ async def test_events_list_and_follow(api: Any) -> None:
             if e.state == "gone":
                 break
     assert [e.seq for e in got] == [e.seq for e in evs]
+
+
+async def test_exec_results_carry_duration_and_usage(api: Any) -> None:
+    async with await api.create(lease=30) as sb:
+        r = await sb.exec("i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done")
+        assert r.ok and r.duration_ms > 0
+        assert r.usage.cpu_user_ms + r.usage.cpu_system_ms > 0 and r.usage.max_rss_kib > 0
+        stream = sb.exec_stream("i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done")
+        async for _ in stream:
+            pass
+        assert stream.exit.duration_ms > 0 and stream.exit.usage.cpu_user_ms + stream.exit.usage.cpu_system_ms > 0

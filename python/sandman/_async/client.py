@@ -16,7 +16,7 @@ import json
 import os
 import ssl
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Dict, Generic, List, Mapping, Optional, TypeVar, Union
+from typing import Any, AsyncIterator, Callable, Dict, Generic, List, Mapping, Optional, Sequence, TypeVar, Union
 
 import httpx
 
@@ -34,12 +34,17 @@ from ..models import (
     Health,
     JobAction,
     JobInfo,
+    JobUsage,
     OutputChunk,
     OutputEvent,
+    PoolInfo,
+    PrepareResult,
     ProcessInfo,
     SandboxInfo,
     SessionInfo,
     SessionResult,
+    SignedConditions,
+    Verification,
 )
 from . import _rt
 
@@ -126,7 +131,7 @@ class AsyncSandman:
 
     async def create(
         self,
-        image: str = "host",
+        image: Optional[str] = None,
         *,
         job: Optional[str] = None,
         resources: Optional[Mapping[str, Any]] = None,
@@ -136,6 +141,7 @@ class AsyncSandman:
         idle_timeout: Optional[int] = None,
         lease: Optional[int] = None,
         pool: Optional[str] = None,
+        setup: Optional[Sequence[str]] = None,
         env: Optional[Mapping[str, str]] = None,
         labels: Optional[Mapping[str, str]] = None,
         provider: Optional[str] = None,
@@ -145,12 +151,18 @@ class AsyncSandman:
     ) -> "AsyncSandbox":
         """Creates a sandbox and answers it once ready (at once with `wait=False`).
 
+        `image` defaults to `host` (the process provider's), or, with `pool`, to the pool's.
         `resources` is `{"cpu": 0.5 | "500m", "memory": "512Mi", "disk": "2G", "pids": 256}`;
         `profile` is `default` or `eval`; `network` `egress` or `none`; `ttl`, `idle_timeout` and
         `lease` are seconds (the lease is renewed by every call, `keepalive()`, or the job's
-        heartbeat). `pool` names a warm pool (sent as given; a server without pools refuses it
-        with `InvalidArgument`). The create is keyed with `idempotency_key` (a fresh one when not
-        given), so a create sent again after a lost answer returns the same sandbox.
+        heartbeat). `pool` claims a ready sandbox from that warm pool (see `put_pool`; a create
+        whose image, resources, profile and network equal a pool's claims from it without naming
+        it). `setup` is a list of shell commands run in order before the sandbox is answered
+        ready; one that exits non-zero fails the create (`InvalidArgument`, reason
+        `setup_failed`). A create past the job's quota, or while the server's admission queue is
+        full, raises `QuotaExceeded` (the latter with `retry_after`). The create is keyed with
+        `idempotency_key` (a fresh one when not given), so a create sent again after a lost
+        answer returns the same sandbox.
         """
         call = _core.create_call(
             image,
@@ -162,6 +174,7 @@ class AsyncSandman:
             idle_timeout=idle_timeout,
             lease=lease,
             pool=pool,
+            setup=setup,
             env=env,
             labels=labels,
             provider=provider,
@@ -217,8 +230,9 @@ class AsyncSandman:
         the job is closed.
 
         `max_sandboxes` caps the job's live sandboxes (a create past it raises `QuotaExceeded`);
-        `lease` (seconds) is the default lease of its sandboxes. `create_rate` and `weight` are
-        sent as given; a server without admission control refuses them (`InvalidArgument`).
+        `lease` (seconds) is the default lease of its sandboxes. `create_rate` caps the job's
+        creates a second; `weight` is its share of the server's create rate while several jobs
+        queue (default 1). Creates past a rate wait in the server's admission queue.
         """
         body = await self._json(
             _core.put_job_call(name, max_sandboxes=max_sandboxes, lease=lease, create_rate=create_rate, weight=weight)
@@ -240,15 +254,115 @@ class AsyncSandman:
         """`POST /v1/jobs/{name}/heartbeat`: renews the lease of every sandbox of the job."""
         return JobAction.from_dict(await self._json(_core.heartbeat_call(name)))
 
-    async def events(self, *, job: Optional[str] = None, after: Optional[int] = None) -> List[Event]:
-        """`GET /v1/events`: the lifecycle events the server keeps, optionally of one job or after
-        one sequence number."""
-        body = await self._json(_core.events_call(job, after, follow=False))
+    async def job_usage(self, name: str) -> JobUsage:
+        """`GET /v1/jobs/{name}/usage`: what the job's ended sandboxes used (sandbox and CPU
+        seconds, peak memory, counts by reason), and how many are alive now."""
+        return JobUsage.from_dict(await self._json(_core.job_usage_call(name)))
+
+    # ---- warm pools ----
+
+    async def put_pool(
+        self,
+        name: str,
+        image: str,
+        *,
+        min_ready: int,
+        max: Optional[int] = None,
+        resources: Optional[Mapping[str, Any]] = None,
+        profile: Optional[str] = None,
+        network: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        setup: Optional[Sequence[str]] = None,
+        lease: Optional[int] = None,
+        provider: Optional[str] = None,
+    ) -> PoolInfo:
+        """`PUT /v1/pools/{name}`: creates or changes a warm pool, which keeps `min_ready` sandboxes
+        of `image` ready (at most `max` unclaimed, ready or being created; default `min_ready`),
+        each having run `setup` (a list of shell commands). A create naming the pool, or asking
+        for the same image, resources, profile and network, claims one at once. `lease` (seconds)
+        is the longest lease a claim may ask for. Changing only the sizes keeps the pool's
+        sandboxes; changing anything else replaces the unclaimed ones."""
+        call = _core.put_pool_call(
+            name,
+            image,
+            min_ready=min_ready,
+            max=max,
+            resources=resources,
+            profile=profile,
+            network=network,
+            env=env,
+            setup=setup,
+            lease=lease,
+            provider=provider,
+        )
+        return PoolInfo.from_dict(await self._json(call))
+
+    async def get_pool(self, name: str) -> PoolInfo:
+        """`GET /v1/pools/{name}`: the pool's spec and sizes (ready, creating, claimed, claims)."""
+        return PoolInfo.from_dict(await self._json(_core.get_pool_call(name)))
+
+    async def list_pools(self) -> List[PoolInfo]:
+        """`GET /v1/pools`: every warm pool with its sizes."""
+        body = await self._json(_core.list_pools_call())
+        return [PoolInfo.from_dict(d) for d in _core.as_list(body, "pools")]
+
+    async def delete_pool(self, name: str) -> PoolInfo:
+        """`DELETE /v1/pools/{name}`: forgets the pool and releases its unclaimed sandboxes (claimed
+        ones stay their claimers'); answers the pool as it was. `NotFound` when there is no such
+        pool."""
+        return PoolInfo.from_dict(await self._json(_core.delete_pool_call(name)))
+
+    # ---- images ----
+
+    async def prepare(
+        self,
+        images: Sequence[str],
+        *,
+        job: Optional[str] = None,
+        hold_until: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> PrepareResult:
+        """`POST /v1/prepare`: makes `images` ready (pulled on every node that may run sandboxes)
+        ahead of the creates that need them; answers once each is ready or has failed, with one
+        `PreparedImage` each (`ok`, `message`, `nodes_ready` of `nodes_total`, `duration_ms`). A
+        failed image is reported, not raised. Progress is in the events (kind `prepare`), tagged
+        with `job`. With `job` and `hold_until` (a fraction of the nodes, 0 < f <= 1), the job's
+        creates of these images wait until that fraction of the nodes has the image. `timeout`
+        (seconds) bounds the wait on this side (None: the server's request timeout bounds it)."""
+        call = _core.prepare_call(images, job=job, hold_until=hold_until, timeout=timeout)
+        return PrepareResult.from_dict(await self._json(call))
+
+    # ---- conditions ----
+
+    async def conditions(self, sandbox_id: str) -> SignedConditions:
+        """`GET /v1/sandboxes/{id}/conditions`: the signed record of the conditions the sandbox
+        runs under (asked, applied by the provider, observed by the daemon, and where the last
+        two differ). Store `to_dict()` with a result; check it later with `verify` or, holding
+        the server's key, `sandman.verify_conditions`."""
+        return SignedConditions.from_dict(await self._json(_core.conditions_call(sandbox_id)))
+
+    async def verify(self, signed: Union[SignedConditions, Mapping[str, Any]]) -> Verification:
+        """`POST /v1/verify`: whether the server signed this conditions record (a
+        `SignedConditions`, or its dict as stored) and it is intact; `problem` says why not."""
+        body = signed.to_dict() if isinstance(signed, SignedConditions) else signed
+        return Verification.from_dict(await self._json(_core.verify_call(body)))
+
+    # ---- events ----
+
+    async def events(
+        self, *, job: Optional[str] = None, after: Optional[int] = None, idempotency_key: Optional[str] = None
+    ) -> List[Event]:
+        """`GET /v1/events`: the events the server keeps (sandbox lifecycles, and image
+        preparations of kind `prepare`), optionally of one job, after one sequence number, or of
+        the create keyed `idempotency_key`."""
+        body = await self._json(_core.events_call(job, after, False, idempotency_key))
         return [Event.from_dict(d) for d in _core.as_list(body, "events")]
 
-    def follow_events(self, *, job: Optional[str] = None, after: Optional[int] = None) -> "AsyncStream[Event]":
-        """Lifecycle events as they happen, as a stream (iterate it; close it to stop)."""
-        return AsyncStream(self, _core.events_call(job, after, follow=True), Event.from_stream)
+    def follow_events(
+        self, *, job: Optional[str] = None, after: Optional[int] = None, idempotency_key: Optional[str] = None
+    ) -> "AsyncStream[Event]":
+        """The same events as they happen, as a stream (iterate it; close it to stop)."""
+        return AsyncStream(self, _core.events_call(job, after, True, idempotency_key), Event.from_stream)
 
     # ---- transport: the one place calls are sent and answers checked ----
 
@@ -356,6 +470,11 @@ class AsyncSandbox:
     async def daemon_info(self) -> DaemonInfo:
         """The daemon's version, uptime, process counts and lease left."""
         return DaemonInfo.from_dict(await self.client._json(_core.daemon_info_call(self.id)))
+
+    async def conditions(self) -> SignedConditions:
+        """The signed record of the conditions the sandbox runs under (see
+        `AsyncSandman.conditions`)."""
+        return await self.client.conditions(self.id)
 
     # ---- commands ----
 
@@ -669,7 +788,7 @@ class AsyncJob:
         if ticker is not None:
             await ticker.stop()
 
-    async def create(self, image: str = "host", **kwargs: Any) -> AsyncSandbox:
+    async def create(self, image: Optional[str] = None, **kwargs: Any) -> AsyncSandbox:
         """`AsyncSandman.create` with `job=` this job."""
         return await self.client.create(image, job=self.name, **kwargs)
 
@@ -683,6 +802,10 @@ class AsyncJob:
         """The job's quota and usage (live and created counts, last heartbeat)."""
         self.info = await self.client.get_job(self.name)
         return self.info
+
+    async def usage(self) -> JobUsage:
+        """What the job's ended sandboxes used (`AsyncSandman.job_usage`)."""
+        return await self.client.job_usage(self.name)
 
     async def sandboxes(self, *, state: Optional[str] = None) -> List[SandboxInfo]:
         return await self.client.list(job=self.name, state=state)
