@@ -390,6 +390,11 @@ fn task_container(spec: &SandboxSpec, config: &KubeConfig) -> Result<Container, 
     // Within the pod's grace period: the kubelet's SIGKILL should not beat the daemon's own.
     let grace_ms = u64::from(config.termination_grace_s).saturating_mul(1000).saturating_sub(500).max(500);
     args.extend(["--shutdown-grace".into(), format!("{grace_ms}ms")]);
+    if spec.profile == Profile::Eval {
+        // The kubelet adds the API server's address to every container, service links or not;
+        // an evaluation's commands must not see the platform they run on.
+        args.extend(["--drop-env".into(), "KUBERNETES_".into()]);
+    }
 
     let mut env: BTreeMap<String, String> = spec
         .env

@@ -109,6 +109,9 @@ fn the_eval_pod_is_guaranteed_and_cut_off() {
     assert_eq!(env.get("TZ").map(String::as_str), Some("UTC"));
     assert_eq!(env.get("LC_ALL").map(String::as_str), Some("C.UTF-8"));
     assert_eq!(env.get("LANG").map(String::as_str), Some("C.UTF-8"));
+    // What the kubelet adds anyway stays away from the commands.
+    let args = spec.containers[0].args.clone().unwrap_or_default();
+    assert!(args.windows(2).any(|w| w == ["--drop-env", "KUBERNETES_"]), "{args:?}");
     // The reference is the one asked for: Kubernetes resolves it when the pod starts, and the
     // record names the digest it ran (the container status's imageID).
     assert_eq!(spec.containers[0].image.as_deref(), Some("python:3.12-slim"));

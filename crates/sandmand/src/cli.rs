@@ -61,6 +61,11 @@ struct Args {
     /// daemon and everything it starts are then held to its limits.
     #[arg(long = "cgroup", value_name = "DIR")]
     cgroups: Vec<PathBuf>,
+    /// Leave variables whose names start with this out of the commands' environment (the
+    /// daemon's own environment otherwise passes on); repeatable. For what a platform adds that
+    /// a controlled run must not see (`KUBERNETES_`).
+    #[arg(long = "drop-env", value_name = "PREFIX")]
+    drop_env: Vec<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -119,6 +124,7 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
         workdir: args.workdir,
         max_upload_bytes: args.max_upload_bytes,
         shutdown_grace: args.shutdown_grace,
+        drop_env: args.drop_env,
         rlimits: Rlimits {
             address_space: args.rlimit_as,
             file_size: args.rlimit_fsize,

@@ -101,6 +101,8 @@ pub struct Settings {
     pub workdir: Option<PathBuf>,
     pub max_upload_bytes: u64,
     pub shutdown_grace: Duration,
+    /// Prefixes of variables left out of the commands' environment (`--drop-env`).
+    pub drop_env: Vec<String>,
     /// Limits set on every process the daemon starts (not on the daemon).
     pub rlimits: sys::Rlimits,
 }
@@ -146,6 +148,7 @@ pub async fn run(settings: Settings) -> Result<Ending, StartError> {
 
     let mut defaults = Defaults::from_process(settings.shell.clone(), settings.workdir.clone());
     defaults.rlimits = settings.rlimits;
+    defaults.env.retain(|k, _| !settings.drop_env.iter().any(|p| k.starts_with(p.as_str())));
     let config = Config {
         token: settings.token.clone(),
         max_upload_bytes: settings.max_upload_bytes,

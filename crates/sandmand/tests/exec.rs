@@ -43,6 +43,19 @@ async fn the_daemon_token_never_reaches_commands() {
 }
 
 #[tokio::test]
+async fn dropped_prefixes_never_reach_commands_but_a_call_may_set_them() {
+    // The test process's environment carries CARGO_*; the daemon passes it on unless told not to.
+    let kept = Daemon::start().await;
+    let env = kept.exec(json!({"command": "env"})).await;
+    assert!(env["stdout"].as_str().unwrap().contains("CARGO_PKG_NAME="), "{env}");
+    let d = Daemon::start_with(&["--drop-env", "CARGO_PKG_", "--drop-env", "CARGO_MANIFEST_"], None).await;
+    let r = d.exec(json!({"command": "env", "env": {"CARGO_PKG_ASKED": "yes"}})).await;
+    let env = r["stdout"].as_str().unwrap();
+    assert!(!env.contains("CARGO_PKG_NAME=") && !env.contains("CARGO_MANIFEST_DIR="), "{env}");
+    assert!(env.contains("CARGO_PKG_ASKED=yes") && env.contains("PATH="), "{env}");
+}
+
+#[tokio::test]
 async fn numeric_user_needs_no_passwd_entry() {
     let d = Daemon::start().await;
     let r = d.exec(json!({"argv": ["/usr/bin/id", "-u"], "user": "4321:4321", "cwd": "/"})).await;
