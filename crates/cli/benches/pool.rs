@@ -99,26 +99,28 @@ fn main() {
         // Refills go through admission like any create: at 50/s with no burst, a run of
         // claims sets off one refill every 20 ms; unlimited, all of them at once, on the same
         // cores as the server.
-        claims("50").await;
-        claims("0").await;
+        claims("50", "1").await;
+        // The server's defaults.
+        claims("50", "50").await;
+        claims("0", "1").await;
         burst().await;
     });
 }
 
-async fn claims(rate: &str) {
+async fn claims(rate: &str, burst: &str) {
     let n_claims = env_usize("SANDMAN_BENCH_CLAIMS", 200);
     let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
     let daemon = static_daemon();
     let daemon_arg = daemon.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
-    let mut args = vec!["--create-rate", rate, "--create-burst", "1", "--default-lease-s", "3600"];
+    let mut args = vec!["--create-rate", rate, "--create-burst", burst, "--default-lease-s", "3600"];
     if daemon.is_some() {
         args.extend(["--daemon", daemon_arg.as_str()]);
     }
     let server = Server::start_in(&state, &args);
     let mut conn = Conn::tcp(&server.addr).await;
     println!(
-        "\nsandman pool benchmark: process provider, daemon {}, --create-rate {rate} (0 = unlimited) --create-burst 1",
+        "\nsandman pool benchmark: process provider, daemon {}, --create-rate {rate} (0 = unlimited) --create-burst {burst}",
         daemon.map(|d| d.display().to_string()).unwrap_or_else(|| "next to sandman".into())
     );
 

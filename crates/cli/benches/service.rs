@@ -214,15 +214,15 @@ async fn bench() {
     let ms = |v: &[Duration], p: f64| pct(v, p).as_secs_f64() * 1e3;
     println!();
     println!("create to ready, process provider, one at a time (100 each, interleaved)");
-    println!("  default                    p50 {:>6.1} ms   p99 {:>6.1} ms", ms(&ready, 0.5), ms(&ready, 0.99));
+    println!("  default                         p50 {:>6.1} ms   p99 {:>6.1} ms", ms(&ready, 0.5), ms(&ready, 0.99));
     println!(
-        "  eval (cgroups, netns, record)  p50 {:>6.1} ms   p99 {:>6.1} ms   ({:.2}x / {:.2}x default)",
+        "  eval (cgroups, netns, record)   p50 {:>6.1} ms   p99 {:>6.1} ms   ({:.2}x / {:.2}x default)",
         ms(&ready_eval, 0.5),
         ms(&ready_eval, 0.99),
         ms(&ready_eval, 0.5) / ms(&ready, 0.5),
         ms(&ready_eval, 0.99) / ms(&ready, 0.99)
     );
-    println!("  conditions record, first ask  p50 {:>6.2} ms   p99 {:>6.2} ms", ms(&record, 0.5), ms(&record, 0.99));
+    println!("  conditions record, first ask    p50 {:>6.2} ms   p99 {:>6.2} ms", ms(&record, 0.5), ms(&record, 0.99));
     for id in ids.drain(..) {
         http.release(&id).await.ok();
     }

@@ -364,15 +364,22 @@ fn init_container(config: &KubeConfig) -> Container {
             ..Default::default()
         }]),
         // It only copies one file into the emptyDir (world-writable): no privilege needed.
-        security_context: Some(SecurityContext {
-            run_as_user: Some(65534),
-            run_as_group: Some(65534),
-            run_as_non_root: Some(true),
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), add: None }),
-            ..Default::default()
-        }),
+        security_context: Some(nobody()),
+        ..Default::default()
+    }
+}
+
+/// A container that needs no privilege at all: `nobody`, no capabilities, no escalation, a
+/// read-only root (the init container that copies the daemon, the pods that pull images).
+pub fn nobody() -> SecurityContext {
+    SecurityContext {
+        run_as_user: Some(65534),
+        run_as_group: Some(65534),
+        run_as_non_root: Some(true),
+        allow_privilege_escalation: Some(false),
+        privileged: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), add: None }),
         ..Default::default()
     }
 }

@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, LocalObjectReference, Node, Pod, PodSpec, ResourceRequirements, SecurityContext, Taint,
-    Toleration, VolumeMount,
+    Container, LocalObjectReference, Node, Pod, PodSpec, ResourceRequirements, Taint, Toleration, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity as KubeQuantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -135,16 +134,7 @@ pub fn build_pull_pod(image: &str, node: &str, name: &str, run: &str, config: &K
             read_only: Some(true),
             ..Default::default()
         }]),
-        security_context: Some(SecurityContext {
-            run_as_user: Some(65534),
-            run_as_group: Some(65534),
-            run_as_non_root: Some(true),
-            allow_privilege_escalation: Some(false),
-            privileged: Some(false),
-            read_only_root_filesystem: Some(true),
-            capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), add: None }),
-            ..Default::default()
-        }),
+        security_context: Some(crate::pod::nobody()),
         ..Default::default()
     };
     let deadline = config.prepare_timeout_s.saturating_add(POD_DEADLINE_MARGIN_S);

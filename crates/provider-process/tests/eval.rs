@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{
-    call, eventually, exec, processes_mentioning, provider, require_root, socket_of, state_dir, wait_healthy,
+    call, eventually, out, processes_mentioning, provider, ready, require_root, sh, socket_of, state_dir, unsupported,
 };
 use sandman_provider::conformance::spec;
-use sandman_provider::{Endpoint, Provider, ProviderError, SandboxSpec};
-use sandman_provider_process::{HOST_IMAGE, Isolation, ProcessProvider};
+use sandman_provider::{Provider, ProviderError, SandboxSpec};
+use sandman_provider_process::{HOST_IMAGE, Isolation};
 use sandman_wire::daemon::Observed;
 use sandman_wire::server::{Applied, Profile, Quantity};
 use serde_json::Value;
@@ -28,27 +28,6 @@ fn eval_spec(name: &str, cpu: f64, memory: &str, pids: Option<u64>) -> SandboxSp
     s.resources.memory = Some(Quantity::Text(memory.into()));
     s.resources.pids = pids;
     s
-}
-
-async fn ready(p: &ProcessProvider, s: &SandboxSpec) -> Endpoint {
-    let endpoint = p.create(s).await.unwrap_or_else(|e| panic!("create failed: {e}"));
-    wait_healthy(&socket_of(&endpoint)).await.unwrap();
-    endpoint
-}
-
-async fn sh(endpoint: &Endpoint, token: &str, script: &str) -> Value {
-    exec(&socket_of(endpoint), token, &["/bin/sh", "-c", script]).await.unwrap()
-}
-
-fn out(v: &Value) -> String {
-    v["stdout"].as_str().unwrap().to_string()
-}
-
-fn unsupported(res: Result<Endpoint, ProviderError>) -> String {
-    match res {
-        Err(ProviderError::Unsupported(msg)) => msg,
-        other => panic!("expected a refusal, got {other:?}"),
-    }
 }
 
 /// The sandbox's cgroup directories, as `applied` reports them.

@@ -11,28 +11,15 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{
-    call, dir_of, eventually, exec, processes_mentioning, provider, require_root, socket_of, state_dir, wait_healthy,
+    call, dir_of, eventually, exec, out, processes_mentioning, provider, ready, require_root, sh, socket_of, state_dir,
+    unsupported,
 };
 use sandman_provider::conformance::spec;
-use sandman_provider::{Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
+use sandman_provider::{Provider, ProviderEvent, SandboxSpec};
 use sandman_provider_process::{HOST_IMAGE, Isolation, ProcessConfig, ProcessProvider};
 use sandman_wire::server::{Network, Profile, Quantity, Reason};
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::mpsc;
-
-async fn ready(p: &ProcessProvider, s: &SandboxSpec) -> Endpoint {
-    let endpoint = p.create(s).await.unwrap_or_else(|e| panic!("create failed: {e}"));
-    wait_healthy(&socket_of(&endpoint)).await.unwrap();
-    endpoint
-}
-
-async fn sh(endpoint: &Endpoint, token: &str, script: &str) -> Value {
-    exec(&socket_of(endpoint), token, &["/bin/sh", "-c", script]).await.unwrap()
-}
-
-fn out(v: &Value) -> String {
-    v["stdout"].as_str().unwrap().to_string()
-}
 
 async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>, id: &str) -> ProviderEvent {
     tokio::time::timeout(Duration::from_secs(20), async {
@@ -45,13 +32,6 @@ async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>, id: &str) -> Pro
     })
     .await
     .unwrap_or_else(|_| panic!("no event for {id} within 20 s"))
-}
-
-fn unsupported(res: Result<Endpoint, ProviderError>) -> String {
-    match res {
-        Err(ProviderError::Unsupported(msg)) => msg,
-        other => panic!("expected a refusal, got {other:?}"),
-    }
 }
 
 #[tokio::test]

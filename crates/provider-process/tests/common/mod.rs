@@ -5,9 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use sandman_provider::Endpoint;
 pub use sandman_provider::conformance::daemon::{Resp, call, call_raw, check_daemon, exec, socket_of, wait_healthy};
+use sandman_provider::{Endpoint, Provider, ProviderError, SandboxSpec};
 use sandman_provider_process::{Isolation, ProcessConfig, ProcessProvider};
+use serde_json::Value;
 
 /// The daemon built beside this test (`target/<profile>/sandmand`; tests run from
 /// `target/<profile>/deps/`), or `$SANDMAN_DAEMON`.
@@ -91,4 +92,29 @@ pub fn scratch() -> PathBuf {
     let base = if target.starts_with("/tmp") { PathBuf::from("/var/tmp/sandman-tests") } else { target };
     std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
     base
+}
+
+/// Creates the sandbox and waits for its daemon.
+pub async fn ready(p: &ProcessProvider, s: &SandboxSpec) -> Endpoint {
+    let endpoint = p.create(s).await.unwrap_or_else(|e| panic!("create failed: {e}"));
+    wait_healthy(&socket_of(&endpoint)).await.unwrap();
+    endpoint
+}
+
+/// Runs a shell script through the sandbox's daemon.
+pub async fn sh(endpoint: &Endpoint, token: &str, script: &str) -> Value {
+    exec(&socket_of(endpoint), token, &["/bin/sh", "-c", script]).await.unwrap()
+}
+
+/// A result's stdout.
+pub fn out(v: &Value) -> String {
+    v["stdout"].as_str().unwrap().to_string()
+}
+
+/// The message of a refusal; anything else fails the test.
+pub fn unsupported(res: Result<Endpoint, ProviderError>) -> String {
+    match res {
+        Err(ProviderError::Unsupported(msg)) => msg,
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 }
