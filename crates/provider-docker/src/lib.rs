@@ -469,7 +469,7 @@ impl Provider for DockerProvider {
                     let ended =
                         Ended { reason: Reason::ProviderError, message: format!("unreadable sandbox record: {why}") };
                     let image = labels.get(IMAGE_LABEL).cloned().or(summary.image).unwrap_or_default();
-                    records.push(Record { spec: placeholder(&id, &image), endpoint, ended: Some(ended) });
+                    records.push(Record { spec: placeholder(&id, &image), endpoint, ended: Some(ended), claim: None });
                     continue;
                 }
             };
@@ -479,7 +479,7 @@ impl Provider for DockerProvider {
                 _ => false,
             };
             let ended = if running { None } else { Some(self.ended(&id, &dir, Some(&spec)).await) };
-            records.push(Record { spec, endpoint, ended });
+            records.push(Record { spec, endpoint, ended, claim: None });
         }
         Ok(records)
     }

@@ -181,6 +181,16 @@ impl KubeApi {
         self.list(&self.secrets, "secrets", selector).await
     }
 
+    /// Changes one pod with a JSON merge patch; a `metadata.resourceVersion` in it makes the
+    /// change conditional: the API server refuses it (409 Conflict) when the pod has changed
+    /// since that version. Answers the pod as changed.
+    pub async fn merge_patch_pod(&self, name: &str, patch: &serde_json::Value) -> Result<Pod, KubeError> {
+        let what = format!("patch pod `{name}`");
+        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+        let req = build(&what, self.pods.patch(name, &params, &Patch::Merge(patch)))?;
+        decode(&what, self.call(&what, req, true).await?)
+    }
+
     /// Creates or updates a NetworkPolicy (server-side apply).
     pub async fn apply_policy(&self, policy: &NetworkPolicy) -> Result<(), KubeError> {
         let name = policy.metadata.name.clone().unwrap_or_default();

@@ -23,7 +23,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use sandman_provider::{
-    EVENT_CAPACITY, Ended, Endpoint, NodeProgress, Prepared, Provider, ProviderError, ProviderEvent, Record,
+    Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, Prepared, Provider, ProviderError, ProviderEvent, Record,
     SandboxSpec,
 };
 use sandman_wire::server::{Applied, Reason};
@@ -36,15 +36,22 @@ pub use crate::api::KubeError;
 use crate::api::{KubeApi, chain};
 pub use crate::config::{ConfigError, Injection, KubeConfig, PullPolicy, TokenDelivery};
 use crate::pace::Pacer;
-use crate::pod::{LABEL_MANAGED_BY, LABEL_NETWORK, MANAGED_BY, daemon_addr, label_value, pod_name};
+use crate::pod::{
+    LABEL_CLAIMED, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NETWORK, MANAGED_BY, daemon_addr, label_value, pod_name,
+};
 use crate::status::{PodState, classify};
 use crate::watch::Tracker;
+
+/// How often a claim reads the pod and tries its conditional update again when something other
+/// than a claim (the kubelet's status, say) wrote the pod between the read and the update.
+const CLAIM_TRIES: u32 = 3;
 
 /// Name of the NetworkPolicy that cuts off `network: none` and `eval` sandboxes.
 pub const NETWORK_NONE_POLICY: &str = "sandman-network-none";
 
 /// The Kubernetes provider. Its state of record is the cluster: each sandbox is a pod labelled
-/// with its id and job and annotated with its spec, and its token is in a Secret the pod owns,
+/// with its id and job and annotated with its spec (and, once a create has claimed it from a
+/// warm pool, with the claim: [`Provider::claim`]), and its token is in a Secret the pod owns,
 /// so a second instance (a restarted or replicated server) finds every sandbox with
 /// [`Provider::list`].
 #[derive(Debug)]
@@ -209,6 +216,26 @@ impl KubeProvider {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Whether `pod` is the pod of sandbox `id` of this instance, not being deleted: one that
+    /// [`Provider::list`] would answer.
+    fn is_live_sandbox(&self, pod: &Pod, id: &str) -> bool {
+        let labels = pod.metadata.labels.as_ref();
+        pod::sandbox_id(&pod.metadata) == Some(id)
+            && labels.and_then(|l| l.get(LABEL_MANAGED_BY)).is_some_and(|v| v == MANAGED_BY)
+            && labels.and_then(|l| l.get(LABEL_INSTANCE)).is_some_and(|v| *v == label_value(&self.config.instance))
+            && pod.metadata.deletion_timestamp.is_none()
+    }
+
+    /// A claim is recorded on the pod: the sandbox is the claimer's job's from now on.
+    fn claimed(&self, claim: &Claim) {
+        self.tracker.set_job(&claim.spec.id, claim.spec.job.as_deref().map(label_value));
+        tracing::info!(
+            sandbox = %claim.spec.id,
+            job = claim.spec.job.as_deref().unwrap_or_default(),
+            "claimed a pool sandbox"
+        );
     }
 
     /// Waits for the pod to run with an IP, or for a reason it never will, whichever the watch
@@ -416,9 +443,75 @@ impl Provider for KubeProvider {
                 }
                 None => {}
             }
-            records.push(Record { spec, endpoint, ended });
+            let claim = match pod::claim_of(p) {
+                Ok(claim) => claim.map(|mut c| {
+                    c.spec.token = spec.token.clone();
+                    c
+                }),
+                Err(why) => {
+                    tracing::warn!(
+                        pod = p.metadata.name.as_deref().unwrap_or_default(),
+                        "listing a sandbox pod without its claim: {why}"
+                    );
+                    None
+                }
+            };
+            records.push(Record { spec, endpoint, ended, claim });
         }
         Ok(records)
+    }
+
+    /// Records the claim on the pool sandbox's pod, by a conditional update: reads the pod,
+    /// refuses one labelled claimed already, then merge-patches it carrying the
+    /// `resourceVersion` it read (label `sandman.dev/claimed`, the claimer's job label, the
+    /// claim and the claimed spec as annotations, no token). The API server applies it only if
+    /// nothing wrote the pod in between, so of two servers claiming at once exactly one wins;
+    /// the other's `409 Conflict` becomes [`ProviderError::Claimed`]. A conflict with a write
+    /// that was no claim (the kubelet's) is tried again on the new version. The same claim found
+    /// recorded already (its answer lost, the write retried) is a success.
+    async fn claim(&self, claim: &Claim) -> Result<(), ProviderError> {
+        let id = &claim.spec.id;
+        if !pod::is_dns_label(id) {
+            return Err(ProviderError::NotFound(id.clone()));
+        }
+        let name = pod_name(id);
+        for attempt in 0..CLAIM_TRIES {
+            let found = match self.api.get_pod(&name).await? {
+                Some(p) if self.is_live_sandbox(&p, id) => p,
+                _ => return Err(ProviderError::NotFound(id.clone())),
+            };
+            if pod::records_claim(&found, claim) {
+                self.claimed(claim);
+                return Ok(());
+            }
+            if pod::is_claimed(&found) {
+                return Err(ProviderError::Claimed(if attempt > 0 {
+                    format!("another server claimed pool sandbox `{id}` first")
+                } else {
+                    format!("pool sandbox `{id}` is claimed already (its pod `{name}` is labelled `{LABEL_CLAIMED}`)")
+                }));
+            }
+            let Some(rv) = found.metadata.resource_version.as_deref() else {
+                return Err(ProviderError::Backend(format!(
+                    "the pod `{name}` has no resourceVersion: its claim cannot be a conditional update"
+                )));
+            };
+            match self.api.merge_patch_pod(&name, &pod::claim_patch(claim, rv)?).await {
+                Ok(_) => {
+                    self.claimed(claim);
+                    return Ok(());
+                }
+                // Someone wrote the pod since it was read: read it again to see who.
+                Err(e) if e.code() == Some(409) => {
+                    tracing::debug!(sandbox = %id, err = %chain(&e), "the pod changed before its claim");
+                }
+                Err(e) if e.code() == Some(404) => return Err(ProviderError::NotFound(id.clone())),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ProviderError::Backend(format!(
+            "the pod `{name}` kept changing: the claim of pool sandbox `{id}` was not recorded after {CLAIM_TRIES} tries"
+        )))
     }
 
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {

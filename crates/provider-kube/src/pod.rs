@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity as KubeQuantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use sandman_provider::{ProviderError, SandboxSpec};
+use sandman_provider::{Claim, ProviderError, SandboxSpec};
 use sandman_wire::server::{Network, Profile, Quantity};
 
 use crate::config::{Injection, KubeConfig, TokenDelivery};
@@ -28,6 +28,11 @@ pub const LABEL_PROFILE: &str = "sandman.dev/profile";
 pub const ANNOTATION_SPEC: &str = "sandman.dev/spec";
 /// The daemon's token, only with [`TokenDelivery::PodAnnotation`].
 pub const ANNOTATION_TOKEN: &str = "sandman.dev/token";
+/// `"true"` once a create has claimed the warm-pool sandbox the pod runs (see [`claim_patch`]).
+pub const LABEL_CLAIMED: &str = "sandman.dev/claimed";
+/// The claim of a warm-pool sandbox as JSON, token left out: what `list` answers as
+/// `Record::claim`, so that a restarted or second server knows the sandbox is taken, and by whom.
+pub const ANNOTATION_CLAIM: &str = "sandman.dev/claim";
 
 /// Name of the task container (the image's, running `sandmand`).
 pub const TASK_CONTAINER: &str = "task";
@@ -591,6 +596,68 @@ pub fn annotation_token(pod: &Pod) -> Option<String> {
     pod.metadata.annotations.as_ref()?.get(ANNOTATION_TOKEN).cloned()
 }
 
+/// The claim as stored in the pod's annotation: JSON with the token left out, as the spec's.
+pub fn claim_annotation(claim: &Claim) -> Result<String, ProviderError> {
+    serde_json::to_string(&without_token(claim)).map_err(|e| {
+        ProviderError::Backend(format!("cannot encode the claim of sandbox `{}` as JSON: {e}", claim.spec.id))
+    })
+}
+
+fn without_token(claim: &Claim) -> Claim {
+    let mut stored = claim.clone();
+    stored.spec.token = String::new();
+    stored
+}
+
+/// The JSON merge patch that records `claim` on its pool sandbox's pod, read at
+/// `resource_version`. The version makes it a conditional update: the API server refuses it
+/// with `409 Conflict` when anything wrote the pod since (another server's claim first of all).
+/// It adds [`LABEL_CLAIMED`], sets the claimer's job label (removes the pool's, when the claimer
+/// has none), and stores the claim and the claimed spec as annotations, both without the token,
+/// exactly as [`build_pod`] stores a spec; the token stays where create put it.
+pub fn claim_patch(claim: &Claim, resource_version: &str) -> Result<serde_json::Value, ProviderError> {
+    let job = claim.spec.job.as_deref().map(label_value);
+    Ok(serde_json::json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "labels": {LABEL_CLAIMED: "true", LABEL_JOB: job},
+            "annotations": {
+                ANNOTATION_CLAIM: claim_annotation(claim)?,
+                ANNOTATION_SPEC: spec_annotation(&claim.spec)?,
+            },
+        }
+    }))
+}
+
+/// Whether the pod carries [`LABEL_CLAIMED`].
+pub fn is_claimed(pod: &Pod) -> bool {
+    pod.metadata.labels.as_ref().and_then(|l| l.get(LABEL_CLAIMED)).is_some_and(|v| v == "true")
+}
+
+/// The claim recorded on a pod, token left empty: `None` when it has none; why not, when it is
+/// labelled claimed without a readable claim of its own sandbox.
+pub fn claim_of(pod: &Pod) -> Result<Option<Claim>, String> {
+    let text = pod.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_CLAIM));
+    let Some(text) = text else {
+        return if is_claimed(pod) {
+            Err(format!("it is labelled `{LABEL_CLAIMED}` but has no `{ANNOTATION_CLAIM}` annotation"))
+        } else {
+            Ok(None)
+        };
+    };
+    let claim: Claim =
+        serde_json::from_str(text).map_err(|e| format!("its `{ANNOTATION_CLAIM}` annotation is not a claim: {e}"))?;
+    if sandbox_id(&pod.metadata) != Some(claim.spec.id.as_str()) {
+        return Err(format!("its `{ANNOTATION_CLAIM}` annotation claims sandbox `{}`, not its own", claim.spec.id));
+    }
+    Ok(Some(claim))
+}
+
+/// Whether the pod records this very claim (a claim whose answer was lost, tried again).
+pub fn records_claim(pod: &Pod, claim: &Claim) -> bool {
+    is_claimed(pod) && claim_of(pod).ok().flatten().is_some_and(|c| c == without_token(claim))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -622,6 +689,38 @@ mod tests {
             selector("sandman"),
             "app.kubernetes.io/managed-by=sandman,sandman.dev/instance=sandman,sandman.dev/sandbox"
         );
+    }
+
+    /// A pod of sandbox `id` whose metadata a claim patch was merged into.
+    fn claimed_pod(id: &str, claim_json: Option<String>) -> Pod {
+        let mut labels = BTreeMap::from([(LABEL_SANDBOX.to_string(), id.to_string())]);
+        labels.insert(LABEL_CLAIMED.into(), "true".into());
+        Pod {
+            metadata: ObjectMeta {
+                labels: Some(labels),
+                annotations: claim_json.map(|c| BTreeMap::from([(ANNOTATION_CLAIM.to_string(), c)])),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_claim_is_read_back_only_for_its_own_sandbox() {
+        let mut spec = sandman_provider::conformance::spec("pool-0", "busybox:1");
+        spec.token = "secret-token".into();
+        let claim = Claim { spec, env: BTreeMap::new(), claimed_ms: 2, pool_created_ms: 1 };
+        let patch = claim_patch(&claim, "7").unwrap_or_else(|e| panic!("{e}"));
+        let text = patch["metadata"]["annotations"][ANNOTATION_CLAIM].as_str().unwrap_or_default().to_string();
+        assert!(!patch.to_string().contains("secret-token"));
+        let read = claim_of(&claimed_pod("pool-0", Some(text.clone()))).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(read.map(|c| c.spec.id), Some("pool-0".to_string()));
+        assert!(records_claim(&claimed_pod("pool-0", Some(text.clone())), &claim));
+        let other = claim_of(&claimed_pod("pool-1", Some(text)));
+        assert!(other.as_ref().is_err_and(|e| e.contains("claims sandbox `pool-0`")), "{other:?}");
+        let bare = claim_of(&claimed_pod("pool-0", None));
+        assert!(bare.as_ref().is_err_and(|e| e.contains("no `sandman.dev/claim` annotation")), "{bare:?}");
+        assert_eq!(claim_of(&Pod::default()).ok(), Some(None));
     }
 
     #[test]

@@ -116,6 +116,14 @@ impl Tracker {
         }
     }
 
+    /// The sandbox now belongs to `job` (its label value): a pool sandbox this provider has
+    /// just claimed, so that releasing the claimer's job counts it in before the watch sees it.
+    pub fn set_job(&self, id: &str, job: Option<String>) {
+        if let Some(slot) = self.slots().get_mut(id) {
+            slot.job = job;
+        }
+    }
+
     /// This provider is deleting every sandbox of a job (its label value).
     pub fn mark_job_deleting(&self, job: &str) {
         {
@@ -144,7 +152,9 @@ impl Tracker {
         let state = classify(pod);
         let mut slots = self.slots();
         let fresh = !slots.contains_key(id);
-        let slot = slots.entry(id.to_string()).or_insert_with(|| Slot::new(job));
+        let slot = slots.entry(id.to_string()).or_insert_with(|| Slot::new(job.clone()));
+        // The pod's label is the truth: a claimed pool sandbox takes its claimer's job.
+        slot.job = job;
         slot.present = true;
         if fresh && (job_deleted || (seen == Seen::Listed && state.is_ended())) {
             // Released with its job, or found ended when (re)listing: `list` reports it.

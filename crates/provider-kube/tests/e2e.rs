@@ -1,6 +1,7 @@
 //! End to end on a real API server with the fake node (`sandman-fake-node`) as its only
 //! kubelet: the provider conformance suite, `prepare` (a pull pod per node, progress, cleanup),
-//! and a burst of 1,000 sandboxes checked for the write rate, readiness, an exec in each, and a
+//! two servers racing to claim the same warm-pool pods (exactly one wins each), and a burst of
+//! 1,000 sandboxes checked for the write rate, readiness, an exec in each, and a
 //! release-all that leaves no pod. Each runs twice: on a
 //! real API server, ignored by default since it needs one, named by `SANDMAN_E2E_KUBECONFIG` (see
 //! `docs/kubernetes.md`); and on the crate's mocked API server (`tests/common`) served over HTTP,
@@ -520,6 +521,97 @@ async fn prepare_suite(world: World) {
             break;
         }
         assert!(Instant::now() < deadline, "{left} pull pods left 60 s after prepare");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    world.tear_down().await;
+}
+
+// ---- warm-pool claims: two servers, one pod ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
+async fn two_servers_claiming_one_pool_pod_at_once_exactly_one_wins_on_a_real_api_server() {
+    claim_race(World::new(e2e_kubeconfig(), "claim", "127.7.0.1").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_claiming_one_pool_pod_at_once_exactly_one_wins_on_a_mocked_api_server() {
+    let mocked = Mocked::start().await;
+    claim_race(World::new(mocked.kubeconfig.clone(), "claim", "127.8.0.1").await).await;
+}
+
+/// Two providers on the same namespace and instance (two servers) claim each pool pod at the
+/// same moment: for every pod exactly one claim wins and the other is `Claimed`; the pod carries
+/// the winner's claim, which a third provider lists, and its daemon still answers.
+async fn claim_race(world: World) {
+    let first = Arc::new(KubeProvider::new(world.client(None).await, world.config()).unwrap());
+    let second = Arc::new(KubeProvider::new(world.client(None).await, world.config()).unwrap());
+    let pools: Vec<SandboxSpec> = (0..5)
+        .map(|i| {
+            let mut s = spec(&format!("pool{i}"), "busybox:e2e");
+            s.job = None;
+            s.labels = BTreeMap::from([("sandman.dev/pool".to_string(), "warm".to_string())]);
+            s
+        })
+        .collect();
+    for r in futures_util::future::join_all(pools.iter().map(|s| first.create(s))).await {
+        r.unwrap_or_else(|e| panic!("a pool sandbox was not created: {e}"));
+    }
+    let mut winners: BTreeMap<String, sandman_provider::Claim> = BTreeMap::new();
+    for (i, pool) in pools.iter().enumerate() {
+        let claims: Vec<sandman_provider::Claim> = ["a", "b"]
+            .iter()
+            .map(|who| {
+                let mut s = pool.clone();
+                s.job = Some(format!("claimer-{who}"));
+                s.created_at_ms = 1_700_000_100_000 + i as u64;
+                sandman_provider::Claim {
+                    spec: s,
+                    env: BTreeMap::from([("CLAIMER".to_string(), (*who).to_string())]),
+                    claimed_ms: 1_700_000_100_000 + i as u64,
+                    pool_created_ms: pool.created_at_ms,
+                }
+            })
+            .collect();
+        // Each on its own task, so that both are in flight at once.
+        let (a, b) = (claims[0].clone(), claims[1].clone());
+        let (p1, p2) = (first.clone(), second.clone());
+        let t1 = tokio::spawn(async move { p1.claim(&a).await });
+        let t2 = tokio::spawn(async move { p2.claim(&b).await });
+        let results = [t1.await.unwrap(), t2.await.unwrap()];
+        let won: Vec<usize> = (0..2).filter(|k| results[*k].is_ok()).collect();
+        assert_eq!(won.len(), 1, "{}: not exactly one claim won: {results:?}", pool.id);
+        let lost = &results[1 - won[0]];
+        assert!(matches!(lost, Err(ProviderError::Claimed(m)) if m.contains(&pool.id)), "{}: {lost:?}", pool.id);
+        winners.insert(pool.id.clone(), claims[won[0]].clone());
+    }
+
+    // What the pods carry, and what a third server finds.
+    let pods = world.pods();
+    for (id, claim) in &winners {
+        let pod = pods.get(&format!("sandman-{id}")).await.unwrap();
+        let labels = pod.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(labels.get("sandman.dev/claimed").map(String::as_str), Some("true"), "{id}");
+        assert_eq!(labels.get("sandman.dev/job"), claim.spec.job.as_ref(), "{id}");
+        let text = serde_json::to_string(&pod.metadata.annotations).unwrap();
+        assert!(!text.contains(&claim.spec.token), "{id}: the token is in the pod's annotations");
+    }
+    let third = KubeProvider::new(world.client(None).await, world.config()).unwrap();
+    let records = third.list().await.unwrap();
+    assert_eq!(records.len(), pools.len());
+    for r in &records {
+        let claim = &winners[&r.spec.id];
+        assert_eq!(r.claim.as_ref(), Some(claim), "{}: the listed claim", r.spec.id);
+        assert_eq!(r.spec, claim.spec, "{}: the listed spec is the claimed one", r.spec.id);
+        check_daemon(r.endpoint.clone(), r.spec.token.clone()).await.unwrap();
+    }
+
+    for pool in &pools {
+        third.delete(&pool.id).await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !pods.list(&ListParams::default()).await.unwrap().items.is_empty() {
+        assert!(Instant::now() < deadline, "pods left behind");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     world.tear_down().await;

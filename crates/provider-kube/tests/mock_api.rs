@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::{Cluster, MISSING_IMAGE, NAMESPACE, Reply, Watches, as_ours, client_on, event, json, mock, ok, pod_list};
 use http::StatusCode;
 use sandman_provider::conformance::{self, spec};
-use sandman_provider::{Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
+use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
 use sandman_provider_kube::pod::build_pod;
 use sandman_provider_kube::{KubeConfig, KubeProvider};
 use sandman_wire::server::Reason;
@@ -898,4 +898,314 @@ async fn prepare_without_the_right_to_list_nodes_says_which_role_grants_it() {
         other => panic!("{other:?}"),
     }
     assert!(mock.writes().is_empty());
+}
+
+// ---- warm-pool claims ----
+
+/// A warm pool's sandbox, as the server makes it: no job yet, the pool's label.
+fn pool_spec(id: &str) -> SandboxSpec {
+    let mut s = spec(id, "busybox:local");
+    s.job = None;
+    s.labels = BTreeMap::from([("sandman.dev/pool".to_string(), "warm".to_string())]);
+    s
+}
+
+/// A create's claim of pool sandbox `pool`, as the server makes it: the same sandbox (id, image,
+/// token) under the claimer's job, labels, lease and key.
+fn claim_by(pool: &SandboxSpec, job: Option<&str>, claimed_ms: u64) -> Claim {
+    let mut s = pool.clone();
+    s.job = job.map(str::to_string);
+    s.labels.insert("team".into(), format!("team-of-{}", job.unwrap_or("nobody")));
+    s.created_at_ms = claimed_ms;
+    s.server.idempotency_key = Some(format!("key-{claimed_ms}"));
+    Claim {
+        spec: s,
+        env: BTreeMap::from([("CLAIMER".to_string(), job.unwrap_or("nobody").to_string())]),
+        claimed_ms,
+        pool_created_ms: pool.created_at_ms,
+    }
+}
+
+/// `claim` with its token left out, as the pod keeps it.
+fn stored(claim: &Claim) -> Claim {
+    let mut c = claim.clone();
+    c.spec.token = String::new();
+    c
+}
+
+/// A recorded running pod made the pod of `pool` (its labels, its spec annotation).
+fn pool_pod(pool: &SandboxSpec) -> Value {
+    as_ours(json("pod-running-ready.json"), pool)
+}
+
+/// `pod` as another server's claim left it, at resource version `rv`.
+fn claimed_pod(mut pod: Value, claim: &Claim, rv: &str) -> Value {
+    let patch = sandman_provider_kube::pod::claim_patch(claim, "ignored").unwrap();
+    common::merge_patch(&mut pod, &patch);
+    pod["metadata"]["resourceVersion"] = rv.into();
+    pod
+}
+
+/// Requests to one pod (not lists, not watches), as (method, path).
+fn pod_calls(seen: &[common::Seen]) -> Vec<(String, String)> {
+    seen.iter().filter(|r| r.path.contains("/pods/")).map(|r| (r.method.clone(), r.path.clone())).collect()
+}
+
+#[tokio::test]
+async fn a_claim_reads_the_pod_then_patches_it_on_the_version_read_without_the_token() {
+    let pool = pool_spec("pool-0");
+    let claim = claim_by(&pool, Some("claimer job"), 1_700_000_100_000);
+    let stored_pod = Arc::new(Mutex::new(pool_pod(&pool)));
+    let mut watches = Watches::default();
+    let (client, mock) = mock({
+        let stored_pod = stored_pod.clone();
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("882", vec![]));
+            }
+            if is(req, "GET", "/pods/sandman-pool-0") {
+                return ok(stored_pod.lock().unwrap().clone());
+            }
+            if is(req, "PATCH", "/pods/sandman-pool-0") {
+                let mut pod = stored_pod.lock().unwrap();
+                common::merge_patch(&mut pod, &req.json());
+                pod["metadata"]["resourceVersion"] = "900".into();
+                return ok(pod.clone());
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    p.claim(&claim).await.unwrap_or_else(|e| panic!("{e}"));
+
+    let pod_path = format!("/api/v1/namespaces/{NAMESPACE}/pods/sandman-pool-0");
+    assert_eq!(pod_calls(&mock.seen()), [("GET".to_string(), pod_path.clone()), ("PATCH".to_string(), pod_path)]);
+    let patch = mock.writes().into_iter().find(|r| r.method == "PATCH").unwrap();
+    assert_eq!(patch.content_type.as_deref(), Some("application/merge-patch+json"));
+    assert_eq!(patch.query.get("fieldManager").map(String::as_str), Some("sandman"));
+    let body = patch.json();
+    let job_label = sandman_provider_kube::pod::label_value("claimer job");
+    assert_ne!(job_label, "claimer job", "the job needs its label form");
+    let annotations = &body["metadata"]["annotations"];
+    assert_eq!(
+        body,
+        serde_json::json!({"metadata": {
+            // The version read: the API server refuses the patch if the pod changed since.
+            "resourceVersion": "854",
+            "labels": {"sandman.dev/claimed": "true", "sandman.dev/job": job_label},
+            "annotations": {"sandman.dev/claim": annotations["sandman.dev/claim"].clone(),
+                            "sandman.dev/spec": annotations["sandman.dev/spec"].clone()},
+        }})
+    );
+    let claim_json: Claim = serde_json::from_str(annotations["sandman.dev/claim"].as_str().unwrap()).unwrap();
+    assert_eq!(claim_json, stored(&claim));
+    // The spec annotation is the claimed spec, written as create writes it.
+    assert_eq!(
+        annotations["sandman.dev/spec"].as_str().unwrap(),
+        sandman_provider_kube::pod::spec_annotation(&claim.spec).unwrap()
+    );
+    let text = String::from_utf8(patch.body.to_vec()).unwrap();
+    assert!(!text.contains(&claim.spec.token), "the token went into the pod: {text}");
+}
+
+#[tokio::test]
+async fn a_409_on_the_claim_patch_means_another_server_claimed_it_first() {
+    let pool = pool_spec("pool-0");
+    let ours = claim_by(&pool, Some("job-a"), 1_700_000_100_000);
+    let theirs = claim_by(&pool, Some("job-b"), 1_700_000_100_001);
+    let reads = Arc::new(AtomicUsize::new(0));
+    let mut watches = Watches::default();
+    let (client, mock) = mock({
+        let (reads, pool, theirs) = (reads.clone(), pool.clone(), theirs.clone());
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("882", vec![]));
+            }
+            if is(req, "GET", "/pods/sandman-pool-0") {
+                return match reads.fetch_add(1, Ordering::SeqCst) {
+                    0 => ok(pool_pod(&pool)),
+                    // Read again after the conflict: the other server's claim is there.
+                    _ => ok(claimed_pod(pool_pod(&pool), &theirs, "855")),
+                };
+            }
+            if is(req, "PATCH", "/pods/sandman-pool-0") {
+                return Reply::Json(StatusCode::CONFLICT, common::conflict("sandman-pool-0"));
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    match p.claim(&ours).await {
+        Err(ProviderError::Claimed(m)) => assert_eq!(m, "another server claimed pool sandbox `pool-0` first"),
+        other => panic!("{other:?}"),
+    }
+    let calls: Vec<String> = pod_calls(&mock.seen()).into_iter().map(|(m, _)| m).collect();
+    assert_eq!(calls, ["GET", "PATCH", "GET"], "one conditional patch, then a read to see who won");
+    assert_eq!(mock.writes()[0].json()["metadata"]["resourceVersion"], "854");
+}
+
+#[tokio::test]
+async fn a_pool_sandbox_claimed_already_is_refused_without_a_patch() {
+    let pool = pool_spec("pool-0");
+    let theirs = claim_by(&pool, Some("job-b"), 1_700_000_100_001);
+    let mut watches = Watches::default();
+    let (client, mock) = mock({
+        let (pool, theirs) = (pool.clone(), theirs.clone());
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("882", vec![]));
+            }
+            if is(req, "GET", "/pods/sandman-pool-0") {
+                return ok(claimed_pod(pool_pod(&pool), &theirs, "855"));
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    match p.claim(&claim_by(&pool, Some("job-a"), 1_700_000_100_000)).await {
+        Err(ProviderError::Claimed(m)) => {
+            assert!(m.contains("`pool-0` is claimed already") && m.contains("sandman.dev/claimed"), "{m}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(mock.writes().is_empty(), "{:#?}", mock.writes());
+    // The same claim, found recorded (its answer was lost and it was tried again): done.
+    p.claim(&theirs).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(mock.writes().is_empty());
+    // A pod that is not there.
+    match p.claim(&claim_by(&pool_spec("pool-gone"), Some("job-a"), 1)).await {
+        Err(ProviderError::NotFound(id)) => assert_eq!(id, "pool-gone"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_claim_that_meets_another_write_to_the_pod_is_tried_again_on_the_new_version() {
+    let cluster = Cluster::shared();
+    let status_changes = Arc::new(AtomicUsize::new(0));
+    let (client, mock) = mock({
+        let (cluster, status_changes) = (cluster.clone(), status_changes.clone());
+        move |req| {
+            let mut c = cluster.lock().unwrap();
+            if req.method == "PATCH" && status_changes.fetch_add(1, Ordering::SeqCst) == 0 {
+                // The kubelet writes the pod between the claim's read and its patch.
+                let mut pod = c.pods["sandman-pool-0"].clone();
+                pod["status"]["conditions"][0]["lastProbeTime"] = "2026-11-29T19:00:00Z".into();
+                c.update(pod);
+            }
+            c.handle(req)
+        }
+    });
+    let p = provider(client);
+    let pool = pool_spec("pool-0");
+    p.create(&pool).await.unwrap();
+    let claim = claim_by(&pool, Some("job-a"), 1_700_000_100_000);
+    p.claim(&claim).await.unwrap_or_else(|e| panic!("{e}"));
+
+    let patches: Vec<common::Seen> = mock.writes().into_iter().filter(|r| r.method == "PATCH").collect();
+    assert_eq!(patches.len(), 2, "the conflicting patch was not tried again: {patches:#?}");
+    let rv = |r: &common::Seen| r.json()["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap();
+    assert!(rv(&patches[1]) > rv(&patches[0]), "tried again on the version it had read before");
+    let pod = cluster.lock().unwrap().pods["sandman-pool-0"].clone();
+    assert_eq!(pod["metadata"]["labels"]["sandman.dev/claimed"], "true");
+    assert_eq!(pod["metadata"]["labels"]["sandman.dev/job"], "job-a");
+    let recorded: Claim =
+        serde_json::from_str(pod["metadata"]["annotations"]["sandman.dev/claim"].as_str().unwrap()).unwrap();
+    assert_eq!(recorded, stored(&claim));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_claiming_the_same_pool_sandboxes_at_once_never_both_win() {
+    let cluster = Cluster::shared();
+    let (c1, _m1) = client_on(&cluster);
+    let (c2, _m2) = client_on(&cluster);
+    let (first, second) = (Arc::new(provider(c1)), Arc::new(provider(c2)));
+    let pools: Vec<SandboxSpec> = (0..8).map(|i| pool_spec(&format!("pool-{i}"))).collect();
+    for r in futures_util::future::join_all(pools.iter().map(|s| first.create(s))).await {
+        r.unwrap();
+    }
+    let mut tasks = Vec::new();
+    for (i, pool) in pools.iter().enumerate() {
+        for (n, p) in [(0u64, first.clone()), (1, second.clone())] {
+            let claim = claim_by(pool, Some(&format!("job-{n}")), 1_700_000_100_000 + i as u64 * 2 + n);
+            tasks.push(tokio::spawn(async move { (claim.clone(), p.claim(&claim).await) }));
+        }
+    }
+    let mut winners: BTreeMap<String, Claim> = BTreeMap::new();
+    for t in tasks {
+        let (claim, result) = t.await.unwrap();
+        match result {
+            Ok(()) => assert!(winners.insert(claim.spec.id.clone(), claim).is_none(), "two claims of one sandbox won"),
+            Err(ProviderError::Claimed(m)) => assert!(m.contains(&claim.spec.id), "{m}"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(winners.len(), pools.len(), "a pool sandbox nobody claimed: {:?}", winners.keys());
+    // The pod holds the winner's claim, which a third server lists.
+    let (c3, _m3) = client_on(&cluster);
+    let third = provider(c3);
+    for r in third.list().await.unwrap() {
+        let won = &winners[&r.spec.id];
+        assert_eq!(r.claim.as_ref(), Some(won), "{}", r.spec.id);
+        assert_eq!(r.spec, won.spec, "the listed spec is the claimed one, token and all");
+    }
+}
+
+#[tokio::test]
+async fn list_answers_the_claim_of_a_claimed_pod_and_releasing_the_claimers_job_takes_it_quietly() {
+    let cluster = Cluster::shared();
+    let (client, _mock) = client_on(&cluster);
+    let p = provider(client);
+    let mut events = p.events().unwrap();
+    // Made by a refill under the pool's own job; claimed by a create with none.
+    let mut pool = pool_spec("pool-0");
+    pool.job = Some("refill".into());
+    let idle = pool_spec("pool-1");
+    let broken = pool_spec("pool-2");
+    for s in [&pool, &idle, &broken] {
+        p.create(s).await.unwrap();
+    }
+    let claim = claim_by(&pool, None, 1_700_000_100_000);
+    p.claim(&claim).await.unwrap();
+    let labels = cluster.lock().unwrap().pods["sandman-pool-0"]["metadata"]["labels"].clone();
+    assert!(labels.get("sandman.dev/job").is_none(), "the pool's job label stayed on the claimed pod: {labels}");
+    {
+        let mut c = cluster.lock().unwrap();
+        let mut pod = c.pods["sandman-pool-2"].clone();
+        pod["metadata"]["labels"]["sandman.dev/claimed"] = "true".into();
+        pod["metadata"]["annotations"]["sandman.dev/claim"] = "{not a claim".into();
+        c.update(pod);
+    }
+
+    let mut records = p.list().await.unwrap();
+    records.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
+    let ids: Vec<&str> = records.iter().map(|r| r.spec.id.as_str()).collect();
+    assert_eq!(ids, ["pool-0", "pool-1", "pool-2"]);
+    assert_eq!(records[0].claim.as_ref(), Some(&claim), "the claim, its token recovered from the Secret");
+    assert_eq!(records[0].spec, claim.spec);
+    assert_eq!(records[1].claim, None);
+    assert_eq!(records[1].spec, idle);
+    assert_eq!(records[2].claim, None, "an unreadable claim is no claim (with a warning)");
+
+    // Claimed into job `claimer`: releasing that job takes it, and its end is not news.
+    let claim = claim_by(&idle, Some("claimer"), 1_700_000_100_001);
+    p.claim(&claim).await.unwrap();
+    assert_eq!(p.delete_job("claimer").await.unwrap(), ["pool-1"]);
+    {
+        let mut c = cluster.lock().unwrap();
+        let mut pod = c.pods["sandman-pool-2"].clone();
+        pod["status"] = json("status-oomkilled.json")["status"].clone();
+        c.update(pod);
+    }
+    let ev = next_event(&mut events).await;
+    assert_eq!((ev.id.as_str(), ev.ended.reason), ("pool-2", Reason::OomKilled), "{ev:?}");
 }

@@ -772,16 +772,16 @@ fn scan(sandboxes: &Path, creating: &HashSet<String>) -> std::io::Result<Vec<(Re
         };
         let endpoint = Endpoint::Unix(dir.socket());
         if creating.contains(&id) {
-            out.push((Record { spec, endpoint, ended: None }, None));
+            out.push((Record { spec, endpoint, ended: None, claim: None }, None));
             continue;
         }
         if let Some(ended) = dir.read_ended() {
-            out.push((Record { spec, endpoint, ended: Some(ended) }, None));
+            out.push((Record { spec, endpoint, ended: Some(ended), claim: None }, None));
             continue;
         }
         match dir.read_pid().filter(ProcId::is_running) {
-            Some(daemon) => out.push((Record { spec, endpoint, ended: None }, Some(daemon))),
-            None => out.push((Record { spec, endpoint, ended: Some(not_running()) }, None)),
+            Some(daemon) => out.push((Record { spec, endpoint, ended: None, claim: None }, Some(daemon))),
+            None => out.push((Record { spec, endpoint, ended: Some(not_running()), claim: None }, None)),
         }
     }
     Ok(out)

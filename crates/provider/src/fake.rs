@@ -8,7 +8,7 @@ use sandman_wire::server::{Applied, Reason};
 use tokio::sync::mpsc;
 
 use crate::{
-    EVENT_CAPACITY, Ended, Endpoint, NodeProgress, NodeState, PROGRESS_CAPACITY, Prepared, Progress, Provider,
+    Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, NodeState, PROGRESS_CAPACITY, Prepared, Progress, Provider,
     ProviderError, ProviderEvent, Record, SandboxSpec, report_progress,
 };
 
@@ -35,6 +35,10 @@ pub struct FakeProvider {
     applied: Mutex<Applied>,
     /// Nodes a prepare pulls on, and how long each takes after the one before.
     nodes: Mutex<(u32, std::time::Duration)>,
+    /// How many of the next claims another server wins, and the sandboxes so lost.
+    elsewhere: Mutex<(usize, Vec<String>)>,
+    /// How long a create takes.
+    create_delay: Mutex<std::time::Duration>,
 }
 
 impl FakeProvider {
@@ -52,6 +56,8 @@ impl FakeProvider {
             endpoint,
             applied: Mutex::default(),
             nodes: Mutex::new((1, std::time::Duration::ZERO)),
+            elsewhere: Mutex::default(),
+            create_delay: Mutex::default(),
         }
     }
 
@@ -63,6 +69,21 @@ impl FakeProvider {
     /// Makes a prepare pull on `nodes` nodes, one after the other, each taking `step`.
     pub fn set_nodes(&self, nodes: u32, step: std::time::Duration) {
         *self.nodes.lock().unwrap_or_else(PoisonError::into_inner) = (nodes, step);
+    }
+
+    /// Makes every create take `delay`, as a real one takes a while.
+    pub fn set_create_delay(&self, delay: std::time::Duration) {
+        *self.create_delay.lock().unwrap_or_else(PoisonError::into_inner) = delay;
+    }
+
+    /// Makes another server win the next `n` claims, as when servers share the records.
+    pub fn claim_elsewhere(&self, n: usize) {
+        self.elsewhere.lock().unwrap_or_else(PoisonError::into_inner).0 = n;
+    }
+
+    /// The sandboxes whose claim another server won.
+    pub fn claimed_elsewhere(&self) -> Vec<String> {
+        self.elsewhere.lock().unwrap_or_else(PoisonError::into_inner).1.clone()
     }
 
     /// Makes every sandbox report `applied` as what the provider applied to it.
@@ -111,13 +132,17 @@ impl Provider for FakeProvider {
                 message: format!("pull access denied for {}", spec.image),
             });
         }
+        let delay = *self.create_delay.lock().unwrap_or_else(PoisonError::into_inner);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let lines = self.pulls.lock().unwrap_or_else(PoisonError::into_inner).get(&spec.image).cloned();
         for line in lines.unwrap_or_default() {
             report_progress(&self.progress_tx, &spec.id, line);
             // As a pull takes a while: whoever reads the progress sees it while this still creates.
             tokio::task::yield_now().await;
         }
-        let record = Record { spec: spec.clone(), endpoint: self.endpoint.clone(), ended: None };
+        let record = Record { spec: spec.clone(), endpoint: self.endpoint.clone(), ended: None, claim: None };
         self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
         Ok(self.endpoint.clone())
     }
@@ -166,5 +191,24 @@ impl Provider for FakeProvider {
             return Err(ProviderError::NotFound(id.to_string()));
         }
         Ok(self.applied.lock().unwrap_or_else(PoisonError::into_inner).clone())
+    }
+
+    async fn claim(&self, claim: &Claim) -> Result<(), ProviderError> {
+        let id = &claim.spec.id;
+        {
+            let mut elsewhere = self.elsewhere.lock().unwrap_or_else(PoisonError::into_inner);
+            if elsewhere.0 > 0 {
+                elsewhere.0 -= 1;
+                elsewhere.1.push(id.clone());
+                return Err(ProviderError::Claimed(format!("another server claimed `{id}` first")));
+            }
+        }
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let record = records.get_mut(id).ok_or_else(|| ProviderError::NotFound(id.clone()))?;
+        if record.claim.is_some() {
+            return Err(ProviderError::Claimed(format!("`{id}` is claimed already")));
+        }
+        record.claim = Some(claim.clone());
+        Ok(())
     }
 }

@@ -61,6 +61,24 @@ pub struct Record {
     pub endpoint: Endpoint,
     /// `None` while it runs; why it ended when it has (the daemon died, OOM, eviction…).
     pub ended: Option<Ended>,
+    /// The claim of a warm-pool sandbox, where the provider keeps claims (see
+    /// [`Provider::claim`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<Claim>,
+}
+
+/// A warm-pool sandbox taken by a create: the sandbox as its claimer made it. The server
+/// journals it; a provider whose records outlive the server's state directory keeps it too.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The claimed sandbox's spec: the claimer's job, labels, lease and key, the pool's image.
+    pub spec: SandboxSpec,
+    /// The claimer's environment, merged into its exec, process and session calls.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    pub claimed_ms: u64,
+    /// When the pool made it.
+    pub pool_created_ms: u64,
 }
 
 /// How a sandbox ended on the provider's side.
@@ -137,6 +155,10 @@ pub enum ProviderError {
     Failed { reason: Reason, message: String },
     #[error("no sandbox `{0}` in the provider")]
     NotFound(String),
+    /// Another claim of the same pool sandbox got there first (another server sharing the
+    /// provider's records); this one took nothing.
+    #[error("{0}")]
+    Claimed(String),
     #[error("{what}")]
     Io {
         what: String,
@@ -215,5 +237,17 @@ pub trait Provider: Send + Sync {
     fn applied(&self, id: &str) -> impl Future<Output = Result<Applied, ProviderError>> + Send {
         let _ = id;
         async { Ok(Applied::default()) }
+    }
+
+    /// Records `claim` of a warm-pool sandbox where the provider keeps its records, atomically:
+    /// [`ProviderError::Claimed`] when another claim of it got there first. A provider whose
+    /// records are shared beyond one server's state directory (Kubernetes: the pod, by a
+    /// conditional update) must, so that a restarted or second server finds it claimed and
+    /// never hands it out again; [`Provider::list`] then answers it in [`Record::claim`]. The
+    /// default records nothing: the server's own claims file covers a provider whose records
+    /// live beside it.
+    fn claim(&self, claim: &Claim) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = claim;
+        async { Ok(()) }
     }
 }

@@ -5,16 +5,16 @@
 //! so that a restarted server knows a claimed sandbox from an idle one. The service's side
 //! (claim, refill, release) is in `service.rs`, starting at `Service::put_pool`.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+pub use sandman_provider::Claim;
 use sandman_provider::SandboxSpec;
 use sandman_wire::server::{CreateSandbox, PoolSpec};
-use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 /// The label that marks a pool's sandboxes (in the provider's records too, for recovery).
@@ -27,6 +27,10 @@ pub const CLAIMS_FILE: &str = "pool-claims.jsonl";
 pub const MAX_POOL_SIZE: u64 = 10_000;
 /// Longest pause between refills that keep failing.
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// The window an autoscaled pool measures its claim rate over.
+const DEMAND_WINDOW: Duration = Duration::from_secs(30);
+/// Weight of the newest refill in the refill-time average.
+const REFILL_EWMA: f64 = 0.2;
 
 /// One pool: its spec and its unclaimed members.
 #[derive(Debug)]
@@ -34,8 +38,8 @@ pub struct PoolState {
     pub spec: PoolSpec,
     /// Ready members, oldest first; a claim pops the front.
     pub ready: VecDeque<String>,
-    /// Members being created (queued for admission, or coming up).
-    pub creating: HashSet<String>,
+    /// Members being created (queued for admission, or coming up), since when.
+    pub creating: HashMap<String, Instant>,
     /// Claims served since the server started.
     pub claims: u64,
     /// The last refill failure, until a refill succeeds.
@@ -44,6 +48,11 @@ pub struct PoolState {
     failures: u32,
     /// While backing off: no refill before this.
     pub retry_at: Option<Instant>,
+    /// Creates it served or would have (none was ready) over the last [`DEMAND_WINDOW`],
+    /// oldest first (for `autoscale`).
+    recent_claims: VecDeque<Instant>,
+    /// How long refills took lately (moving average), once one has.
+    refill_time: Option<Duration>,
 }
 
 impl PoolState {
@@ -51,12 +60,45 @@ impl PoolState {
         PoolState {
             spec,
             ready: VecDeque::new(),
-            creating: HashSet::new(),
+            creating: HashMap::new(),
             claims: 0,
             last_error: None,
             failures: 0,
             retry_at: None,
+            recent_claims: VecDeque::new(),
+            refill_time: None,
         }
+    }
+
+    /// Claims a second over the last [`DEMAND_WINDOW`], the creates it had nothing ready for
+    /// counted in.
+    pub fn claim_rate(&self, now: Instant) -> f64 {
+        let since = now.checked_sub(DEMAND_WINDOW);
+        let n = self.recent_claims.iter().filter(|t| since.is_none_or(|s| **t >= s)).count();
+        n as f64 / DEMAND_WINDOW.as_secs_f64()
+    }
+
+    fn asked(&mut self, now: Instant) {
+        self.recent_claims.push_back(now);
+        while self.recent_claims.front().is_some_and(|t| now.saturating_duration_since(*t) > DEMAND_WINDOW) {
+            self.recent_claims.pop_front();
+        }
+    }
+
+    pub fn refill_time(&self) -> Option<Duration> {
+        self.refill_time
+    }
+
+    /// How many unclaimed members it keeps: `min_ready`, or with `autoscale` the claims a
+    /// refill takes to replace at the recent rate, within `min_ready..=max`.
+    pub fn target(&self, now: Instant) -> u64 {
+        let floor = self.spec.min_ready.min(self.max());
+        if !self.spec.autoscale {
+            return floor;
+        }
+        let refill = self.refill_time.map_or(0.0, |d| d.as_secs_f64());
+        let demand = (self.claim_rate(now) * refill).ceil() as u64;
+        demand.clamp(floor, self.max())
     }
 
     pub fn max(&self) -> u64 {
@@ -133,7 +175,7 @@ impl Pools {
             return Put::Resized { excess };
         }
         let old = std::mem::replace(pool, PoolState::new(spec));
-        Put::Replaced { old: old.ready.into_iter().chain(old.creating).collect() }
+        Put::Replaced { old: old.ready.into_iter().chain(old.creating.into_keys()).collect() }
     }
 
     /// Forgets a pool; answers it with its unclaimed members.
@@ -146,16 +188,27 @@ impl Pools {
         let pool = self.pools.get_mut(name)?;
         let id = pool.ready.pop_front()?;
         pool.claims += 1;
+        pool.asked(Instant::now());
         Some(id)
+    }
+
+    /// A create the pool matched but had no ready member for: demand all the same.
+    pub fn missed(&mut self, name: &str) {
+        if let Some(pool) = self.pools.get_mut(name) {
+            pool.asked(Instant::now());
+        }
     }
 
     /// A member came up: it joins the ready queue. False when it is no longer a member (its
     /// pool was deleted or replaced meanwhile), and must go.
     pub fn joined(&mut self, name: &str, id: &str) -> bool {
         let Some(pool) = self.pools.get_mut(name) else { return false };
-        if !pool.creating.remove(id) {
-            return false;
-        }
+        let Some(since) = pool.creating.remove(id) else { return false };
+        let took = Instant::now().saturating_duration_since(since);
+        pool.refill_time = Some(match pool.refill_time {
+            None => took,
+            Some(avg) => avg.mul_f64(1.0 - REFILL_EWMA) + took.mul_f64(REFILL_EWMA),
+        });
         pool.ready.push_back(id.to_string());
         pool.failures = 0;
         pool.last_error = None;
@@ -177,7 +230,7 @@ impl Pools {
     /// refills back off, doubling up to a minute.
     pub fn left(&mut self, name: &str, id: &str, failed: Option<&str>, now: Instant) {
         let Some(pool) = self.pools.get_mut(name) else { return };
-        let was_creating = pool.creating.remove(id);
+        let was_creating = pool.creating.remove(id).is_some();
         if let Some(i) = pool.ready.iter().position(|r| r == id) {
             pool.ready.remove(i);
         }
@@ -189,7 +242,7 @@ impl Pools {
         }
     }
 
-    /// How many members the pool needs to be back at `min_ready` (within `max`), now; the
+    /// How many members the pool needs to be back at its target (see [`PoolState::target`]); the
     /// caller creates that many under the ids it reserves with [`Pools::reserve`]. While
     /// refills back off, none (and the time to try again).
     pub fn deficit(&self, name: &str, now: Instant) -> (u64, Option<Instant>) {
@@ -199,13 +252,12 @@ impl Pools {
         {
             return (0, Some(at));
         }
-        let want = pool.spec.min_ready.min(pool.max());
-        (want.saturating_sub(pool.unclaimed()), None)
+        (pool.target(now).saturating_sub(pool.unclaimed()), None)
     }
 
     pub fn reserve(&mut self, name: &str, id: &str) {
         if let Some(pool) = self.pools.get_mut(name) {
-            pool.creating.insert(id.to_string());
+            pool.creating.insert(id.to_string(), Instant::now());
         }
     }
 
@@ -253,19 +305,6 @@ pub fn save_specs(state_dir: &Path, specs: &BTreeMap<String, PoolSpec>) {
     if let Err(e) = result {
         tracing::error!(path = %path.display(), error = %e, "cannot save pools");
     }
-}
-
-/// One claim, as the journal keeps it: the sandbox as its claimer made it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Claim {
-    /// The claimed sandbox's spec: the claimer's job, labels, lease and key, the pool's image.
-    pub spec: SandboxSpec,
-    /// The claimer's environment, merged into its exec, process and session calls.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub env: BTreeMap<String, String>,
-    pub claimed_ms: u64,
-    /// When the pool made it.
-    pub pool_created_ms: u64,
 }
 
 /// The claims file: one JSON line appended per claim (a few microseconds, so a claim stays

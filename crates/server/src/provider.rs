@@ -3,7 +3,7 @@
 
 use sandman_provider::fake::FakeProvider;
 use sandman_provider::{
-    Endpoint, NodeProgress, Prepared, Progress, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
+    Claim, Endpoint, NodeProgress, Prepared, Progress, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
 };
 use sandman_provider_docker::DockerProvider;
 use sandman_provider_kube::KubeProvider;
@@ -106,6 +106,15 @@ impl Provider for AnyProvider {
             AnyProvider::Docker(p) => p.applied(id).await,
             AnyProvider::Kube(p) => p.applied(id).await,
             AnyProvider::Fake(p) => p.applied(id).await,
+        }
+    }
+
+    async fn claim(&self, claim: &Claim) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.claim(claim).await,
+            AnyProvider::Docker(p) => p.claim(claim).await,
+            AnyProvider::Kube(p) => p.claim(claim).await,
+            AnyProvider::Fake(p) => p.claim(claim).await,
         }
     }
 }

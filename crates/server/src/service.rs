@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use sandman_provider::{Endpoint, Progress, Provider, ProviderEvent, SandboxSpec, ServerMeta};
+use sandman_provider::{Endpoint, Progress, Provider, ProviderError, ProviderEvent, SandboxSpec, ServerMeta};
 use sandman_wire::daemon::{ExecRequest, ExecResult, Info, Observed, Usage};
 use sandman_wire::server::{
     Asked, ConditionsRecord, CreateSandbox, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolSpec, Profile,
@@ -517,7 +517,21 @@ impl Service {
         };
         match served {
             Served::Existing => {}
-            Served::Claimed { pool, setup } => self.claimed(&sandbox, &pool, setup, started),
+            Served::Claimed { pool, setup } => {
+                let claim = Claim {
+                    spec: sandbox.spec.clone(),
+                    env: (*sandbox.env_overlay).clone(),
+                    claimed_ms: sandbox.claimed_ms.unwrap_or_else(now_ms),
+                    pool_created_ms: sandbox.pool_created_ms.unwrap_or(0),
+                };
+                // Where the provider's records are shared (Kubernetes), the claim is written
+                // there, conditionally: another server may have taken this sandbox first.
+                if let Err(e) = self.provider.claim(&claim).await {
+                    self.claim_lost(&sandbox, &pool, e).await;
+                    return Box::pin(self.create(req)).await;
+                }
+                self.claimed(&sandbox, &pool, setup, &claim, started)
+            }
             Served::Fresh(offer) => {
                 self.count_created(&sandbox, true);
                 match offer {
@@ -537,7 +551,9 @@ impl Service {
                     }
                 }
                 if let Some((name, _)) = &pool {
-                    // A create the pool could not serve: make sure it is refilling.
+                    // A create the pool could not serve: demand it missed, and make sure it is
+                    // refilling.
+                    self.pools().missed(name);
                     self.refill(name);
                 }
             }
@@ -1151,7 +1167,7 @@ impl Service {
         };
         if let Some(p) = removed {
             self.release_in_background(
-                p.ready.into_iter().chain(p.creating).collect(),
+                p.ready.into_iter().chain(p.creating.into_keys()).collect(),
                 format!("pool `{name}` deleted"),
             );
         }
@@ -1189,9 +1205,11 @@ impl Service {
             }
         }
         let pools = self.pools();
+        let now = Instant::now();
         pools
             .iter()
             .map(|(name, p)| {
+                let autoscale = p.spec.autoscale;
                 let pool = Pool {
                     name: name.clone(),
                     spec: p.spec.clone(),
@@ -1199,6 +1217,9 @@ impl Service {
                     creating: p.creating.len() as u64,
                     claimed: claimed.get(name).copied().unwrap_or(0),
                     claims: p.claims,
+                    target: p.target(now),
+                    claim_rate: autoscale.then(|| p.claim_rate(now)),
+                    refill_seconds: p.refill_time().filter(|_| autoscale).map(|d| d.as_secs_f64()),
                     last_error: p.last_error.clone(),
                 };
                 self.metrics.pool_sizes(name, pool.ready, pool.creating, pool.claimed);
@@ -1374,13 +1395,8 @@ impl Service {
 
     /// After a claim, outside the table's lock: the journal, metrics, event, timers; the
     /// claimer's setup, when it has one; and the pool's refill.
-    fn claimed(self: &Arc<Self>, sb: &Arc<Sandbox>, pool: &str, setup: bool, started: Instant) {
-        self.claims.append(&Claim {
-            spec: sb.spec.clone(),
-            env: (*sb.env_overlay).clone(),
-            claimed_ms: sb.claimed_ms.unwrap_or_else(now_ms),
-            pool_created_ms: sb.pool_created_ms.unwrap_or(0),
-        });
+    fn claimed(self: &Arc<Self>, sb: &Arc<Sandbox>, pool: &str, setup: bool, claim: &Claim, started: Instant) {
+        self.claims.append(claim);
         self.count_created(sb, false);
         self.metrics.pool_claims.get_or_create(&PoolLabel { pool: pool.to_string() }).inc();
         let message = Some(format!("claimed from pool `{pool}`"));
@@ -1394,6 +1410,23 @@ impl Service {
             self.metrics.claim_latency.observe(started.elapsed().as_secs_f64());
             self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, message);
             self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
+        }
+        self.refill(pool);
+    }
+
+    /// A claim the provider could not record: another server took the sandbox first (it is
+    /// theirs now: forgotten here, not deleted), or the provider failed (the sandbox is ended,
+    /// since whether anyone else holds it is unknown). The pool refills; the create is retried.
+    async fn claim_lost(self: &Arc<Self>, sb: &Arc<Sandbox>, pool: &str, err: ProviderError) {
+        match err {
+            ProviderError::Claimed(message) => {
+                tracing::info!(sandbox = sb.id(), pool, %message, "a pool sandbox was claimed elsewhere first");
+                self.forget(sb);
+            }
+            other => {
+                tracing::warn!(sandbox = sb.id(), pool, error = %other, "the provider could not record a claim");
+                self.fail(sb, Reason::ProviderError, format!("its claim could not be recorded: {other}")).await;
+            }
         }
         self.refill(pool);
     }
@@ -1510,7 +1543,9 @@ impl Service {
         let now = Instant::now();
         let now_wall = now_ms();
         for record in records {
-            let claim = claims.remove(&record.spec.id);
+            // The provider's own record of a claim (Kubernetes keeps it on the pod) serves when
+            // this server's claims file does not have it (a new state directory).
+            let claim = claims.remove(&record.spec.id).or(record.claim);
             let spec = claim.as_ref().map_or(record.spec, |c| c.spec.clone());
             let age = Duration::from_millis(now_wall.saturating_sub(spec.created_at_ms));
             let lease = Duration::from_secs(spec.server.lease_s.max(1));
@@ -2348,6 +2383,109 @@ mod tests {
         settle().await;
         assert_eq!(fake(&s).count(), 0);
         assert!(s.pool("warm").is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_autoscaled_pool_keeps_what_demand_asks_for_within_its_bounds() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        fake(&s).set_create_delay(Duration::from_secs(2));
+        let spec = PoolSpec { max: Some(40), autoscale: true, ..pool_spec(2) };
+        s.put_pool("auto", spec).unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let p = s.pool("auto").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((p.ready, p.target, p.claim_rate), (2, 2, Some(0.0)), "{p:?}");
+        // 10 creates a second for 40 s (the rate is over the last 30 s), each refill taking 2 s:
+        // about 20 wanted at once.
+        let claim =
+            || CreateSandbox { pool: Some("auto".into()), image: String::new(), wait: false, ..Default::default() };
+        for _ in 0..400 {
+            s.create(claim()).await.unwrap_or_else(|e| panic!("{e}"));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let p = s.pool("auto").unwrap_or_else(|e| panic!("{e}"));
+        let rate = p.claim_rate.unwrap_or(0.0);
+        let refill = p.refill_seconds.unwrap_or(0.0);
+        assert!((9.0..=11.0).contains(&rate), "{p:?}");
+        assert!((1.9..=2.3).contains(&refill), "{p:?}");
+        assert!((18..=24).contains(&p.target), "{p:?}");
+        assert!(p.ready + p.creating >= p.target - 1, "not refilling to its target: {p:?}");
+        // A burst past the bound is held to `max`.
+        for _ in 0..600 {
+            s.create(claim()).await.unwrap_or_else(|e| panic!("{e}"));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let p = s.pool("auto").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(p.target, 40, "{p:?}");
+        assert!(p.ready + p.creating <= 40, "{p:?}");
+        // Demand gone, the target falls back to `min_ready`.
+        tokio::time::sleep(Duration::from_secs(40)).await;
+        let p = s.pool("auto").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((p.target, p.claim_rate), (2, Some(0.0)), "{p:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pool_sandbox_another_server_claimed_first_is_left_to_it_and_another_is_claimed() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = admitting(dir.path(), 1000.0, 10_000);
+        s.put_pool("warm", pool_spec(3)).unwrap_or_else(|e| panic!("{e}"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(pool_ready(&s, "warm").await, 3);
+        fake(&s).claim_elsewhere(2);
+        let req = CreateSandbox {
+            pool: Some("warm".into()),
+            image: String::new(),
+            job: Some("j".into()),
+            ..Default::default()
+        };
+        let sb = s.create(req).await.unwrap_or_else(|e| panic!("{e}"));
+        let lost = fake(&s).claimed_elsewhere();
+        assert_eq!(lost.len(), 2);
+        assert!(!lost.contains(&sb.id));
+        assert_eq!((sb.state, sb.labels.get(POOL_LABEL).map(String::as_str)), (SandboxState::Ready, Some("warm")));
+        // The claim is in the provider's records; the lost ones are the other server's: not
+        // deleted, not known here any more.
+        let records = fake(&s).list().await.unwrap_or_default();
+        let mine = records.iter().find(|r| r.spec.id == sb.id).and_then(|r| r.claim.clone());
+        assert_eq!(mine.map(|c| c.spec.job), Some(Some("j".to_string())));
+        for id in &lost {
+            assert!(records.iter().any(|r| &r.spec.id == id), "a sandbox claimed elsewhere was deleted");
+            assert!(matches!(s.get(id), Err(ServerError::NotFound(_))), "{id} is still known here");
+        }
+        assert_eq!(s.job("j").map(|j| j.live).ok(), Some(1));
+        // The pool makes up for all three.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(pool_ready(&s, "warm").await, 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_the_provider_kept_is_recovered_without_the_claims_file() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = service(dir.path());
+        // A pool sandbox claimed by an earlier server whose state directory is gone: no pools,
+        // no claims file here, only what the provider kept.
+        let mut pooled = sandman_provider::conformance::spec("sb-pooled", "any");
+        pooled.labels = BTreeMap::from([(POOL_LABEL.to_string(), "gone-pool".to_string())]);
+        pooled.created_at_ms = now_ms();
+        pooled.server = ServerMeta { lease_s: 600, ..Default::default() };
+        fake(&s).create(&pooled).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut claimed = pooled.clone();
+        claimed.job = Some("j".into());
+        claimed.labels.insert("task".into(), "7".into());
+        let claim = Claim {
+            spec: claimed,
+            env: BTreeMap::from([("TASK".to_string(), "7".to_string())]),
+            claimed_ms: now_ms(),
+            pool_created_ms: pooled.created_at_ms,
+        };
+        fake(&s).claim(&claim).await.unwrap_or_else(|e| panic!("{e}"));
+        s.recover().await.unwrap_or_else(|e| panic!("{e}"));
+        settle().await;
+        let sb = s.get("sb-pooled").map(|sb| sb.to_wire()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((sb.state, sb.job.as_deref()), (SandboxState::Ready, Some("j")));
+        assert_eq!(s.call_target("sb-pooled").map(|t| t.env.get("TASK").cloned()).ok(), Some(Some("7".into())));
+        // Not an orphan of a pool this server does not know: still in the provider.
+        assert_eq!(fake(&s).count(), 1);
     }
 
     #[tokio::test(start_paused = true)]

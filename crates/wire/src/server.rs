@@ -535,6 +535,10 @@ pub struct PoolSpec {
     /// create asking for more is created cold instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_s: Option<u64>,
+    /// Size the pool from demand: keep about (claims a second over the last 30 s) × (how long
+    /// a refill takes) ready, between `min_ready` and `max`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub autoscale: bool,
 }
 
 /// A warm pool and its sizes, as `GET /v1/pools` reports it.
@@ -551,6 +555,13 @@ pub struct Pool {
     pub claimed: u64,
     /// Claims served since the server started.
     pub claims: u64,
+    /// How many it keeps ready now: `min_ready`, or with `autoscale` what demand asks for.
+    pub target: u64,
+    /// With `autoscale`: claims a second over the last 30 s, and how long a refill took lately.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_rate: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill_seconds: Option<f64>,
     /// The last failure to refill the pool, while refills are failing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,

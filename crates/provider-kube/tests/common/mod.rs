@@ -62,6 +62,8 @@ pub struct Seen {
     pub method: String,
     pub path: String,
     pub query: BTreeMap<String, String>,
+    /// The request's `Content-Type` (a patch's kind: merge, strategic, apply).
+    pub content_type: Option<String>,
     pub body: Bytes,
     pub at: Instant,
 }
@@ -194,7 +196,15 @@ fn seen_of(parts: &http::request::Parts, body: Bytes) -> Seen {
                 .collect()
         })
         .unwrap_or_default();
-    Seen { method: parts.method.to_string(), path: parts.uri.path().to_string(), query, body, at: Instant::now() }
+    let content_type = parts.headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
+    Seen {
+        method: parts.method.to_string(),
+        path: parts.uri.path().to_string(),
+        query,
+        content_type,
+        body,
+        at: Instant::now(),
+    }
 }
 
 fn percent_decode(s: &str) -> String {
@@ -495,6 +505,23 @@ impl Cluster {
                 self.update(pod.clone());
                 ok(pod)
             }
+            ("PATCH", ["pods", name]) => {
+                let Some(mut pod) = self.pods.get(*name).cloned() else { return not_found(name) };
+                if req.content_type.as_deref() != Some("application/merge-patch+json") {
+                    return Reply::Json(StatusCode::UNSUPPORTED_MEDIA_TYPE, serde_json::json!({"kind": "Status"}));
+                }
+                let mut patch = req.json();
+                // A resourceVersion in the patch is a precondition, as the API server reads it.
+                let precondition = patch["metadata"].as_object_mut().and_then(|m| m.remove("resourceVersion"));
+                if let Some(rv) = precondition
+                    && rv != pod["metadata"]["resourceVersion"]
+                {
+                    return Reply::Json(StatusCode::CONFLICT, conflict(name));
+                }
+                merge_patch(&mut pod, &patch);
+                self.update(pod.clone());
+                ok(self.pods[*name].clone())
+            }
             ("GET", ["pods", name]) => match self.pods.get(*name) {
                 Some(p) => ok(p.clone()),
                 None => not_found(name),
@@ -604,6 +631,39 @@ fn merge_status(status: &mut Value, patch: &Value) {
             status[k] = v.clone();
         }
     }
+}
+
+/// A JSON merge patch (RFC 7386): objects merged key by key, `null` removes, anything else
+/// replaces.
+pub fn merge_patch(target: &mut Value, patch: &Value) {
+    let Some(fields) = patch.as_object() else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = serde_json::json!({});
+    }
+    let Some(object) = target.as_object_mut() else { return };
+    for (k, v) in fields {
+        if v.is_null() {
+            object.remove(k);
+        } else {
+            merge_patch(object.entry(k.clone()).or_insert(Value::Null), v);
+        }
+    }
+}
+
+/// The API server's 409 for an update whose resourceVersion precondition failed: the recorded
+/// `Conflict` Status, with the message an update of a changed object gets.
+pub fn conflict(pod: &str) -> Value {
+    let mut status = json("error-409-binding-already-assigned.json");
+    status["message"] = format!(
+        "Operation cannot be fulfilled on pods \"{pod}\": the object has been modified; please apply your changes \
+         to the latest version and try again"
+    )
+    .into();
+    status["details"] = serde_json::json!({"name": pod, "kind": "pods"});
+    status
 }
 
 fn not_found(name: &str) -> Reply {
