@@ -369,8 +369,10 @@ def put_pool_call(
     setup: Optional[Sequence[str]],
     lease: Optional[int],
     provider: Optional[str],
+    autoscale: bool = False,
 ) -> Call:
-    """`PUT /v1/pools/{name}`: the whole spec, so sending it again sets the same pool."""
+    """`PUT /v1/pools/{name}`: the whole spec, so sending it again sets the same pool.
+    `autoscale` is sent only when set, as the server writes it (absent means false)."""
     body = _drop_none(
         {
             "image": image,
@@ -383,6 +385,7 @@ def put_pool_call(
             "max": max,
             "setup": setup_list(setup),
             "lease_s": lease,
+            "autoscale": True if autoscale else None,
         }
     )
     return Call("PUT", pool_path(name), json=body, idempotent=True)

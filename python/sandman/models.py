@@ -567,6 +567,14 @@ class PoolInfo:
     claimed: int
     #: Claims served since the server started.
     claims: int
+    #: How many it keeps ready now: `min_ready`, or with `autoscale` what demand asks for.
+    target: int = 0
+    #: Whether the pool sizes itself from demand (`put_pool(..., autoscale=True)`).
+    autoscale: bool = False
+    #: With `autoscale`: creates served (or matched with nothing ready) a second, over the last 30 s.
+    claim_rate: Optional[float] = None
+    #: With `autoscale`: how long a refill took lately (a moving average), in seconds.
+    refill_seconds: Optional[float] = None
     #: The last failure to refill the pool, while refills are failing.
     last_error: Optional[str] = None
     #: Shell commands run in each sandbox before it joins the pool.
@@ -586,6 +594,10 @@ class PoolInfo:
             creating=int(d.get("creating", 0)),
             claimed=int(d.get("claimed", 0)),
             claims=int(d.get("claims", 0)),
+            target=int(d.get("target", 0)),
+            autoscale=bool(spec.get("autoscale", False)),
+            claim_rate=_opt_float(d.get("claim_rate")),
+            refill_seconds=_opt_float(d.get("refill_seconds")),
             last_error=_opt_str(d.get("last_error")),
             setup=[str(c) for c in spec.get("setup") or []],
             spec=spec,

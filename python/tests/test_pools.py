@@ -35,6 +35,8 @@ async def test_a_pool_keeps_sandboxes_ready_with_its_setup_and_a_create_claims_o
         assert (pool.name, pool.image, pool.min_ready, pool.max, pool.setup) == (
             name, "host", 1, 2, ["echo warmed > /tmp/warm"],
         )
+        # A plain pool keeps `min_ready`, and has no demand figures.
+        assert (pool.target, pool.autoscale, pool.claim_rate, pool.refill_seconds) == (1, False, None, None)
         assert pool.spec["env"] == {"POOL": "yes"} and pool.spec["lease_s"] == 120
         assert name in [p.name for p in await api.list_pools()]
         ready = await _until_ready(api, name, 1)
@@ -114,6 +116,34 @@ async def test_pool_calls_send_the_whole_spec_and_parse_the_sizes(mock_api: Any)
         "python:3.12", 2, 4, ["pip install x"], "eval",
     )
     assert bare == pool  # the fake answers the same report
+
+
+async def test_autoscale_is_sent_only_when_set_and_the_demand_figures_parse(mock_api: Any) -> None:
+    bodies: List[Any] = []
+    scaled = {
+        "name": "auto", "ready": 3, "creating": 2, "claimed": 0, "claims": 40, "target": 5, "claim_rate": 1.5,
+        "refill_seconds": 3.2, "spec": {"image": "host", "min_ready": 1, "max": 8, "autoscale": True},
+    }
+    plain = {"name": "plain", "ready": 1, "creating": 0, "claimed": 0, "claims": 0, "target": 1,
+             "spec": {"image": "host", "min_ready": 1}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        return httpx.Response(200, json=scaled if body.get("autoscale") else plain)
+
+    async with mock_api(handler) as c:
+        auto = await c.put_pool("auto", "host", min_ready=1, max=8, autoscale=True)
+        fixed = await c.put_pool("plain", "host", min_ready=1)
+        unset = await c.put_pool("plain", "host", min_ready=1, autoscale=False)
+    assert bodies == [
+        {"image": "host", "min_ready": 1, "max": 8, "autoscale": True},
+        {"image": "host", "min_ready": 1},
+        {"image": "host", "min_ready": 1},
+    ]
+    assert (auto.autoscale, auto.target, auto.claim_rate, auto.refill_seconds) == (True, 5, 1.5, 3.2)
+    assert (fixed.autoscale, fixed.target, fixed.claim_rate, fixed.refill_seconds) == (False, 1, None, None)
+    assert unset == fixed
 
 
 async def test_a_create_from_a_pool_sends_no_image_unless_given(mock_api: Any) -> None:

@@ -277,13 +277,17 @@ class Sandman:
         setup: Optional[Sequence[str]] = None,
         lease: Optional[int] = None,
         provider: Optional[str] = None,
+        autoscale: bool = False,
     ) -> PoolInfo:
         """`PUT /v1/pools/{name}`: creates or changes a warm pool, which keeps `min_ready` sandboxes
         of `image` ready (at most `max` unclaimed, ready or being created; default `min_ready`),
         each having run `setup` (a list of shell commands). A create naming the pool, or asking
         for the same image, resources, profile and network, claims one at once. `lease` (seconds)
-        is the longest lease a claim may ask for. Changing only the sizes keeps the pool's
-        sandboxes; changing anything else replaces the unclaimed ones."""
+        is the longest lease a claim may ask for. With `autoscale` the pool sizes itself from
+        demand: it keeps (creates it served, or matched with nothing ready, a second over the last
+        30 s) × (how long a refill takes lately) ready, rounded up, between `min_ready` and `max`
+        (see `PoolInfo.target`). Changing only the sizes keeps the pool's sandboxes; changing
+        anything else replaces the unclaimed ones."""
         call = _core.put_pool_call(
             name,
             image,
@@ -296,6 +300,7 @@ class Sandman:
             setup=setup,
             lease=lease,
             provider=provider,
+            autoscale=autoscale,
         )
         return PoolInfo.from_dict(self._json(call))
 
