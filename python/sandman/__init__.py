@@ -44,6 +44,8 @@ from .models import (
     Asked,
     ConditionsRecord,
     DaemonInfo,
+    DeterminismResult,
+    DeterminismRun,
     DirListing,
     Event,
     ExecEvent,
@@ -110,6 +112,8 @@ __all__ = [
     "conditions_key",
     # records
     "DaemonInfo",
+    "DeterminismResult",
+    "DeterminismRun",
     "DirListing",
     "Event",
     "ExecEvent",

@@ -303,6 +303,11 @@ def setup_list(setup: Optional[Sequence[str]]) -> Optional[List[str]]:
     return commands or None
 
 
+#: The label `check_determinism` puts on its sandboxes, valued with the check's id, so that what a
+#: run could not release itself is found and released at the end.
+DETERMINISM_LABEL = "sandman-determinism"
+
+
 def new_idempotency_key() -> str:
     return f"py-{uuid.uuid4().hex}"
 

@@ -8,13 +8,15 @@ as on the wire; durations given to the SDK are seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "Usage",
     "ExitStatus",
     "ExecResult",
     "ExecEvent",
+    "DeterminismRun",
+    "DeterminismResult",
     "ProcessInfo",
     "OutputChunk",
     "OutputEvent",
@@ -161,6 +163,87 @@ class ExecResult:
     def ok(self) -> bool:
         """Exited with code 0, in time."""
         return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class DeterminismRun:
+    """One run of `Sandman.check_determinism`: the command once, in a fresh sandbox."""
+
+    #: The sandbox it ran in (released since).
+    sandbox: str
+    #: Which distinct result it gave: an index into `DeterminismResult.results` (0 is the first
+    #: run's).
+    result: int
+    exit_code: Optional[int]
+    signal: Optional[int]
+    timed_out: bool
+    #: Wall time of the command.
+    duration_ms: int
+    #: User plus system CPU time of the command.
+    cpu_ms: int
+    #: Peak resident set of its largest process.
+    max_rss_kib: int
+    stdout_bytes: int
+    stderr_bytes: int
+
+
+@dataclass(frozen=True)
+class DeterminismResult:
+    """Whether one command gave the same result in fresh sandboxes of one spec
+    (`Sandman.check_determinism`). Two runs agree when their exit code, signal, timeout, stdout
+    and stderr are all equal; durations and resource use are reported, never compared."""
+
+    #: Every run gave the same result.
+    agree: bool
+    #: How many distinct results the runs gave (1 when they agree).
+    distinct: int
+    #: What differs between the distinct results, of `exit` (code, signal or timeout), `stdout`,
+    #: `stderr`, in that order; empty when they agree.
+    differs_in: List[str]
+    #: The runs, in the order they were started.
+    runs: List[DeterminismRun]
+    #: One `ExecResult` per distinct result: the first run's that gave it.
+    results: List[ExecResult]
+
+    @classmethod
+    def judge(cls, results: Sequence[Tuple[str, ExecResult]]) -> "DeterminismResult":
+        """Groups `(sandbox id, result)` pairs, in run order, by what must be equal to agree."""
+
+        def outcome(r: ExecResult) -> Tuple[Optional[int], Optional[int], bool, str, str]:
+            return (r.exit_code, r.signal, r.timed_out, r.stdout, r.stderr)
+
+        seen: List[Tuple[Optional[int], Optional[int], bool, str, str]] = []
+        firsts: List[ExecResult] = []
+        runs: List[DeterminismRun] = []
+        for sandbox, r in results:
+            o = outcome(r)
+            if o not in seen:
+                seen.append(o)
+                firsts.append(r)
+            runs.append(
+                DeterminismRun(
+                    sandbox=sandbox,
+                    result=seen.index(o),
+                    exit_code=r.exit_code,
+                    signal=r.signal,
+                    timed_out=r.timed_out,
+                    duration_ms=r.duration_ms,
+                    cpu_ms=r.usage.cpu_user_ms + r.usage.cpu_system_ms,
+                    max_rss_kib=r.usage.max_rss_kib,
+                    stdout_bytes=len(r.stdout.encode()),
+                    stderr_bytes=len(r.stderr.encode()),
+                )
+            )
+        differs_in: List[str] = []
+        if seen:
+            first = seen[0]
+            if any(o[:3] != first[:3] for o in seen):
+                differs_in.append("exit")
+            if any(o[3] != first[3] for o in seen):
+                differs_in.append("stdout")
+            if any(o[4] != first[4] for o in seen):
+                differs_in.append("stderr")
+        return cls(agree=len(seen) <= 1, distinct=len(seen), differs_in=differs_in, runs=runs, results=firsts)
 
 
 @dataclass(frozen=True)

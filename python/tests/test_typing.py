@@ -8,11 +8,11 @@ import sys
 from conftest import REPO
 
 
-def test_the_sdk_and_the_rollout_example_pass_mypy_strict() -> None:
+def test_the_sdk_and_the_examples_pass_mypy_strict() -> None:
     result = subprocess.run(
         [
             sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--cache-dir", "/dev/null",
-            "sandman", str(REPO / "examples" / "rollout.py"),
+            "sandman", str(REPO / "examples" / "rollout.py"), str(REPO / "examples" / "determinism.py"),
         ],
         cwd=REPO / "python",
         capture_output=True,

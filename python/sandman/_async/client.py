@@ -11,12 +11,27 @@ parsed in `sandman._core` and `sandman.models`; what differs between asyncio and
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
 import ssl
+import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Dict, Generic, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import (
+    Any,
+    AsyncIterator,
+    Callable,
+    Dict,
+    Generic,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 import httpx
 
@@ -24,6 +39,7 @@ from .. import _core, errors
 from .._core import Call, Command
 from ..models import (
     DaemonInfo,
+    DeterminismResult,
     DirListing,
     Event,
     ExecEvent,
@@ -351,6 +367,93 @@ class AsyncSandman:
         `SignedConditions`, or its dict as stored) and it is intact; `problem` says why not."""
         body = signed.to_dict() if isinstance(signed, SignedConditions) else signed
         return Verification.from_dict(await self._json(_core.verify_call(body)))
+
+    # ---- determinism ----
+
+    async def check_determinism(
+        self,
+        image: Optional[str],
+        command: Command,
+        *,
+        runs: int = 5,
+        parallel: int = 1,
+        timeout: Optional[float] = None,
+        cwd: Optional[str] = None,
+        job: Optional[str] = None,
+        resources: Optional[Mapping[str, Any]] = None,
+        profile: Optional[str] = None,
+        network: Optional[str] = None,
+        ttl: Optional[int] = None,
+        idle_timeout: Optional[int] = None,
+        lease: Optional[int] = None,
+        pool: Optional[str] = None,
+        setup: Optional[Sequence[str]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        provider: Optional[str] = None,
+        wait_timeout: Optional[int] = None,
+    ) -> DeterminismResult:
+        """Runs `command` once in each of `runs` fresh sandboxes of one spec, `parallel` at a
+        time, and says whether their results agree (the CLI's `sandman determinism`): a task's
+        setup or reward command whose output varies between fresh sandboxes (a clock, randomness,
+        the network) would make rewards noisy.
+
+        Each run creates a sandbox (`image` and the create arguments, as `create` takes them),
+        runs the command once (`timeout` in seconds, `cwd`) and releases it. Two runs agree when
+        exit code, signal, timeout, stdout and stderr are equal. Every sandbox made is released
+        before this answers, also when a run fails (the first failure is raised, the other runs
+        stop) or the caller is cancelled; its sandboxes carry the label
+        `sandman-determinism=<check id>`. `runs` below 2 raises `ValueError`."""
+        if runs < 2:
+            raise ValueError(f"runs must be at least 2 to compare anything, not {runs}")
+        check = uuid.uuid4().hex[:16]
+        label = {**(labels or {}), _core.DETERMINISM_LABEL: check}
+        create = functools.partial(
+            self.create,
+            image,
+            job=job,
+            resources=resources,
+            profile=profile,
+            network=network,
+            ttl=ttl,
+            idle_timeout=idle_timeout,
+            lease=lease,
+            pool=pool,
+            setup=setup,
+            env=env,
+            labels=label,
+            provider=provider,
+            wait_timeout=wait_timeout,
+        )
+        one = functools.partial(self._determinism_run, create, command, timeout, cwd)
+        try:
+            results = await _rt.gather_bounded([one] * runs, min(max(1, parallel), runs))
+        finally:
+            await self._release_labelled(f"{_core.DETERMINISM_LABEL}={check}")
+        return DeterminismResult.judge(results)
+
+    async def _determinism_run(
+        self,
+        create: Callable[[], Any],
+        command: Command,
+        timeout: Optional[float],
+        cwd: Optional[str],
+    ) -> Tuple[str, ExecResult]:
+        """One run of `check_determinism`: a fresh sandbox, the command once, the release."""
+        sandbox: AsyncSandbox = await _rt.finish(create, AsyncSandbox.release)
+        async with sandbox:
+            return sandbox.id, await sandbox.exec(command, timeout=timeout, cwd=cwd)
+
+    async def _release_labelled(self, label: str) -> None:
+        """Releases every live sandbox labelled `label`: what a run could not release itself (its
+        create timed out here while the server went on). A failure is logged, not raised, so the
+        error that brought us here stays the one raised."""
+        try:
+            for info in await self.list(label=label):
+                if info.live:
+                    await self.release(info.id)
+        except errors.SandmanError as e:
+            _core.log.warning("could not release the sandboxes labelled %s: %s", label, e)
 
     # ---- events ----
 

@@ -1,5 +1,6 @@
 """The threaded half of the little the two clients cannot share: sleeping, running blocking work,
-and a periodic background thread (the job heartbeat). `sandman/_async/_rt.py` is its asyncio twin;
+running calls side by side (in threads), finishing a call, and a periodic background thread (the
+job heartbeat). `sandman/_async/_rt.py` is its asyncio twin;
 the two keep the same names, so the generated sync client calls these where the async one awaits
 those."""
 
@@ -9,7 +10,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -23,6 +25,30 @@ def sleep(seconds: float) -> None:
 def run_blocking(fn: Callable[..., T], *args: Any) -> T:
     """Runs `fn(*args)` here: a sync caller blocks anyway."""
     return fn(*args)
+
+
+def gather_bounded(thunks: Sequence[Callable[[], T]], parallel: int) -> List[T]:
+    """Runs every `thunk()` in a pool of `parallel` threads and answers their results in order.
+    At the first failure the ones not started yet are dropped and the running ones are waited for
+    (each finishes its own cleanup) before that failure is raised; so too on KeyboardInterrupt."""
+    with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="sandman") as pool:
+        futures = [pool.submit(t) for t in thunks]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:
+            for f in futures:
+                f.cancel()
+    for f in futures:
+        error = None if f.cancelled() else f.exception()
+        if error is not None:
+            raise error
+    return [f.result() for f in futures]
+
+
+def finish(fn: Callable[[], T], undo: Callable[[T], Any]) -> T:
+    """Answers `fn()`. (The asyncio twin also undoes what `fn` made when its caller is cancelled
+    meanwhile; a thread is not cancelled halfway through a call.)"""
+    return fn()
 
 
 class Ticker:
