@@ -53,9 +53,12 @@ pub enum Command {
     Logs(LogsCmd),
     /// Show lifecycle events.
     Events(EventsCmd),
-    /// Manage jobs: quotas, heartbeats, release-all.
+    /// Manage jobs: quotas, heartbeats, release-all, usage.
     #[command(subcommand)]
     Job(JobCmd),
+    /// Manage warm pools: sandboxes kept ready for creates to claim (`create --pool NAME`).
+    #[command(subcommand)]
+    Pool(PoolCmd),
     /// Make images ready ahead of the creates that need them, printing each as it is done.
     Prepare(PrepareCmd),
     /// Show a sandbox's signed conditions record: what was asked, what the provider applied and
@@ -158,8 +161,9 @@ impl From<ProfileArg> for Profile {
 pub struct CreateCmd {
     #[command(flatten)]
     pub conn: Connection,
-    /// The task image (`host` for the process provider).
-    pub image: String,
+    /// The task image (`host` for the process provider); with `--pool`, the pool's by default.
+    #[arg(required_unless_present = "pool")]
+    pub image: Option<String>,
     #[command(flatten)]
     pub sandbox: SandboxFlags,
     /// Answer at once instead of when the sandbox is ready.
@@ -359,13 +363,15 @@ pub enum JobCmd {
     Rm(JobNameCmd),
     /// Renew the lease of every sandbox of a job.
     Heartbeat(JobNameCmd),
+    /// Show what a job's sandboxes used: counts by how they ended, sandbox-, CPU-seconds, memory.
+    Usage(JobNameCmd),
 }
 
 impl JobCmd {
     pub fn conn(&self) -> &Connection {
         match self {
             JobCmd::Put(cmd) => &cmd.conn,
-            JobCmd::Get(cmd) | JobCmd::Rm(cmd) | JobCmd::Heartbeat(cmd) => &cmd.conn,
+            JobCmd::Get(cmd) | JobCmd::Rm(cmd) | JobCmd::Heartbeat(cmd) | JobCmd::Usage(cmd) => &cmd.conn,
         }
     }
 }
@@ -387,6 +393,98 @@ pub struct JobPutCmd {
     /// Default lease of the job's sandboxes, in seconds.
     #[arg(long, value_name = "SECS")]
     pub lease: Option<u64>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PoolCmd {
+    /// Create a warm pool or change it, then show it.
+    Put(Box<PoolPutCmd>),
+    /// List warm pools with their sizes.
+    Ls(PoolLsCmd),
+    /// Show one warm pool.
+    Get(PoolNameCmd),
+    /// Forget a warm pool and release its unclaimed sandboxes (claimed ones live on).
+    Rm(PoolNameCmd),
+}
+
+impl PoolCmd {
+    pub fn conn(&self) -> &Connection {
+        match self {
+            PoolCmd::Put(cmd) => &cmd.conn,
+            PoolCmd::Ls(cmd) => &cmd.conn,
+            PoolCmd::Get(cmd) | PoolCmd::Rm(cmd) => &cmd.conn,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct PoolPutCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    /// The pool.
+    pub name: String,
+    /// The image of the pool's sandboxes (`host` for the process provider).
+    pub image: String,
+    /// Sandboxes kept ready, unclaimed (with `--autoscale`, the least kept ready).
+    #[arg(long, value_name = "N")]
+    pub min_ready: u64,
+    /// Most unclaimed sandboxes (ready or being created) at once [default: --min-ready]
+    #[arg(long, value_name = "M")]
+    pub max: Option<u64>,
+    /// Size the pool from demand (claims a second × how long a refill takes), between
+    /// `--min-ready` and `--max`.
+    #[arg(long)]
+    pub autoscale: bool,
+    /// CPU: cores, as `0.5` or `500m`.
+    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
+    pub cpu: Option<Quantity>,
+    /// Memory: bytes, as `512Mi` or `2G`.
+    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
+    pub memory: Option<Quantity>,
+    /// Disk: bytes, as `10Gi`.
+    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
+    pub disk: Option<Quantity>,
+    #[arg(long, value_enum, value_name = "PROFILE")]
+    pub profile: Option<ProfileArg>,
+    #[arg(long, value_enum, value_name = "NETWORK")]
+    pub network: Option<NetworkArg>,
+    /// An environment variable the pool's sandboxes start with (repeatable); a claim adds its own.
+    #[arg(long = "env", short = 'e', value_name = "KEY=VALUE", value_parser = key_value)]
+    pub env: Vec<(String, String)>,
+    /// A shell command run in each sandbox before it joins the pool as ready (repeatable, in
+    /// order).
+    #[arg(long = "setup", value_name = "COMMAND")]
+    pub setup: Vec<String>,
+    /// The longest lease a claim may ask for, in seconds [default: the server's]; a create
+    /// asking for more is created cold.
+    #[arg(long, value_name = "SECS")]
+    pub lease: Option<u64>,
+    /// The provider [default: the server's]
+    #[arg(long, value_name = "NAME")]
+    pub provider: Option<String>,
+    /// Print the pool as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PoolLsCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    /// Print a JSON array of pools.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PoolNameCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    /// The pool.
+    pub name: String,
+    /// Print the pool as JSON.
     #[arg(long)]
     pub json: bool,
 }

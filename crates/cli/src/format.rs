@@ -97,6 +97,19 @@ pub fn json_word<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_value(value).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
+/// `key: value` lines, the values aligned; no trailing newline.
+pub fn fields(fields: &[(&str, String)]) -> String {
+    let width = fields.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
+    let lines: Vec<String> = fields.iter().map(|(k, v)| format!("{:<width$} {v}", format!("{k}:"))).collect();
+    lines.join("\n")
+}
+
+/// A figure to at most `places` decimals, without trailing zeros: `0.4`, `12`, `0.33`.
+pub fn decimal(value: f64, places: usize) -> String {
+    let text = format!("{value:.places$}");
+    if text.contains('.') { text.trim_end_matches('0').trim_end_matches('.').to_owned() } else { text }
+}
+
 /// `-` for nothing.
 pub fn or_dash(text: Option<&str>) -> String {
     text.filter(|t| !t.is_empty()).unwrap_or("-").to_owned()
@@ -129,6 +142,15 @@ mod tests {
         assert_eq!(timestamp(0), "1970-01-01T00:00:00Z");
         assert_eq!(timestamp(1_700_000_000_000), "2023-11-14T22:13:20Z");
         assert_eq!(timestamp(951_782_400_000), "2000-02-29T00:00:00Z");
+    }
+
+    #[test]
+    fn fields_align_and_decimals_trim() {
+        assert_eq!(fields(&[("a", "1".into()), ("long", "2".into())]), "a:    1\nlong: 2");
+        assert_eq!(decimal(0.4, 2), "0.4");
+        assert_eq!(decimal(12.0, 1), "12");
+        assert_eq!(decimal(1.0 / 3.0, 2), "0.33");
+        assert_eq!(decimal(100.0, 0), "100");
     }
 
     #[test]

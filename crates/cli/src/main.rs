@@ -10,6 +10,7 @@ mod eval;
 mod exec;
 mod format;
 mod jobs;
+mod pools;
 mod prepare;
 mod procs;
 mod report;
@@ -62,6 +63,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Ps(cmd) => procs::ps(&connect(&cmd.conn)?, cmd).await,
         Command::Logs(cmd) => procs::logs(&connect(&cmd.conn)?, cmd).await,
         Command::Job(cmd) => jobs::job(&connect(cmd.conn())?, cmd).await,
+        Command::Pool(cmd) => pools::pool(&connect(cmd.conn())?, cmd).await,
         Command::Prepare(cmd) => prepare::prepare(&connect(&cmd.conn)?, cmd).await,
         Command::Conditions(cmd) => eval::conditions(&connect(&cmd.conn)?, cmd).await,
         Command::Verify(cmd) => eval::verify(cmd).await,

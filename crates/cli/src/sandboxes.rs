@@ -81,7 +81,7 @@ pub async fn create_showing_progress(client: &Client, req: &CreateSandbox) -> Re
 }
 
 pub async fn create(client: &Client, cmd: CreateCmd) -> anyhow::Result<ExitCode> {
-    let mut req = create_request(&cmd.image, &cmd.sandbox, !cmd.no_wait);
+    let mut req = create_request(cmd.image.as_deref().unwrap_or_default(), &cmd.sandbox, !cmd.no_wait);
     req.idempotency_key.get_or_insert_with(|| fresh_key("create"));
     let sandbox = create_showing_progress(client, &req).await?;
     if cmd.json {
@@ -153,11 +153,13 @@ fn describe(sb: &Sandbox, now: u64) -> String {
     fields.iter().map(|(k, v)| format!("{:<width$} {v}\n", format!("{k}:"))).collect()
 }
 
-fn pairs(map: &BTreeMap<String, String>) -> String {
+/// `k=v k2=v2`.
+pub fn pairs(map: &BTreeMap<String, String>) -> String {
     map.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
 }
 
-fn resources(r: &Resources) -> String {
+/// `cpu=0.5 memory=1Gi`: only the resources that are set.
+pub fn resources(r: &Resources) -> String {
     let quantity = |q: &Quantity| match q {
         Quantity::Number(n) => n.to_string(),
         Quantity::Text(t) => t.clone(),
@@ -328,6 +330,17 @@ mod tests {
     }
 
     #[test]
+    fn a_create_from_a_pool_may_leave_the_image_to_it() {
+        use clap::Parser;
+        let cli = crate::cli::Cli::try_parse_from(["sandman", "create", "--pool", "warm"]).unwrap();
+        let crate::cli::Command::Create(cmd) = cli.command else { panic!("not create") };
+        let req = create_request(cmd.image.as_deref().unwrap_or_default(), &cmd.sandbox, true);
+        assert_eq!((req.image.as_str(), req.pool.as_deref()), ("", Some("warm")));
+        let err = crate::cli::Cli::try_parse_from(["sandman", "create"]).err().map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("<IMAGE>")));
+    }
+
+    #[test]
     fn create_flags_become_the_request() {
         use clap::Parser;
         let cli = crate::cli::Cli::try_parse_from([
@@ -354,7 +367,7 @@ mod tests {
         ])
         .unwrap();
         let crate::cli::Command::Create(cmd) = cli.command else { panic!("not create") };
-        let req = create_request(&cmd.image, &cmd.sandbox, !cmd.no_wait);
+        let req = create_request(cmd.image.as_deref().unwrap_or_default(), &cmd.sandbox, !cmd.no_wait);
         let json = serde_json::to_value(&req).unwrap();
         assert_eq!(
             json,

@@ -26,10 +26,14 @@ const NO_STATE_DIR: &str = "/nonexistent/sandman-cli-test-state";
 /// What the fake server saw: uploads, as (query, content type, bytes).
 type Uploads = Arc<Mutex<Vec<(String, String, Vec<u8>)>>>;
 
+/// What the fake server saw of pool and job calls: (method, path, body).
+type Seen = Arc<Mutex<Vec<(String, String, String)>>>;
+
 /// The fake server, on its own thread and runtime; stopped and joined when dropped.
 struct Fake {
     addr: SocketAddr,
     uploads: Uploads,
+    seen: Seen,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -37,7 +41,8 @@ struct Fake {
 impl Fake {
     fn start() -> Fake {
         let uploads = Uploads::default();
-        let app = app(Arc::clone(&uploads));
+        let seen = Seen::default();
+        let app = app(Arc::clone(&uploads)).layer(middleware::from_fn_with_state(Arc::clone(&seen), record));
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (stop, stopped) = oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
@@ -53,11 +58,16 @@ impl Fake {
                     .unwrap();
             });
         });
-        Fake { addr: addr_rx.recv().unwrap(), uploads, stop: Some(stop), thread: Some(thread) }
+        Fake { addr: addr_rx.recv().unwrap(), uploads, seen, stop: Some(stop), thread: Some(thread) }
     }
 
     fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The pool and job calls seen so far, taken.
+    fn seen(&self) -> Vec<(String, String, String)> {
+        std::mem::take(&mut *self.seen.lock().unwrap())
     }
 
     /// Runs `sandman ARGS` against this server with the right token.
@@ -141,6 +151,9 @@ fn app(uploads: Uploads) -> Router {
         .route("/v1/sandboxes/{id}/stat", get(stat))
         .route("/v1/sandboxes/{id}/files", put(upload))
         .route("/v1/sandboxes/{id}/archive", put(upload))
+        .route("/v1/pools", get(list_pools))
+        .route("/v1/pools/{name}", get(get_pool).put(put_pool).delete(delete_pool))
+        .route("/v1/jobs/{job}/usage", get(job_usage))
         .layer(middleware::from_fn(authorize))
         .layer(Extension(ProgressSent::default()))
         .with_state(uploads)
@@ -152,6 +165,19 @@ async fn authorize(req: Request, next: Next) -> Response {
         return error(StatusCode::UNAUTHORIZED, "unauthorized", "the token is missing or wrong", None);
     }
     next.run(req).await
+}
+
+/// Notes each pool and job call (method, path, body) in [`Seen`], passing the request on.
+async fn record(State(seen): State<Seen>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_owned();
+    if !path.starts_with("/v1/pools") && !path.starts_with("/v1/jobs") {
+        return next.run(req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    seen.lock().unwrap().push((parts.method.to_string(), path, text));
+    next.run(Request::from_parts(parts, Body::from(bytes))).await
 }
 
 async fn create(Extension(sent): Extension<ProgressSent>, body: String) -> Response {
@@ -265,6 +291,215 @@ async fn upload(
             json!({"path": "/work/f", "kind": "file", "size": size, "mode": 420, "uid": 0, "gid": 0, "mtime_ms": 0}),
         )
     }
+}
+
+/// `warm`: a fixed-size pool whose refills fail; `auto`: an autoscaled one.
+fn pool(name: &str) -> Option<Value> {
+    match name {
+        "warm" => Some(json!({
+            "name": "warm", "spec": {"image": "host", "min_ready": 2, "resources": {}, "profile": "default",
+                                     "network": "egress"},
+            "ready": 1, "creating": 1, "claimed": 3, "claims": 40, "target": 2,
+            "last_error": "setup failed: exit 1"
+        })),
+        "auto" => Some(json!({
+            "name": "auto", "spec": {"image": "py:3.12", "min_ready": 1, "max": 20, "autoscale": true,
+                                     "resources": {"cpu": 1.0, "memory": "1Gi"}, "profile": "eval",
+                                     "network": "none", "setup": ["pip install -e ."], "lease_s": 300},
+            "ready": 11, "creating": 1, "claimed": 0, "claims": 1234, "target": 12,
+            "claim_rate": 0.8, "refill_seconds": 15.0
+        })),
+        _ => None,
+    }
+}
+
+fn no_pool(name: &str) -> Response {
+    error(StatusCode::NOT_FOUND, "not_found", &format!("no pool `{name}`"), None)
+}
+
+async fn list_pools() -> Response {
+    answer(StatusCode::OK, json!({"pools": [pool("warm"), pool("auto")]}))
+}
+
+async fn get_pool(UrlPath(name): UrlPath<String>) -> Response {
+    pool(&name).map_or_else(|| no_pool(&name), |p| answer(StatusCode::OK, p))
+}
+
+/// Answers the pool as just made: its spec, `min_ready` being created.
+async fn put_pool(UrlPath(name): UrlPath<String>, body: String) -> Response {
+    let spec: sandman_wire::server::PoolSpec = serde_json::from_str(&body).unwrap();
+    let mut made = json!({"name": name, "spec": spec, "ready": 0, "creating": spec.min_ready, "claimed": 0,
+                          "claims": 0, "target": spec.min_ready});
+    if spec.autoscale {
+        made["claim_rate"] = json!(0.0);
+    }
+    answer(StatusCode::OK, made)
+}
+
+async fn delete_pool(UrlPath(name): UrlPath<String>) -> Response {
+    pool(&name).map_or_else(|| no_pool(&name), |p| answer(StatusCode::OK, p))
+}
+
+async fn job_usage(UrlPath(job): UrlPath<String>) -> Response {
+    if job != "train-7" {
+        return error(StatusCode::NOT_FOUND, "not_found", &format!("no job `{job}`"), None);
+    }
+    answer(
+        StatusCode::OK,
+        json!({"job": "train-7", "sandboxes": 12, "live": 3, "by_reason": {"released": 10, "lease_expired": 2},
+               "sandbox_seconds": 3600.26, "cpu_seconds": 812.5, "with_usage": 12, "peak_memory_kib": 1572864}),
+    )
+}
+
+#[test]
+fn pool_put_sends_the_spec_and_shows_the_pool() {
+    let fake = Fake::start();
+    let out = fake.sandman(&["pool", "put", "warm", "host", "--min-ready", "2"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        out.stdout,
+        "pool:     warm\nimage:    host\nprofile:  default\nnetwork:  egress\nlease:    the server's default\n\
+         size:     min ready 2, max 2\ntarget:   2\nready:    0\ncreating: 2\nclaimed:  0\nclaims:   0\n"
+    );
+    let (method, path, body) = fake.seen().pop().unwrap();
+    assert_eq!((method.as_str(), path.as_str()), ("PUT", "/v1/pools/warm"));
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        body,
+        json!({"image": "host", "resources": {}, "profile": "default", "network": "egress", "min_ready": 2})
+    );
+
+    let out = fake.sandman(&[
+        "pool",
+        "put",
+        "auto",
+        "py:3.12",
+        "--min-ready",
+        "1",
+        "--max",
+        "20",
+        "--autoscale",
+        "--cpu",
+        "1",
+        "--memory",
+        "1Gi",
+        "--profile",
+        "eval",
+        "--network",
+        "none",
+        "-e",
+        "K=V",
+        "--setup",
+        "pip install -e .",
+        "--lease",
+        "300",
+        "--provider",
+        "docker",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let (method, path, body) = fake.seen().pop().unwrap();
+    assert_eq!((method.as_str(), path.as_str()), ("PUT", "/v1/pools/auto"));
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        body,
+        json!({"image": "py:3.12", "provider": "docker", "resources": {"cpu": 1.0, "memory": "1Gi"},
+               "profile": "eval", "network": "none", "env": {"K": "V"}, "min_ready": 1, "max": 20,
+               "setup": ["pip install -e ."], "lease_s": 300, "autoscale": true})
+    );
+    let made: sandman_wire::server::Pool = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!((made.name.as_str(), made.spec.autoscale, made.claim_rate), ("auto", true, Some(0.0)));
+}
+
+#[test]
+fn pool_ls_shows_targets_demand_and_errors() {
+    let fake = Fake::start();
+    let out = fake.sandman(&["pool", "ls"]);
+    assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""), "{out:?}");
+    assert_eq!(
+        out.stdout,
+        "NAME  IMAGE    READY  CREATING  CLAIMED  TARGET     CLAIMS  DEMAND                     ERROR\n\
+         warm  host     1      1         3        2          40      -                          setup failed: exit 1\n\
+         auto  py:3.12  11     1         0        12 (auto)  1234    0.8 claims/s × 15s refill  -\n"
+    );
+    assert_eq!(fake.seen(), [("GET".to_owned(), "/v1/pools".to_owned(), String::new())]);
+    let out = fake.sandman(&["pool", "ls", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let pools: Vec<sandman_wire::server::Pool> = serde_json::from_str(&out.stdout).unwrap();
+    let expected: Vec<sandman_wire::server::Pool> =
+        [pool("warm"), pool("auto")].into_iter().map(|p| serde_json::from_value(p.unwrap()).unwrap()).collect();
+    assert_eq!(pools, expected);
+}
+
+#[test]
+fn pool_get_shows_one_pool() {
+    let fake = Fake::start();
+    let out = fake.sandman(&["pool", "get", "auto"]);
+    assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""), "{out:?}");
+    assert_eq!(
+        out.stdout,
+        "pool:      auto\nimage:     py:3.12\nprofile:   eval\nnetwork:   none\nresources: cpu=1 memory=1Gi\n\
+         setup:     pip install -e .\nlease:     300s\nsize:      min ready 1, max 20, autoscaled\n\
+         target:    12 (auto)\ndemand:    0.8 claims/s × 15s refill\nready:     11\ncreating:  1\n\
+         claimed:   0\nclaims:    1234\n"
+    );
+    assert_eq!(fake.seen(), [("GET".to_owned(), "/v1/pools/auto".to_owned(), String::new())]);
+    let out = fake.sandman(&["pool", "get", "warm"]);
+    assert!(out.stdout.ends_with("claims:   40\nerror:    setup failed: exit 1\n"), "{}", out.stdout);
+    let out = fake.sandman(&["pool", "get", "warm", "--json"]);
+    let got: sandman_wire::server::Pool = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(got, serde_json::from_value(pool("warm").unwrap()).unwrap());
+}
+
+#[test]
+fn pool_rm_says_what_it_released() {
+    let fake = Fake::start();
+    let out = fake.sandman(&["pool", "rm", "warm"]);
+    assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""), "{out:?}");
+    assert_eq!(
+        out.stdout,
+        "pool `warm`: released 2 unclaimed sandboxes (1 ready, 1 creating); 3 claimed sandboxes left to their \
+         claimers\n"
+    );
+    assert_eq!(fake.seen(), [("DELETE".to_owned(), "/v1/pools/warm".to_owned(), String::new())]);
+}
+
+#[test]
+fn a_missing_pool_is_not_found() {
+    let fake = Fake::start();
+    // Showing it is an error, as `sandman get` of an unknown sandbox is.
+    let out = fake.sandman(&["pool", "get", "nope"]);
+    assert_eq!((out.code, out.stdout.as_str(), out.stderr.as_str()), (Some(2), "", "error: no pool `nope`\n"));
+    // Removing it is a clean "no", as `sandman rm` of an unknown sandbox is.
+    let out = fake.sandman(&["pool", "rm", "nope"]);
+    assert_eq!((out.code, out.stdout.as_str(), out.stderr.as_str()), (Some(1), "", "error: no pool `nope`\n"));
+    assert_eq!(
+        fake.seen(),
+        [
+            ("GET".to_owned(), "/v1/pools/nope".to_owned(), String::new()),
+            ("DELETE".to_owned(), "/v1/pools/nope".to_owned(), String::new())
+        ]
+    );
+}
+
+#[test]
+fn job_usage_shows_the_sums() {
+    let fake = Fake::start();
+    let out = fake.sandman(&["job", "usage", "train-7"]);
+    assert_eq!((out.code, out.stderr.as_str()), (Some(0), ""), "{out:?}");
+    assert_eq!(
+        out.stdout,
+        "job:             train-7\nended:           12\nlive:            3\n\
+         by reason:       lease_expired=2 released=10\nsandbox-seconds: 3600.3\ncpu-seconds:     812.5\n\
+         peak memory:     1.5 GiB\n"
+    );
+    assert_eq!(fake.seen(), [("GET".to_owned(), "/v1/jobs/train-7/usage".to_owned(), String::new())]);
+    let out = fake.sandman(&["job", "usage", "train-7", "--json"]);
+    let usage: sandman_wire::server::JobUsage = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!((usage.sandboxes, usage.live, usage.peak_memory_kib), (12, 3, Some(1_572_864)));
+    assert_eq!(usage.by_reason.get("lease_expired"), Some(&2));
+    let out = fake.sandman(&["job", "usage", "nope"]);
+    assert_eq!((out.code, out.stderr.as_str()), (Some(2), "error: no job `nope`\n"));
 }
 
 #[test]
