@@ -231,10 +231,10 @@ impl Admission {
         Offer::Queued { position, wait }
     }
 
-    /// Queued creates whose place moved enough since they were last told (a quarter of the way
-    /// to the front, or any move in the last ten places), with their new place and wait: each
-    /// create hears about log(position) times, not once per admission. Costs one pass over the
-    /// queue per tenant; the admission task calls it at most once a second.
+    /// Queued creates whose place moved enough since they were last told (halfway to the front,
+    /// or any move in the last three places), with their new place and wait: each create hears
+    /// about log2(position) times, not once per admission (and, as the admission task calls
+    /// this at most once a second, never more often than that). Costs one pass over the queue.
     pub fn progress(&mut self) -> Vec<(String, Tenant, u64, Option<Duration>)> {
         let flows: Vec<(Tenant, f64, f64, usize)> =
             self.flows.iter().map(|(t, f)| (t.clone(), f.vtime, f.weight, f.queue.len())).collect();
@@ -245,7 +245,7 @@ impl Admission {
             for (k, ticket) in flow.queue.iter_mut().enumerate() {
                 let ahead = ahead_of(tenant, flow.vtime, flow.weight, k, &flows);
                 let position = ahead as u64 + 1;
-                let moved = position < ticket.reported && (position <= 10 || position * 4 <= ticket.reported * 3);
+                let moved = position < ticket.reported && (position <= 3 || position * 2 <= ticket.reported);
                 if moved {
                     ticket.reported = position;
                     out.push((ticket.id.clone(), tenant.clone(), position, wait_for(ahead, k, global, own)));
