@@ -50,6 +50,15 @@ impl SandboxDir {
     pub fn log(&self) -> PathBuf {
         self.root.join("daemon.log")
     }
+    /// The exit code the daemon writes when it exits by itself (`--exit-file`): what a
+    /// restarted server, which cannot wait for a daemon it did not start, learns its end from.
+    pub fn exit_file(&self) -> PathBuf {
+        self.root.join("daemon.exit")
+    }
+    /// The code in [`SandboxDir::exit_file`], when the daemon wrote one.
+    pub fn exit_code(&self) -> Option<i32> {
+        std::fs::read_to_string(self.exit_file()).ok()?.trim().parse().ok()
+    }
     /// How the daemon ended, written by the watcher that saw it die (before it reports the event),
     /// so that every later `list` agrees with the event, across restarts too.
     pub fn ended(&self) -> PathBuf {

@@ -317,6 +317,7 @@ impl ProcessProvider {
         arg("--listen", listen);
         arg("--token-file", dir.token().into());
         arg("--workdir", dir.work().into());
+        arg("--exit-file", dir.exit_file().into());
         if spec.daemon_lease_s > 0 {
             arg("--lease", format!("{}s", spec.daemon_lease_s).into());
         }

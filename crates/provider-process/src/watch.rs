@@ -72,6 +72,14 @@ impl Watch {
         if self.asked_for() {
             return;
         }
+        // A daemon this server did not start cannot be waited for, but it left its exit code.
+        let exit = match exit {
+            Exit::Unknown => self.dir.exit_code().map_or(Exit::Unknown, |code| {
+                use std::os::unix::process::ExitStatusExt;
+                Exit::Status(ExitStatus::from_raw((code & 0xff) << 8))
+            }),
+            known => known,
+        };
         let ended = ended(&exit, self.daemon_lease_s, self.dir.last_words());
         tracing::warn!(sandbox = %self.id, reason = ?ended.reason, message = %ended.message, "sandbox daemon ended");
         let dir = self.dir.clone();

@@ -248,6 +248,23 @@ async fn a_restarted_server_learns_of_deaths_through_pidfds() {
 }
 
 #[tokio::test]
+async fn a_restarted_server_learns_a_lapsed_lease_from_the_exit_file() {
+    let state = state_dir();
+    let first = provider(state.path(), Isolation::Auto);
+    let s = SandboxSpec { daemon_lease_s: 2, ..spec("adopted-lease", HOST_IMAGE) };
+    let ep = ready(&first, &s).await;
+    drop(first);
+    // The daemon is not the second provider's child: its status comes from the file it leaves.
+    let second = provider(state.path(), Isolation::Auto);
+    let mut events = second.events().unwrap();
+    assert_eq!(second.list().await.unwrap()[0].ended, None);
+    let event = next_event(&mut events, &s.id).await;
+    assert_eq!(event.ended.reason, Reason::LeaseExpired, "{event:?}");
+    assert_eq!(std::fs::read_to_string(dir_of(&ep).join("daemon.exit")).unwrap(), "3\n");
+    second.delete(&s.id).await.unwrap();
+}
+
+#[tokio::test]
 async fn an_unreadable_record_is_skipped() {
     let state = state_dir();
     let p = provider(state.path(), Isolation::Off);

@@ -66,6 +66,10 @@ struct Args {
     /// a controlled run must not see (`KUBERNETES_`).
     #[arg(long = "drop-env", value_name = "PREFIX")]
     drop_env: Vec<String>,
+    /// Write the exit code here when the daemon exits by itself, for a supervisor that is not
+    /// its parent (and so cannot wait for it): `3` is the lease lapsing.
+    #[arg(long, value_name = "PATH")]
+    exit_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -116,6 +120,7 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
             Err(e) => return fail(&e),
         }
     }
+    let exit_file = args.exit_file.clone();
     let settings = Settings {
         listen: args.listen,
         token,
@@ -140,11 +145,24 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match runtime.block_on(crate::run(settings)) {
-        Ok(Ending::Stopped) => ExitCode::SUCCESS,
-        Ok(Ending::LeaseExpired) => ExitCode::from(crate::EXIT_LEASE_EXPIRED as u8),
-        Err(e) => fail(&e),
+    let code = match runtime.block_on(crate::run(settings)) {
+        Ok(Ending::Stopped) => 0,
+        Ok(Ending::LeaseExpired) => crate::EXIT_LEASE_EXPIRED as u8,
+        Err(e) => fail_code(&e),
+    };
+    if let Some(path) = &exit_file
+        && let Err(e) = write_exit_file(path, code)
+    {
+        eprintln!("warning: cannot write the exit code to `{}`: {e}", path.display());
     }
+    ExitCode::from(code)
+}
+
+/// Writes `code` to `path` whole or not at all (a temporary file renamed over it).
+fn write_exit_file(path: &Path, code: u8) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{code}\n"))?;
+    std::fs::rename(&tmp, path)
 }
 
 /// A cgroup the daemon was told to join and could not.
@@ -171,6 +189,11 @@ pub fn join_cgroups(dirs: &[PathBuf]) -> Result<(), CgroupError> {
 }
 
 fn fail(err: &dyn std::error::Error) -> ExitCode {
+    ExitCode::from(fail_code(err))
+}
+
+/// Prints the error with its causes; answers the exit code of a failure.
+fn fail_code(err: &dyn std::error::Error) -> u8 {
     let mut msg = format!("error: {err}");
     let mut cur = err.source();
     while let Some(e) = cur {
@@ -178,7 +201,7 @@ fn fail(err: &dyn std::error::Error) -> ExitCode {
         cur = e.source();
     }
     eprintln!("{msg}");
-    ExitCode::from(2)
+    2
 }
 
 #[cfg(test)]

@@ -63,7 +63,9 @@ async fn info_and_keepalive() {
 
 #[tokio::test]
 async fn the_lease_kills_everything_and_exits_when_it_lapses() {
-    let mut d = Daemon::start_with(&["--lease", "1500ms"], None).await;
+    let exit_dir = tempfile::tempdir().unwrap();
+    let exit_file = exit_dir.path().join("daemon.exit");
+    let mut d = Daemon::start_with(&["--lease", "1500ms", "--exit-file", exit_file.to_str().unwrap()], None).await;
     let r = d.json("POST", "/v1/processes", json!({"command": "sleep 100 & sleep 100"})).await.json();
     let leader = r["pid"].as_i64().unwrap() as i32;
     let pidfile = d.dir().join("orphan.pid");
@@ -78,6 +80,8 @@ async fn the_lease_kills_everything_and_exits_when_it_lapses() {
     assert!(alive(leader) && alive(orphan));
     let status = d.wait_exit(Duration::from_secs(10)).expect("daemon did not exit after its lease lapsed");
     assert_eq!(status.code(), Some(3));
+    // For a supervisor that is not its parent, the same code in the exit file.
+    assert_eq!(std::fs::read_to_string(&exit_file).unwrap(), "3\n");
     assert!(
         eventually(Duration::from_secs(5), || !alive(leader) && !alive(orphan)).await,
         "processes outlived the lease"
