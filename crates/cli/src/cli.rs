@@ -1,7 +1,7 @@
 //! The command line, as clap types: [`Cli`] and one args struct per subcommand.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use sandman_wire::server::{Network, Profile, Quantity, SandboxState};
+use sandman_wire::server::{Network, Profile, Quantity, Resources, SandboxState};
 
 use crate::serve::ServeArgs;
 
@@ -72,6 +72,26 @@ pub enum Command {
     Determinism(DeterminismCmd),
 }
 
+/// A sandbox's resources (shared by creates and pools).
+#[derive(Debug, Args)]
+pub struct ResourceFlags {
+    /// CPU: cores, as `0.5` or `500m`.
+    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
+    pub cpu: Option<Quantity>,
+    /// Memory: bytes, as `512Mi` or `2G`.
+    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
+    pub memory: Option<Quantity>,
+    /// Disk: bytes, as `10Gi`.
+    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
+    pub disk: Option<Quantity>,
+}
+
+impl ResourceFlags {
+    pub fn resources(&self) -> Resources {
+        Resources { cpu: self.cpu.clone(), memory: self.memory.clone(), disk: self.disk.clone(), pids: None }
+    }
+}
+
 /// How a sandbox is made (shared by `create` and `run`).
 #[derive(Debug, Args)]
 pub struct SandboxFlags {
@@ -93,15 +113,8 @@ pub struct SandboxFlags {
     /// An environment variable of every command in the sandbox (repeatable).
     #[arg(long = "env", short = 'e', value_name = "KEY=VALUE", value_parser = key_value)]
     pub env: Vec<(String, String)>,
-    /// CPU: cores, as `0.5` or `500m`.
-    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
-    pub cpu: Option<Quantity>,
-    /// Memory: bytes, as `512Mi` or `2G`.
-    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
-    pub memory: Option<Quantity>,
-    /// Disk: bytes, as `10Gi`.
-    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
-    pub disk: Option<Quantity>,
+    #[command(flatten)]
+    pub resources: ResourceFlags,
     #[arg(long, value_enum, value_name = "NETWORK")]
     pub network: Option<NetworkArg>,
     #[arg(long, value_enum, value_name = "PROFILE")]
@@ -437,15 +450,8 @@ pub struct PoolPutCmd {
     /// `--min-ready` and `--max`.
     #[arg(long)]
     pub autoscale: bool,
-    /// CPU: cores, as `0.5` or `500m`.
-    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
-    pub cpu: Option<Quantity>,
-    /// Memory: bytes, as `512Mi` or `2G`.
-    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
-    pub memory: Option<Quantity>,
-    /// Disk: bytes, as `10Gi`.
-    #[arg(long, value_name = "QUANTITY", value_parser = quantity)]
-    pub disk: Option<Quantity>,
+    #[command(flatten)]
+    pub resources: ResourceFlags,
     #[arg(long, value_enum, value_name = "PROFILE")]
     pub profile: Option<ProfileArg>,
     #[arg(long, value_enum, value_name = "NETWORK")]

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use sandman_client::Client;
-use sandman_wire::server::{Pool, PoolSpec, Resources};
+use sandman_wire::server::{Pool, PoolSpec};
 
 use crate::cli::{PoolCmd, PoolPutCmd};
 use crate::format::{self, decimal, or_dash, table};
@@ -47,7 +47,7 @@ pub fn spec(put: &PoolPutCmd) -> PoolSpec {
     PoolSpec {
         image: put.image.clone(),
         provider: put.provider.clone(),
-        resources: Resources { cpu: put.cpu.clone(), memory: put.memory.clone(), disk: put.disk.clone(), pids: None },
+        resources: put.resources.resources(),
         profile: put.profile.map(Into::into).unwrap_or_default(),
         network: put.network.map(Into::into).unwrap_or_default(),
         env: put.env.iter().cloned().collect(),

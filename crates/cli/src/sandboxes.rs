@@ -19,12 +19,7 @@ pub fn create_request(image: &str, flags: &SandboxFlags, wait: bool) -> CreateSa
     CreateSandbox {
         image: image.to_owned(),
         provider: flags.provider.clone(),
-        resources: Resources {
-            cpu: flags.cpu.clone(),
-            memory: flags.memory.clone(),
-            disk: flags.disk.clone(),
-            pids: None,
-        },
+        resources: flags.resources.resources(),
         env: flags.env.iter().cloned().collect(),
         labels: flags.labels.iter().cloned().collect(),
         job: flags.job.clone(),
