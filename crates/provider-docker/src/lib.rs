@@ -24,8 +24,8 @@ use bollard::errors::Error as BollardError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{CreateContainerOptions, ListContainersOptions, RemoveContainerOptions};
 use sandman_provider::{
-    EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider, ProviderError,
-    ProviderEvent, Record, SandboxSpec,
+    Creating, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider,
+    ProviderError, ProviderEvent, Record, SandboxSpec,
 };
 use sandman_wire::server::{Applied, Profile, Reason, Resources};
 use tokio::sync::mpsc;
@@ -84,7 +84,7 @@ pub fn docker_host_from_env() -> String {
 #[derive(Debug, Default)]
 struct Shared {
     /// Sandboxes whose create is under way: `list` reports them running before they start.
-    creating: Mutex<HashSet<String>>,
+    creating: Creating,
     /// Sandboxes being deleted by this instance: their deaths are no news.
     deleting: Mutex<HashSet<String>>,
     /// Sandboxes whose death was reported, so a resumed stream does not report it twice.
@@ -368,18 +368,6 @@ impl Drop for DockerProvider {
     }
 }
 
-/// Removes a sandbox from the `creating` set however its create ends.
-struct Creating<'a> {
-    shared: &'a Shared,
-    id: String,
-}
-
-impl Drop for Creating<'_> {
-    fn drop(&mut self) {
-        lock(&self.shared.creating).remove(&self.id);
-    }
-}
-
 impl Provider for DockerProvider {
     fn name(&self) -> &'static str {
         "docker"
@@ -391,10 +379,7 @@ impl Provider for DockerProvider {
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
         let limits = self.refuse(spec)?;
-        if !lock(&self.shared.creating).insert(spec.id.clone()) {
-            return Err(ProviderError::Backend(format!("sandbox `{}` is being created already", spec.id)));
-        }
-        let _creating = Creating { shared: &self.shared, id: spec.id.clone() };
+        let _creating = self.shared.creating.start(&spec.id)?;
         self.shared.forget(&spec.id);
         let dir = HostDir::new(&self.base, &spec.id);
         self.make(spec, limits, &dir).await?;
@@ -440,7 +425,7 @@ impl Provider for DockerProvider {
         let options = ListContainersOptions { all: true, filters: Some(filters), ..Default::default() };
         let found =
             self.docker.list_containers(Some(options)).await.map_err(|e| engine_error("cannot list containers", e))?;
-        let creating = lock(&self.shared.creating).clone();
+        let creating = self.shared.creating.snapshot();
         let mut records = Vec::with_capacity(found.len());
         for summary in found {
             let labels = summary.labels.unwrap_or_default();

@@ -26,7 +26,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use sandman_provider::{EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec};
+use sandman_provider::{
+    Creating, EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
+};
 use sandman_wire::server::{Applied, Network, Profile, Quantity, Reason};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
@@ -136,7 +138,7 @@ pub struct ProcessProvider {
     watched: Mutex<HashMap<String, Watched>>,
     /// Sandboxes whose create is under way: `list` reports them running before their daemon's pid
     /// is written, and does not try to adopt them.
-    creating: Mutex<HashSet<String>>,
+    creating: Creating,
     events_tx: mpsc::Sender<ProviderEvent>,
     /// Handed to the server once.
     events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
@@ -181,7 +183,7 @@ impl ProcessProvider {
             sandboxes,
             namespaces,
             watched: Mutex::default(),
-            creating: Mutex::default(),
+            creating: Creating::default(),
             events_tx,
             events_rx: Mutex::new(Some(events_rx)),
             tasks: TaskTracker::new(),
@@ -436,28 +438,12 @@ impl ProcessProvider {
     fn lock_watched(&self) -> std::sync::MutexGuard<'_, HashMap<String, Watched>> {
         self.watched.lock().unwrap_or_else(PoisonError::into_inner)
     }
-
-    fn lock_creating(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        self.creating.lock().unwrap_or_else(PoisonError::into_inner)
-    }
 }
 
 impl Drop for ProcessProvider {
     fn drop(&mut self) {
         // Watchers stop; the daemons run on until their lease or the next server's delete.
         self.cancel.cancel();
-    }
-}
-
-/// Removes a sandbox from the `creating` set however its create ends.
-struct Creating<'a> {
-    provider: &'a ProcessProvider,
-    id: String,
-}
-
-impl Drop for Creating<'_> {
-    fn drop(&mut self) {
-        self.provider.lock_creating().remove(&self.id);
     }
 }
 
@@ -474,10 +460,7 @@ impl Provider for ProcessProvider {
         let dir = SandboxDir::new(&self.sandboxes, &spec.id);
         // Everything refusable is refused before anything is made.
         let plan = self.plan(spec, &dir)?;
-        if !self.lock_creating().insert(spec.id.clone()) {
-            return Err(ProviderError::Backend(format!("sandbox `{}` is being created already", spec.id)));
-        }
-        let _creating = Creating { provider: self, id: spec.id.clone() };
+        let _creating = self.creating.start(&spec.id)?;
         let prepared = {
             let (dir, spec) = (dir.clone(), spec.clone());
             tokio::task::spawn_blocking(move || dir.prepare(&spec)).await
@@ -581,7 +564,7 @@ impl Provider for ProcessProvider {
     /// its death.
     async fn list(&self) -> Result<Vec<Record>, ProviderError> {
         let sandboxes = self.sandboxes.clone();
-        let creating = self.lock_creating().clone();
+        let creating = self.creating.snapshot();
         let found = tokio::task::spawn_blocking(move || scan(&sandboxes, &creating))
             .await
             .map_err(|e| ProviderError::io("cannot list sandboxes", std::io::Error::other(e)))?

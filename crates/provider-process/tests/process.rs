@@ -14,25 +14,11 @@ use common::{
     call, dir_of, eventually, exec, out, processes_mentioning, provider, ready, require_root, sh, socket_of, state_dir,
     unsupported,
 };
-use sandman_provider::conformance::spec;
-use sandman_provider::{Provider, ProviderEvent, SandboxSpec};
+use sandman_provider::conformance::{next_event, spec};
+use sandman_provider::{Provider, SandboxSpec};
 use sandman_provider_process::{HOST_IMAGE, Isolation, ProcessConfig, ProcessProvider};
 use sandman_wire::server::{Network, Profile, Quantity, Reason};
 use serde_json::json;
-use tokio::sync::mpsc;
-
-async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>, id: &str) -> ProviderEvent {
-    tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            let e = events.recv().await.expect("event stream ended");
-            if e.id == id {
-                return e;
-            }
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("no event for {id} within 20 s"))
-}
 
 #[tokio::test]
 async fn refusals_name_the_way_out_and_leave_nothing() {

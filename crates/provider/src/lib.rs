@@ -3,9 +3,10 @@
 //! of record, so that a restarted server finds every sandbox again. [`fake::FakeProvider`] lives
 //! beside it, and [`conformance`] checks any provider against the same expectations.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::{Mutex, PoisonError};
 
 use sandman_wire::server::{Applied, Network, Profile, Reason, Resources};
 use serde::{Deserialize, Serialize};
@@ -44,6 +45,43 @@ pub struct ServerMeta {
     pub idle_timeout_s: Option<u64>,
     pub ttl_s: Option<u64>,
     pub idempotency_key: Option<String>,
+}
+
+/// The sandboxes a provider is making right now: `list` must not take a half-made one for a
+/// broken one, and a second create of an id being made is refused.
+#[derive(Debug, Default)]
+pub struct Creating(Mutex<HashSet<String>>);
+
+impl Creating {
+    /// Marks `id` as being made until the guard is dropped, however the create ends.
+    pub fn start(&self, id: &str) -> Result<CreatingGuard<'_>, ProviderError> {
+        if !self.lock().insert(id.to_string()) {
+            return Err(ProviderError::Backend(format!("sandbox `{id}` is being created already")));
+        }
+        Ok(CreatingGuard { set: self, id: id.to_string() })
+    }
+
+    /// The ids being made now.
+    pub fn snapshot(&self) -> HashSet<String> {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Takes its sandbox off [`Creating`] when dropped.
+#[derive(Debug)]
+pub struct CreatingGuard<'a> {
+    set: &'a Creating,
+    id: String,
+}
+
+impl Drop for CreatingGuard<'_> {
+    fn drop(&mut self) {
+        self.set.lock().remove(&self.id);
+    }
 }
 
 /// Where a sandbox's daemon answers.
@@ -249,5 +287,21 @@ pub trait Provider: Send + Sync {
     fn claim(&self, claim: &Claim) -> impl Future<Output = Result<(), ProviderError>> + Send {
         let _ = claim;
         async { Ok(()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_id_is_being_created_once_until_its_guard_goes() {
+        let creating = Creating::default();
+        let guard = creating.start("sb-1").unwrap_or_else(|e| panic!("{e}"));
+        assert!(creating.snapshot().contains("sb-1"));
+        assert!(matches!(creating.start("sb-1"), Err(ProviderError::Backend(m)) if m.contains("being created")));
+        drop(guard);
+        assert!(creating.snapshot().is_empty());
+        assert!(creating.start("sb-1").is_ok());
     }
 }

@@ -126,6 +126,11 @@ impl Flow {
     fn new(weight: f64) -> Self {
         Flow { weight, bucket: None, vtime: 0.0, queue: VecDeque::new() }
     }
+
+    /// What [`ahead_of`] needs of a tenant's flow.
+    fn shape<'a>((tenant, flow): (&'a Tenant, &Flow)) -> (&'a Tenant, f64, f64, usize) {
+        (tenant, flow.vtime, flow.weight, flow.queue.len())
+    }
 }
 
 /// The admission state: buckets, tenants and the queue.
@@ -236,6 +241,7 @@ impl Admission {
     /// about log2(position) times, not once per admission (and, as the admission task calls
     /// this at most once a second, never more often than that). Costs one pass over the queue.
     pub fn progress(&mut self) -> Vec<(String, Tenant, u64, Option<Duration>)> {
+        // The other tenants as they stand, taken apart from the queues walked (and updated) below.
         let flows: Vec<(Tenant, f64, f64, usize)> =
             self.flows.iter().map(|(t, f)| (t.clone(), f.vtime, f.weight, f.queue.len())).collect();
         let global = self.global.as_ref().map(TokenBucket::rate);
@@ -243,7 +249,8 @@ impl Admission {
         for (tenant, flow) in self.flows.iter_mut() {
             let own = flow.bucket.as_ref().map(TokenBucket::rate);
             for (k, ticket) in flow.queue.iter_mut().enumerate() {
-                let ahead = ahead_of(tenant, flow.vtime, flow.weight, k, &flows);
+                let others = flows.iter().map(|(t, v, w, n)| (t, *v, *w, *n));
+                let ahead = ahead_of(tenant, flow.vtime, flow.weight, k, others);
                 let position = ahead as u64 + 1;
                 let moved = position < ticket.reported && (position <= 3 || position * 2 <= ticket.reported);
                 if moved {
@@ -260,9 +267,7 @@ impl Admission {
     fn estimate(&self, tenant: &Tenant) -> (u64, Option<Duration>) {
         let Some(flow) = self.flows.get(tenant) else { return (0, None) };
         let k = flow.queue.len().saturating_sub(1);
-        let flows: Vec<(Tenant, f64, f64, usize)> =
-            self.flows.iter().map(|(t, f)| (t.clone(), f.vtime, f.weight, f.queue.len())).collect();
-        let ahead = ahead_of(tenant, flow.vtime, flow.weight, k, &flows);
+        let ahead = ahead_of(tenant, flow.vtime, flow.weight, k, self.flows.iter().map(Flow::shape));
         let wait = wait_for(
             ahead,
             k,
@@ -338,16 +343,22 @@ impl Admission {
 /// About how many creates are admitted before the `k`-th of `tenant`'s queue (its own `k`
 /// before it, and each other tenant's whose start tags come first): `flows` is every tenant's
 /// (tenant, start tag of its head, weight, queue length).
-fn ahead_of(tenant: &Tenant, vtime: f64, weight: f64, k: usize, flows: &[(Tenant, f64, f64, usize)]) -> f64 {
+fn ahead_of<'a>(
+    tenant: &Tenant,
+    vtime: f64,
+    weight: f64,
+    k: usize,
+    flows: impl Iterator<Item = (&'a Tenant, f64, f64, usize)>,
+) -> f64 {
     let k = k as f64;
     let tag = vtime + k / weight;
     let mut ahead = k;
     for (t, other_vtime, other_weight, len) in flows {
-        if t == tenant || *len == 0 {
+        if t == tenant || len == 0 {
             continue;
         }
         let before = ((tag - other_vtime) * other_weight).ceil().max(0.0);
-        ahead += before.min(*len as f64);
+        ahead += before.min(len as f64);
     }
     ahead
 }

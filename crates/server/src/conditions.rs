@@ -127,15 +127,15 @@ pub fn mismatches(applied: &Applied, observed: &Observed) -> Vec<Mismatch> {
             differ("cpu", cpu.to_string(), show(seen.map(|o| o.to_string())));
         }
     }
-    let bytes = |field: &str, applied: Option<u64>, seen: Option<u64>, differ: &mut dyn FnMut(&str, String, String)| {
+    let bytes =
+        [("memory", applied.memory, observed.cgroup_memory_limit), ("swap", applied.swap, observed.cgroup_swap_limit)];
+    for (field, applied, seen) in bytes {
         if let Some(a) = applied
             && seen.is_none_or(|o| o.abs_diff(a) >= PAGE)
         {
             differ(field, a.to_string(), show(seen.map(|o| o.to_string())));
         }
-    };
-    bytes("memory", applied.memory, observed.cgroup_memory_limit, &mut differ);
-    bytes("swap", applied.swap, observed.cgroup_swap_limit, &mut differ);
+    }
     // A pod-wide pids limit (the kubelet's podPidsLimit) sits on the pod's cgroup, above the
     // container's own: the daemon cannot see it, so there is nothing to compare.
     let pod_scope = applied.details.get("pidsScope").and_then(Value::as_str) == Some("pod");

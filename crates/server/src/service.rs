@@ -352,19 +352,23 @@ impl Service {
         Ok(())
     }
 
+    /// Refuses a request naming a provider other than this server's.
+    fn check_provider(&self, asked: Option<&str>) -> ServerResult<()> {
+        match asked {
+            Some(p) if p != self.provider.name() => Err(ServerError::InvalidArgument(format!(
+                "provider `{p}` is not served here; this server runs the `{}` provider",
+                self.provider.name()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks a create request and turns it into a spec.
     fn parse_create(&self, req: &CreateSandbox) -> ServerResult<Parsed> {
         if req.image.trim().is_empty() {
             return Err(ServerError::InvalidArgument("`image` is required (or `pool`)".into()));
         }
-        if let Some(p) = &req.provider
-            && p != self.provider.name()
-        {
-            return Err(ServerError::InvalidArgument(format!(
-                "provider `{p}` is not served here; this server runs the `{}` provider",
-                self.provider.name()
-            )));
-        }
+        self.check_provider(req.provider.as_deref())?;
         check_resources(&req.resources)?;
         check_env(&req.env)?;
         if req.profile == Profile::Eval {
@@ -1116,14 +1120,7 @@ impl Service {
         if spec.image.trim().is_empty() {
             return Err(ServerError::InvalidArgument("`image` is required".into()));
         }
-        if let Some(p) = &spec.provider
-            && p != self.provider.name()
-        {
-            return Err(ServerError::InvalidArgument(format!(
-                "provider `{p}` is not served here; this server runs the `{}` provider",
-                self.provider.name()
-            )));
-        }
+        self.check_provider(spec.provider.as_deref())?;
         let max = spec.max.unwrap_or(spec.min_ready);
         if max < spec.min_ready || max > pool::MAX_POOL_SIZE {
             return Err(ServerError::InvalidArgument(format!(

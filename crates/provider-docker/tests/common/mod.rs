@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use sandman_provider::ProviderEvent;
 pub use sandman_provider::conformance::daemon::{Resp, call, call_raw, check_daemon, exec, socket_of, wait_healthy};
+pub use sandman_provider::conformance::next_event;
 use sandman_provider_docker::{DockerConfig, DockerProvider, OWNER_LABEL};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -133,20 +134,6 @@ pub fn docker(args: &[&str]) -> String {
 pub fn inspect(id: &str) -> Value {
     let out = docker(&["inspect", &sandman_provider_docker::container_name(id)]);
     serde_json::from_str::<Value>(&out).unwrap()[0].clone()
-}
-
-/// The next event for `id`, within 20 s.
-pub async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>, id: &str) -> ProviderEvent {
-    tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            let e = events.recv().await.expect("event stream ended");
-            if e.id == id {
-                return e;
-            }
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("no event for {id} within 20 s"))
 }
 
 /// Scratch space for tests, outside `/tmp`: an isolated sandbox gets a `/tmp` of its own, which

@@ -9,9 +9,24 @@ use std::time::Duration;
 
 use sandman_wire::server::{Network, Profile, Resources};
 
-use crate::{Endpoint, Provider, ProviderError, SandboxSpec, ServerMeta};
+use crate::{Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec, ServerMeta};
+use tokio::sync::mpsc;
 
 pub mod daemon;
+
+/// The next event for `id`, within 20 s.
+pub async fn next_event(events: &mut mpsc::Receiver<ProviderEvent>, id: &str) -> ProviderEvent {
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let e = events.recv().await.expect("event stream ended");
+            if e.id == id {
+                return e;
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no event for {id} within 20 s"))
+}
 
 /// A spec with recognisable job, labels and bookkeeping, for checking the record round trip.
 pub fn spec(id: &str, image: &str) -> SandboxSpec {
