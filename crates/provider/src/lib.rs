@@ -12,7 +12,7 @@ use sandman_wire::server::{Applied, Network, Profile, Reason, Resources};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-#[cfg(any(test, feature = "conformance"))]
+#[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod fake;
 
