@@ -92,7 +92,7 @@ impl std::fmt::Display for Listen {
 }
 
 /// Everything `run` needs, parsed by the binary.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Settings {
     pub listen: Listen,
     pub token: String,
@@ -105,6 +105,11 @@ pub struct Settings {
     pub drop_env: Vec<String>,
     /// Limits set on every process the daemon starts (not on the daemon).
     pub rlimits: sys::Rlimits,
+    /// The commands' environment over the daemon's own (`--env-file`).
+    pub env: std::collections::BTreeMap<String, String>,
+    /// The Unix socket, bound before isolating (whose path the sandbox cannot see); `None`
+    /// binds `listen` here.
+    pub unix_listener: Option<std::os::unix::net::UnixListener>,
 }
 
 /// Reads the token from `SANDMAN_TOKEN`, else from `file`.
@@ -132,7 +137,7 @@ pub enum Ending {
 }
 
 /// Serves until asked to stop or until the lease lapses, then ends every child.
-pub async fn run(settings: Settings) -> Result<Ending, StartError> {
+pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
     let cancel = CancellationToken::new();
     let children = Children::new();
     if std::process::id() != 1
@@ -148,6 +153,7 @@ pub async fn run(settings: Settings) -> Result<Ending, StartError> {
 
     let mut defaults = Defaults::from_process(settings.shell.clone(), settings.workdir.clone());
     defaults.rlimits = settings.rlimits;
+    defaults.env.extend(std::mem::take(&mut settings.env));
     defaults.env.retain(|k, _| !settings.drop_env.iter().any(|p| k.starts_with(p.as_str())));
     let config = Config {
         token: settings.token.clone(),
@@ -173,13 +179,21 @@ pub async fn run(settings: Settings) -> Result<Ending, StartError> {
             })
         }
         Listen::Unix(path) => {
-            // A socket left by an earlier run would make bind fail.
-            let _ = std::fs::remove_file(path);
-            if let Some(parent) = path.parent() {
-                let _ = std::fs::create_dir_all(parent);
-            }
-            let listener = tokio::net::UnixListener::bind(path)
-                .map_err(|source| StartError::Listen { addr: settings.listen.to_string(), source })?;
+            let listen_error = |source| StartError::Listen { addr: settings.listen.to_string(), source };
+            let listener = match settings.unix_listener.take() {
+                Some(bound) => {
+                    bound.set_nonblocking(true).map_err(listen_error)?;
+                    tokio::net::UnixListener::from_std(bound).map_err(listen_error)?
+                }
+                None => {
+                    // A socket left by an earlier run would make bind fail.
+                    let _ = std::fs::remove_file(path);
+                    if let Some(parent) = path.parent() {
+                        let _ = std::fs::create_dir_all(parent);
+                    }
+                    tokio::net::UnixListener::bind(path).map_err(listen_error)?
+                }
+            };
             tracing::info!(listen = %settings.listen, pid = std::process::id(), "sandmand serving");
             tokio::spawn(async move {
                 axum::serve(listener, app).with_graceful_shutdown(serve_stop.cancelled_owned()).await
