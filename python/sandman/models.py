@@ -49,7 +49,8 @@ __all__ = [
 #: Why a sandbox ended (`SandboxInfo.reason`, `Event.reason`, `Gone.reason`), as the server's wire
 #: enum has them. `conditions_mismatch`: an `eval` sandbox whose daemon observed other limits,
 #: network, timezone or locale than the provider applied (the message names each difference).
-#: A newer server may send a reason not listed here; the SDK passes it through as a string.
+#: `create_interrupted`: the server stopped while creating it; a retry of the create with the same
+#: idempotency key makes a new one. A newer server may send a reason not listed here; the SDK passes it through as a string.
 REASONS = (
     "released",
     "lease_expired",
@@ -67,6 +68,7 @@ REASONS = (
     "setup_failed",
     "queue_timeout",
     "conditions_mismatch",
+    "create_interrupted",
 )
 
 #: Where the preparation of an image is (`Event.phase` of a `prepare` event): `started`, then

@@ -11,6 +11,7 @@ pub mod config;
 pub mod daemon;
 pub mod error;
 pub mod events;
+pub mod journal;
 pub mod metrics;
 pub mod pool;
 pub mod prepare;

@@ -27,6 +27,7 @@ use crate::conditions::{self, KEY_FILE, Signer};
 use crate::daemon::{self, DaemonClient};
 use crate::error::{ServerError, ServerResult};
 use crate::events::Events;
+use crate::journal::ReadyJournal;
 use crate::metrics::{Metrics, PoolLabel, ProviderLabel};
 use crate::pool::{self, Claim, ClaimJournal, POOL_LABEL, Pools, Put};
 use crate::prepare::{self, Gates};
@@ -174,6 +175,8 @@ pub struct Service {
     /// Creates admitted over the last seconds, for the achieved-rate gauge.
     meter: Mutex<RateMeter>,
     claims: ClaimJournal,
+    /// Sandboxes that became ready, for a restarted server to tell them from interrupted creates.
+    ready_journal: ReadyJournal,
     pub accounting: Accounting,
     pub events: Events,
     /// Signs conditions records; why not, when the key could not be read or made.
@@ -205,6 +208,7 @@ impl Service {
         metrics.create_rate_allowed.set(admission.rate().unwrap_or(0.0));
         let pools = Pools::new(pool::load_specs(&settings.state_dir));
         let claims = ClaimJournal::open(&settings.state_dir);
+        let ready_journal = ReadyJournal::open(&settings.state_dir);
         let accounting = Accounting::open(&settings.state_dir);
         Arc::new(Service {
             provider,
@@ -216,6 +220,7 @@ impl Service {
             admission_wake: Notify::new(),
             meter: Mutex::new(RateMeter::new(now)),
             claims,
+            ready_journal,
             accounting,
             events: Events::default(),
             signer: Signer::open(&settings.state_dir).map_err(|e| {
@@ -771,6 +776,8 @@ impl Service {
                 }
             }
         }
+        // Before it is ready: a server killed from here on finds it ready at its next start.
+        self.journal_ready(sb.id());
         match sb.transition(SandboxState::Ready, None, None) {
             Ok(prev) => {
                 {
@@ -835,6 +842,24 @@ impl Service {
         if let Err(e) = self.provider.delete(sb.id()).await {
             tracing::warn!(sandbox = sb.id(), error = %e, "cleanup after failure failed");
         }
+    }
+
+    /// Records that sandbox `id` is ready, and keeps the journal a few times the live sandboxes
+    /// at most.
+    fn journal_ready(&self, id: &str) {
+        self.ready_journal.ready(id);
+        let table = self.table();
+        let ready = || {
+            let mut ids: Vec<&str> = table
+                .by_id
+                .values()
+                .filter(|sb| matches!(sb.state(), SandboxState::Ready | SandboxState::Releasing))
+                .map(|sb| sb.id())
+                .collect();
+            ids.push(id);
+            ids
+        };
+        self.ready_journal.compact_if_grown(ready, table.by_id.len());
     }
 
     /// After a sandbox's move to `gone` or `failed` from `prev`: the gauges and counters, the
@@ -1534,6 +1559,9 @@ impl Service {
     pub async fn recover(self: &Arc<Self>) -> ServerResult<(usize, usize)> {
         let records = self.provider.list().await.map_err(ServerError::Provider)?;
         let mut claims = self.claims.take_found();
+        // Without a journal (a first start) every running sandbox counts as ready.
+        let journal = self.ready_journal.take_found();
+        let mut ready_ids = Vec::new();
         let mut live_claims = Vec::new();
         let mut orphans = Vec::new();
         let (mut live, mut dead) = (0, 0);
@@ -1569,6 +1597,24 @@ impl Service {
                 table.insert(&sb);
             }
             self.metrics.moved(None, SandboxState::Creating);
+            // A claimed sandbox was ready as a member of its pool.
+            let was_ready = claim.is_some() || journal.as_ref().is_none_or(|j| j.contains(&spec.id));
+            if !was_ready {
+                dead += 1;
+                // Its create never answered: a retry under its key makes a new one.
+                sb.abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
+                let message = "the server stopped while creating it, before it was ready; create it again".to_string();
+                if let Ok(prev) = sb.transition(SandboxState::Failed, Some(Reason::CreateInterrupted), Some(message)) {
+                    self.ended(&sb, prev, None);
+                }
+                let me = self.clone();
+                self.tasks.spawn(async move {
+                    if let Err(e) = me.provider.delete(sb.id()).await {
+                        tracing::warn!(sandbox = sb.id(), error = %e, "cannot remove a sandbox whose create was interrupted");
+                    }
+                });
+                continue;
+            }
             match record.ended {
                 Some(ended) => {
                     dead += 1;
@@ -1579,6 +1625,7 @@ impl Service {
                     live += 1;
                     if sb.transition(SandboxState::Ready, None, Some("recovered after a server restart".into())).is_ok()
                     {
+                        ready_ids.push(spec.id.clone());
                         self.metrics.moved(Some(SandboxState::Creating), SandboxState::Ready);
                         self.events.emit(
                             sb.id(),
@@ -1603,6 +1650,7 @@ impl Service {
             }
         }
         self.claims.compact(&live_claims);
+        self.ready_journal.compact(ready_ids.iter().map(String::as_str));
         self.release_in_background(orphans, "its pool is gone or full".into());
         self.refill_all();
         Ok((live, dead))

@@ -99,10 +99,13 @@ pub enum Reason {
     /// An `eval` sandbox whose daemon observed other limits, network, timezone or locale than
     /// the provider applied; the message names each difference. Nothing runs in it.
     ConditionsMismatch,
+    /// The server stopped while it was creating the sandbox, before it was ready; the restarted
+    /// server removed it. A retry of the create (same idempotency key) makes a new one.
+    CreateInterrupted,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 17] = [
         Reason::Released,
         Reason::LeaseExpired,
         Reason::IdleExpired,
@@ -119,6 +122,7 @@ impl Reason {
         Reason::SetupFailed,
         Reason::QueueTimeout,
         Reason::ConditionsMismatch,
+        Reason::CreateInterrupted,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -139,6 +143,7 @@ impl Reason {
             Reason::SetupFailed => "setup_failed",
             Reason::QueueTimeout => "queue_timeout",
             Reason::ConditionsMismatch => "conditions_mismatch",
+            Reason::CreateInterrupted => "create_interrupted",
         }
     }
 }
