@@ -524,6 +524,9 @@ class SandboxInfo:
     lease_expires_at_ms: Optional[int] = None
     idle_expires_at_ms: Optional[int] = None
     ttl_expires_at_ms: Optional[int] = None
+    #: How the provider isolates it: `user_namespace` (the process provider), `container`
+    #: (docker), `pod` (kubernetes) or `none`; `None` from a server that does not say.
+    isolation: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SandboxInfo":
@@ -546,6 +549,7 @@ class SandboxInfo:
             lease_expires_at_ms=_opt_int(d.get("lease_expires_at_ms")),
             idle_expires_at_ms=_opt_int(d.get("idle_expires_at_ms")),
             ttl_expires_at_ms=_opt_int(d.get("ttl_expires_at_ms")),
+            isolation=d.get("isolation"),
         )
 
     @property
@@ -1000,7 +1004,11 @@ class Health:
     status: str
     version: str
     provider: str
+    #: How the provider isolates sandboxes (see `SandboxInfo.isolation`).
+    isolation: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Health":
-        return cls(str(d.get("status", "")), str(d.get("version", "")), str(d.get("provider", "")))
+        return cls(
+            str(d.get("status", "")), str(d.get("version", "")), str(d.get("provider", "")), d.get("isolation")
+        )

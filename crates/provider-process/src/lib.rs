@@ -222,7 +222,7 @@ impl ProcessProvider {
     }
 
     /// How this provider's sandboxes are isolated.
-    pub fn isolation(&self) -> Isolation {
+    pub fn isolation_mode(&self) -> Isolation {
         self.config.isolation
     }
 
@@ -537,6 +537,13 @@ impl Drop for ProcessProvider {
 impl Provider for ProcessProvider {
     fn name(&self) -> &'static str {
         "process"
+    }
+
+    fn isolation(&self) -> sandman_wire::server::Isolation {
+        match self.config.isolation {
+            Isolation::Full => sandman_wire::server::Isolation::UserNamespace,
+            Isolation::None => sandman_wire::server::Isolation::None,
+        }
     }
 
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {

@@ -38,7 +38,7 @@ async fn kill_daemon(endpoint: Endpoint) {
 async fn the_process_provider_passes_the_suite_isolated() {
     require_root();
     let state = state_dir();
-    assert_eq!(provider(state.path(), Isolation::Full).isolation(), Isolation::Full);
+    assert_eq!(provider(state.path(), Isolation::Full).isolation_mode(), Isolation::Full);
     suite(Isolation::Full, "iso").await;
 }
 

@@ -293,6 +293,10 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
             Some(sticky),
         )?;
     }
+    // What a hidden file becomes: an empty file, read-only, the host root's.
+    let empty = root.join("empty");
+    prep("make an empty file", &empty, std::fs::File::create(&empty).map(drop))?;
+    prep("make an empty file", &empty, std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o444)))?;
     let mut hidden = Vec::new();
     for path in &iso.hide {
         let target = merged.join(path.strip_prefix("/").unwrap_or(path));
@@ -310,7 +314,10 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
                 )?;
                 hidden.push(target);
             }
-            Ok(_) => mount("hide a file", Some(Path::new("/dev/null")), &target, None, ns::MS_BIND, None)?,
+            Ok(_) => {
+                mount("hide a file", Some(&empty), &target, None, ns::MS_BIND, None)?;
+                hidden.push(target);
+            }
         }
     }
     for path in &iso.keep {
@@ -319,14 +326,9 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
         mount("bind a kept directory", Some(path), &target, None, ns::MS_BIND, None)?;
     }
     for target in hidden {
-        mount(
-            "make a hidden directory read-only",
-            None,
-            &target,
-            None,
-            ns::MS_REMOUNT | ns::MS_RDONLY | no_exec,
-            None,
-        )?;
+        // A bind remount changes the flags of that one mount.
+        let ro = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
+        mount("make a hidden path read-only", None, &target, None, ro, None)?;
     }
 
     mount("mount /proc", Some(Path::new("proc")), &at("/proc"), Some("proc"), no_exec, None)?;

@@ -32,7 +32,7 @@ use crate::metrics::{Metrics, PoolLabel, ProviderLabel};
 use crate::pool::{self, Claim, ClaimJournal, POOL_LABEL, Pools, Put};
 use crate::prepare::{self, Gates};
 use crate::provider::AnyProvider;
-use crate::sandbox::{Sandbox, Timers, now_ms};
+use crate::sandbox::{Backend, Sandbox, Timers, now_ms};
 
 /// The server's settings, from `ServeArgs`.
 #[derive(Debug, Clone)]
@@ -236,6 +236,11 @@ impl Service {
             keepalives: Arc::new(Semaphore::new(KEEPALIVE_CONCURRENCY)),
             settings,
         })
+    }
+
+    /// The provider's name and isolation, as every sandbox reports them.
+    pub fn backend(&self) -> Backend {
+        Backend { name: self.provider.name(), isolation: self.provider.isolation() }
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -514,7 +519,7 @@ impl Service {
                                 }
                             };
                             let timers = Timers::new(Instant::now(), parsed.lease, parsed.idle, parsed.ttl);
-                            let mut sb = Sandbox::new(parsed.spec, self.provider.name(), state, timers);
+                            let mut sb = Sandbox::new(parsed.spec, self.backend(), state, timers);
                             sb.setup = cold_setup;
                             let sb = Arc::new(sb);
                             table.insert(&sb);
@@ -882,7 +887,7 @@ impl Service {
             sandbox: sb.id().to_string(),
             job: sb.spec.job.clone(),
             image: sb.spec.image.clone(),
-            provider: sb.provider.to_string(),
+            provider: sb.provider.name.to_string(),
             pool: sb.pool().map(str::to_string),
             claimed_ms: sb.claimed_ms,
             created_ms: sb.spec.created_at_ms,
@@ -1319,7 +1324,7 @@ impl Service {
                         return;
                     }
                 };
-                let mut sb = Sandbox::new(spec, self.provider.name(), state, Timers::new(now, lease, None, None));
+                let mut sb = Sandbox::new(spec, self.backend(), state, Timers::new(now, lease, None, None));
                 sb.setup = setup.clone();
                 let sb = Arc::new(sb);
                 table.insert(&sb);
@@ -1389,12 +1394,8 @@ impl Service {
             };
             let has_setup = !setup.is_empty();
             let state = if has_setup { SandboxState::Creating } else { SandboxState::Ready };
-            let mut sb = Sandbox::new(
-                spec,
-                self.provider.name(),
-                state,
-                Timers::new(now, parsed.lease, parsed.idle, parsed.ttl),
-            );
+            let mut sb =
+                Sandbox::new(spec, self.backend(), state, Timers::new(now, parsed.lease, parsed.idle, parsed.ttl));
             sb.setup = setup;
             sb.env_overlay = Arc::new(req.env.clone());
             sb.claimed_ms = Some(claimed_ms);
@@ -1521,6 +1522,7 @@ impl Service {
             sandbox: sb.id().to_string(),
             job: sb.spec.job.clone(),
             provider: self.provider.name().to_string(),
+            isolation: Some(self.provider.isolation()),
             server_version: crate::api::VERSION.to_string(),
             recorded_ms: now_ms(),
             asked: Asked {
@@ -1581,7 +1583,7 @@ impl Service {
                 spec.server.ttl_s.map(Duration::from_secs),
             );
             timers.created = now.checked_sub(age).unwrap_or(now);
-            let mut sb = Sandbox::new(spec.clone(), self.provider.name(), SandboxState::Creating, timers);
+            let mut sb = Sandbox::new(spec.clone(), self.backend(), SandboxState::Creating, timers);
             if let Some(c) = &claim {
                 sb.env_overlay = Arc::new(c.env.clone());
                 sb.claimed_ms = Some(c.claimed_ms);

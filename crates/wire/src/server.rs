@@ -164,6 +164,38 @@ pub enum Profile {
     Eval,
 }
 
+/// How a provider keeps a sandbox apart from the host and from other sandboxes; reported in
+/// `/healthz`, in each sandbox's info and in its conditions record.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// Nothing: plain processes of the server's user (the process provider with
+    /// `--isolation none`, or a test's fake provider).
+    #[default]
+    None,
+    /// The process provider's: a user namespace whose root is an unprivileged host id range of
+    /// its own, a private root over the host's (read-only below, a writable layer of its own),
+    /// its own mount, pid, cgroup, ipc, uts (and, for `network: none`, net) namespaces, cgroups,
+    /// no admin capabilities, `no_new_privs`.
+    UserNamespace,
+    /// A container of the docker engine.
+    Container,
+    /// A Kubernetes pod: its runtime class and the cluster's policies decide the rest.
+    Pod,
+}
+
+impl Isolation {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Isolation::None => "none",
+            Isolation::UserNamespace => "user_namespace",
+            Isolation::Container => "container",
+            Isolation::Pod => "pod",
+        }
+    }
+}
+
 /// `egress` (the provider's default network) or `none` (loopback only).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -329,6 +361,9 @@ pub struct Sandbox {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_expires_at_ms: Option<u64>,
     pub lease_s: u64,
+    /// How the provider isolates it (absent from servers that predate the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
 }
 
 /// `GET /v1/sandboxes`.
@@ -740,6 +775,9 @@ pub struct ConditionsRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
     pub provider: String,
+    /// How the provider isolated the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
     pub server_version: String,
     /// Milliseconds since the Unix epoch.
     pub recorded_ms: u64,
@@ -778,6 +816,9 @@ pub struct ServerHealth {
     pub status: String,
     pub version: String,
     pub provider: String,
+    /// How the provider isolates sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
 }
 
 #[cfg(test)]
