@@ -388,3 +388,66 @@ async fn nothing_of_a_released_sandbox_is_left() {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(!mounts.contains(&id), "mounts left on the host: {mounts}");
 }
+
+/// The same findings on the docker provider, where they apply: nothing in a container reaches
+/// the server's token or conditions key, or another sandbox's token or socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_docker_the_servers_token_key_and_other_sandboxes_are_out_of_reach() {
+    use e2e::docker::{Cleanup, require_docker, static_daemon};
+    require_docker();
+    let dir = tempfile::tempdir_in(scratch()).unwrap();
+    let state = dir.path().join("state");
+    let _cleanup = Cleanup(state.clone());
+    let daemon = static_daemon().display().to_string();
+    let server = Server::start_in(&state, &["--provider", "docker", "--daemon", &daemon]);
+    let http = server.client();
+    let busybox = "sandman-test/busybox:latest";
+    let target = sandbox(&http, json!({"image": busybox})).await;
+    let attacker = sandbox(&http, json!({"image": busybox})).await;
+    assert_eq!(http.get(&format!("/v1/sandboxes/{attacker}")).await.ok()["isolation"], "container");
+    std::fs::write(state.join("token"), "a-token-file").unwrap();
+    // What the attacker must not find anywhere it can look: the target's token, the server's.
+    let token_of = |id: &str| {
+        let file = walk(&state).into_iter().find(|p| p.ends_with("token") && p.to_string_lossy().contains(id));
+        std::fs::read_to_string(file.unwrap()).unwrap().trim().to_string()
+    };
+    let (target_token, own_token) = (token_of(&target), token_of(&attacker));
+    // The search works: the attacker's own token is where its daemon reads it.
+    let own = sh(&http, &attacker, None, &format!("cd / && grep -rlF {own_token} .sandman")).await;
+    assert_eq!(stdout(&own), ".sandman/token\n", "{own}");
+    for user in [None, Some("65534")] {
+        let c = codes(
+            &http,
+            &attacker,
+            user,
+            &format!(
+                "cat {s}/token; echo token=$?; cat {s}/conditions.key; echo key=$?; ls {s}; echo state=$?; \
+                 test \"$(ls -A /.sandman/run)\" = d.sock; echo other-sockets=$((1 - $?)); \
+                 cd / && test -z \"$(grep -rlF -e {t} -e {server} $(ls / | grep -v -x -e proc -e sys -e dev))\"; \
+                 echo found-a-token=$((1 - $?)); \
+                 test -z \"$(grep -lF -e {t} -e {server} /proc/1/environ 2>/dev/null)\"; echo in-environ=$((1 - $?))",
+                s = state.display(),
+                t = target_token,
+                server = e2e::TOKEN,
+            ),
+        )
+        .await;
+        all_refused(&format!("docker as {user:?}"), &c);
+    }
+    http.release(&target).await;
+    http.release(&attacker).await;
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}

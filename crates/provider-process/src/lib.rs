@@ -46,6 +46,9 @@ pub const HOST_IMAGE: &str = "host";
 /// PATH of the daemon when the server has none.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
+/// How long a delete waits for a create of the same sandbox to finish.
+const CREATE_WAIT: Duration = Duration::from_secs(30);
+
 /// How long a delete waits for a SIGKILLed daemon to be gone.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
@@ -612,6 +615,12 @@ impl Provider for ProcessProvider {
         if check_id(id).is_err() {
             // No such directory can exist.
             return Ok(());
+        }
+        // A create of the same sandbox still under way finishes first (fails or succeeds), so that
+        // nothing it makes after this delete looked is left behind.
+        let started = tokio::time::Instant::now();
+        while self.creating.contains(id) && started.elapsed() < CREATE_WAIT {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let dir = SandboxDir::new(&self.sandboxes, id);
         let watched = self.lock_watched().get(id).cloned();

@@ -61,6 +61,11 @@ impl Creating {
         Ok(CreatingGuard { set: self, id: id.to_string() })
     }
 
+    /// Whether `id` is being made now.
+    pub fn contains(&self, id: &str) -> bool {
+        self.lock().contains(id)
+    }
+
     /// The ids being made now.
     pub fn snapshot(&self) -> HashSet<String> {
         self.lock().clone()

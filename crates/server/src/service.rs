@@ -734,6 +734,8 @@ impl Service {
         let started = Instant::now();
         let endpoint = match self.provider.create(&sb.spec).await {
             Ok(e) => e,
+            // Released while the provider was making it: the release removes it and says why.
+            Err(_) if sb.state() == SandboxState::Releasing => return,
             Err(e) => {
                 tracing::warn!(sandbox = sb.id(), error = %e, "create failed");
                 self.fail(&sb, e.reason(), e.to_string()).await;
