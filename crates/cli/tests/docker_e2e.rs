@@ -6,11 +6,11 @@
 
 mod e2e;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use e2e::docker::{Cleanup, containers_of, docker, require_docker, static_daemon, workspace};
+use e2e::docker::{Cleanup, containers_of, docker, require_docker, static_daemon};
 use e2e::{Server, eventually};
 use serde_json::{Value, json};
 
