@@ -38,6 +38,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/processes/{id}/stdin"),
     ("POST", "/v1/processes/{id}/signal"),
     ("POST", "/v1/processes/{id}/wait"),
+    ("POST", "/v1/processes/{id}/resize"),
     ("POST", "/v1/sessions"),
     ("GET", "/v1/sessions"),
     ("DELETE", "/v1/sessions/{id}"),
@@ -68,6 +69,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/processes/{id}/stdin", post(processes::write_stdin))
         .route("/v1/processes/{id}/signal", post(processes::signal))
         .route("/v1/processes/{id}/wait", post(processes::wait))
+        .route("/v1/processes/{id}/resize", post(processes::resize))
         .route("/v1/sessions", post(sessions::create).get(sessions::list))
         .route("/v1/sessions/{id}", axum::routing::delete(sessions::delete))
         .route("/v1/sessions/{id}/run", post(sessions::run))

@@ -15,7 +15,7 @@ use utoipa::{Modify, OpenApi};
     paths(
         health, info, keepalive, conditions, exec, exec_stream,
         process_start, process_list, process_status, process_delete, process_output, process_stdin,
-        process_signal, process_wait,
+        process_signal, process_wait, process_resize,
         session_create, session_list, session_run, session_interrupt, session_delete,
         file_read, file_write, file_remove, stat, dir_list, dir_make, move_path, archive_put, archive_get,
     ),
@@ -74,9 +74,14 @@ fn process_delete() {}
 #[utoipa::path(get, path = "/v1/processes/{id}/output", params(("id" = String, Path, description = "process id or tag"), OutputQuery),
     responses((status = 200, description = "an OutputChunk, or with follow=true NDJSON OutputEvents", body = OutputChunk), (status = 404, body = ErrorBody)))]
 fn process_output() {}
-#[utoipa::path(post, path = "/v1/processes/{id}/stdin", params(("id" = String, Path, description = "process id or tag")), request_body = StdinWrite,
+#[utoipa::path(post, path = "/v1/processes/{id}/stdin", params(("id" = String, Path, description = "process id or tag"), StdinQuery),
+    request_body(description = "a JSON StdinWrite, or raw bytes as application/octet-stream (then `close` is a query parameter); on a terminal, `close` sends Ctrl-D",
+        content((StdinWrite = "application/json"), (Vec<u8> = "application/octet-stream"))),
     responses((status = 200, body = ProcessInfo), (status = 409, body = ErrorBody)))]
 fn process_stdin() {}
+#[utoipa::path(post, path = "/v1/processes/{id}/resize", params(("id" = String, Path, description = "process id or tag")), request_body = PtySize,
+    responses((status = 200, body = ProcessInfo), (status = 400, body = ErrorBody), (status = 409, description = "the process has no terminal, or has exited", body = ErrorBody)))]
+fn process_resize() {}
 #[utoipa::path(post, path = "/v1/processes/{id}/signal", params(("id" = String, Path, description = "process id or tag")), request_body = SignalRequest,
     responses((status = 200, body = ProcessInfo), (status = 409, body = ErrorBody)))]
 fn process_signal() {}
