@@ -17,7 +17,7 @@ use utoipa::{Modify, OpenApi};
         process_start, process_list, process_status, process_delete, process_output, process_stdin,
         process_signal, process_wait, process_resize,
         session_create, session_list, session_run, session_interrupt, session_delete,
-        file_read, file_write, file_remove, stat, dir_list, dir_make, move_path, archive_put, archive_get,
+        file_read, file_write, file_remove, stat, dir_list, dir_make, move_path, archive_put, archive_get, port,
     ),
     components(schemas(ErrorBody, ErrorDetail, ErrorCode, ExecEvent, OutputEvent)),
     modifiers(&BearerAuth),
@@ -125,6 +125,11 @@ fn archive_put() {}
 #[utoipa::path(get, path = "/v1/archive", params(PathQuery),
     responses((status = 200, description = "a tar of the directory (or file)", content_type = "application/x-tar", body = Vec<u8>), (status = 404, body = ErrorBody)))]
 fn archive_get() {}
+#[utoipa::path(method(get, post, put, patch, delete), path = "/v1/ports/{port}/{path}",
+    params(("port" = u16, Path, description = "a port inside the sandbox, 1 to 65535"), ("path" = String, Path, description = "the path on the app, with the query passed on")),
+    description = "HTTP to `127.0.0.1:{port}` inside the sandbox, any method (HEAD and OPTIONS too), bodies streamed; a WebSocket or any HTTP/1.1 upgrade is spliced through after the app's 101. `Authorization` is not passed on; `Host` is `127.0.0.1:{port}`.",
+    responses((status = 200, description = "the app's answer, whatever it is"), (status = 400, body = ErrorBody), (status = 503, description = "nothing answers on that port", body = ErrorBody)))]
+fn port() {}
 
 #[cfg(test)]
 mod tests {
