@@ -602,6 +602,9 @@ def wait_call(sandbox_id: str, process: str, timeout: float) -> Call:
     ).with_timeout(long_call_timeout(timeout))
 
 
+#: `Pty.read_until` follows a silent terminal for at most this long at a time, to keep its timeout.
+READ_UNTIL_STEP = 5.0
+
 #: One `/wait` call waits at most this long; `Process.wait()` with no timeout loops on it.
 WAIT_STEP = 30.0
 

@@ -47,7 +47,9 @@ async def test_a_session_timeout_interrupts_and_keeps_the_shell(api: Any) -> Non
             assert (r.stdout, r.exit_code, r.timed_out) == ("/tmp yes\n", 0, False)
 
 
-async def test_a_terminal_runs_a_repl_and_follows_resizes(api: Any) -> None:
+async def test_a_terminal_runs_a_repl_and_follows_resizes(api: Any, monkeypatch: Any) -> None:
+    # Short follows: `read_until` on a silent terminal reconnects several times within its timeout.
+    monkeypatch.setattr(sandman._core, "READ_UNTIL_STEP", 0.2)
     async with await api.create("host", lease=60) as sb:
         py = await sb.pty(["python3", "-i", "-q"], rows=24, cols=80, tag="repl")
         assert py.info.pty == sandman.TerminalSize(24, 80)
@@ -75,9 +77,10 @@ async def test_a_terminal_runs_a_repl_and_follows_resizes(api: Any) -> None:
         await less.read_until("500")
         await less.write("q")
         assert (await less.wait(timeout=20)).exit.exit_code == 0
-        silent = await sb.pty(["sleep", "30"])
+        silent = await sb.pty(["sh", "-c", "sleep 1; echo late; sleep 30"])
         with pytest.raises(sandman.Timeout):
-            await silent.read_until("nothing", timeout=0.5)
+            await silent.read_until("late", timeout=0.3)
+        assert "late" in await silent.read_until("late", timeout=20)
         await silent.kill()
 
 

@@ -933,31 +933,40 @@ class AsyncPty(AsyncProcess):
         before it comes."""
         deadline = None if timeout is None else time.monotonic() + timeout
         seen = ""
-        start = self.offset
-        call = _core.output_call(
-            self.sandbox.id, self.id, stream="stdout", offset=self.offset, max_bytes=None, follow=True
-        )
-        if timeout is not None:
-            call = call.with_timeout(timeout)
-        async with AsyncOutputStream(self.sandbox.client, call) as events:
+        start = position = self.offset
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise errors.Timeout(
+                    f"`{text}` did not show in {timeout} s; the terminal showed {seen[-500:]!r}",
+                    reason="client_timeout",
+                )
+            call = _core.output_call(
+                self.sandbox.id, self.id, stream="stdout", offset=position, max_bytes=None, follow=True
+            )
+            if remaining is not None:
+                # A silent terminal sends nothing: wake up in time to give up at the deadline.
+                call = call.with_timeout(min(remaining, _core.READ_UNTIL_STEP))
             try:
-                async for ev in events:
-                    if ev.type == "data":
-                        seen += ev.data
-                        at = seen.find(text)
-                        if at >= 0:
-                            upto = seen[: at + len(text)]
-                            self.offset = start + len(upto.encode("utf-8"))
-                            return upto
-                    elif ev.type == "exit":
-                        break
-                    if deadline is not None and time.monotonic() > deadline:
-                        break
-            except errors.Timeout:
-                pass
-        if deadline is not None and time.monotonic() >= deadline:
-            raise errors.Timeout(f"`{text}` did not show in {timeout} s; the terminal showed {seen[-500:]!r}", reason="client_timeout")
-        raise errors.Conflict(f"the process exited before `{text}` showed; the terminal showed {seen[-500:]!r}")
+                async with AsyncOutputStream(self.sandbox.client, call) as events:
+                    async for ev in events:
+                        if ev.type == "data":
+                            seen += ev.data
+                            position = ev.offset + len(ev.data.encode("utf-8"))
+                            at = seen.find(text)
+                            if at >= 0:
+                                upto = seen[: at + len(text)]
+                                self.offset = start + len(upto.encode("utf-8"))
+                                return upto
+                        elif ev.type == "exit":
+                            raise errors.Conflict(
+                                f"the process exited before `{text}` showed; the terminal showed {seen[-500:]!r}"
+                            )
+                        if deadline is not None and time.monotonic() >= deadline:
+                            break
+            except errors.Timeout as e:
+                if e.reason != "client_timeout":
+                    raise
 
     async def __aiter__(self) -> AsyncIterator[str]:
         """What the terminal shows, as it comes, from the last read until the process exits."""
