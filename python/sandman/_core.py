@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import random
+import re
 import ssl
 import tarfile
 import uuid
@@ -600,6 +601,17 @@ def wait_call(sandbox_id: str, process: str, timeout: float) -> Call:
     return Call(
         "POST", process_path(sandbox_id, process, "/wait"), json={"timeout_ms": ms(timeout)}, idempotent=True
     ).with_timeout(long_call_timeout(timeout))
+
+
+def first_match(patterns: Sequence["re.Pattern[str]"], text: str) -> Optional[Tuple[int, int]]:
+    """As pexpect: the pattern whose match starts first in `text` (the lowest index on a tie),
+    and where that match ends; None when none matches."""
+    best: Optional[Tuple[int, int, int]] = None
+    for i, p in enumerate(patterns):
+        m = p.search(text)
+        if m is not None and (best is None or m.start() < best[0]):
+            best = (m.start(), i, m.end())
+    return None if best is None else (best[1], best[2])
 
 
 #: `Pty.read_until` follows a silent terminal for at most this long at a time, to keep its timeout.

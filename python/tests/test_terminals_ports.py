@@ -69,6 +69,9 @@ async def test_a_terminal_runs_a_repl_and_follows_resizes(api: Any, monkeypatch:
         shell = await sb.pty(["sh"], rows=10, cols=40)
         await shell.write("stty size\r")
         await shell.read_until("10 40")
+        await shell.write("echo wh''ich-one-7\r")
+        index, text = await shell.expect([r"never", r"which-one-\d"])
+        assert index == 1 and text.endswith("which-one-7"), (index, text)
         await shell.write("exit 3\r")
         assert (await shell.wait(timeout=20)).exit.exit_code == 3
         less = await sb.pty(["sh", "-c", "seq 1 500 | less"], rows=10, cols=40, env={"LESS": ""})
@@ -82,6 +85,15 @@ async def test_a_terminal_runs_a_repl_and_follows_resizes(api: Any, monkeypatch:
             await silent.read_until("late", timeout=0.3)
         assert "late" in await silent.read_until("late", timeout=20)
         await silent.kill()
+
+
+def test_expect_picks_the_earliest_match_as_pexpect_does() -> None:
+    import re
+
+    pats = [re.compile(p) for p in (r"b+", r"a", r"ab")]
+    assert sandman._core.first_match(pats, "xxabbb") == (1, 3)  # `a` and `ab` start together: lowest index
+    assert sandman._core.first_match(pats, "xbxa") == (0, 2)
+    assert sandman._core.first_match(pats, "xyz") is None
 
 
 async def test_a_creates_user_is_every_commands_default(api: Any) -> None:
@@ -165,3 +177,18 @@ def _websocket_echo(sb: Any, port: int) -> None:
             while len(body) < frame[1] & 0x7F:
                 body += s.recv(frame[1] & 0x7F - len(body))
             assert body.decode() == f"echo: {text}"
+
+
+def test_iterating_a_terminal_yields_what_it_shows_until_it_exits(client: sandman.Sandman) -> None:
+    with client.create("host", lease=60) as sb:
+        pty = sb.pty(["sh", "-c", "echo first; echo second"])
+        shown = "".join(pty)
+        assert shown == "first\r\nsecond\r\n", shown
+        assert pty.offset == len(shown)
+
+
+async def test_iterating_a_terminal_with_the_async_client(aclient: sandman.AsyncSandman) -> None:
+    async with await aclient.create("host", lease=60) as sb:
+        pty = await sb.pty(["sh", "-c", "printf 'a\\nb\\n'"])
+        shown = "".join([text async for text in pty])
+        assert shown == "a\r\nb\r\n", shown

@@ -17,6 +17,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import ssl
 import time
 import uuid
@@ -933,6 +934,18 @@ class Pty(Process):
         to and including it (the rest is read next). Raises `Timeout` (reason `client_timeout`)
         when it has not come within `timeout` seconds, and `Conflict` when the process exits
         before it comes."""
+        _, upto = self.expect([re.escape(text)], timeout=timeout)
+        return upto
+
+    def expect(
+        self, patterns: Sequence[Union[str, "re.Pattern[str]"]], *, timeout: Optional[float] = 30.0
+    ) -> Tuple[int, str]:
+        """Waits until the terminal shows a match of one of `patterns` (regular expressions, as
+        pexpect's `expect`) after the last read; answers the index of the pattern whose match
+        starts first (the lowest index on a tie) and everything up to the end of its match (the rest is read next).
+        Raises `Timeout` (reason `client_timeout`) after `timeout` seconds, and `Conflict` when
+        the process exits first."""
+        compiled = [p if isinstance(p, re.Pattern) else re.compile(p) for p in patterns]
         deadline = None if timeout is None else time.monotonic() + timeout
         seen = ""
         start = position = self.offset
@@ -940,7 +953,7 @@ class Pty(Process):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise errors.Timeout(
-                    f"`{text}` did not show in {timeout} s; the terminal showed {seen[-500:]!r}",
+                    f"no match of {[p.pattern for p in compiled]} in {timeout} s; the terminal showed {seen[-500:]!r}",
                     reason="client_timeout",
                 )
             call = _core.output_call(
@@ -955,14 +968,15 @@ class Pty(Process):
                         if ev.type == "data":
                             seen += ev.data
                             position = ev.offset + len(ev.data.encode("utf-8"))
-                            at = seen.find(text)
-                            if at >= 0:
-                                upto = seen[: at + len(text)]
-                                self.offset = start + len(upto.encode("utf-8"))
-                                return upto
+                            found = _core.first_match(compiled, seen)
+                            if found is not None:
+                                index, end = found
+                                self.offset = start + len(seen[:end].encode("utf-8"))
+                                return index, seen[:end]
                         elif ev.type == "exit":
                             raise errors.Conflict(
-                                f"the process exited before `{text}` showed; the terminal showed {seen[-500:]!r}"
+                                f"the process exited before {[p.pattern for p in compiled]} showed; the terminal "
+                                f"showed {seen[-500:]!r}"
                             )
                         if deadline is not None and time.monotonic() >= deadline:
                             break
