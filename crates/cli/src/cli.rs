@@ -135,6 +135,10 @@ pub struct SandboxFlags {
     /// Give up waiting for readiness after this many seconds [default: the server's]
     #[arg(long, value_name = "SECS")]
     pub wait_timeout: Option<u64>,
+    /// The user every command in the sandbox runs as unless it names one (a name or
+    /// `uid[:gid]`); on the docker provider the image's USER is the default without it.
+    #[arg(long, value_name = "USER")]
+    pub default_user: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -218,6 +222,10 @@ pub struct ExecCmd {
     pub env: Vec<(String, String)>,
     #[command(flatten)]
     pub exec: ExecFlags,
+    /// Run COMMAND on a terminal of the sandbox, sized as this one and resized with it; this
+    /// terminal goes raw while it runs. With `-i`, what is typed goes to COMMAND (`-it`).
+    #[arg(long = "tty", short = 't')]
+    pub tty: bool,
     /// The command and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<String>,

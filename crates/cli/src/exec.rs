@@ -23,6 +23,9 @@ const RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
 const TIMED_OUT: u8 = 124;
 
 pub async fn exec(client: &Client, cmd: ExecCmd) -> anyhow::Result<ExitCode> {
+    if cmd.tty {
+        return crate::tty::exec(client, cmd).await;
+    }
     let req = exec_request(cmd.command, cmd.env.into_iter().collect(), &cmd.exec)?;
     stream(client, &cmd.id, &req).await
 }
@@ -51,6 +54,7 @@ pub fn exec_request(
         timeout_ms: flags.timeout_ms,
         // Streamed output is written out as it comes, never held, so it needs no cap.
         max_output_bytes: Some(u64::MAX),
+        merge_output: false,
     })
 }
 

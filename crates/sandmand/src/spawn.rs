@@ -2,12 +2,13 @@
 //! process group, a clean environment (never the daemon's token), and the user's ids.
 
 use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::sys::Rlimits;
+use crate::sys::{ChildSetup, Rlimits};
 
 /// PATH used when neither the sandbox nor the request sets one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -25,6 +26,10 @@ pub struct Defaults {
     pub euid: u32,
     /// Resource limits set on every process started (`--rlimit-*`).
     pub rlimits: Rlimits,
+    /// The daemon ignores some signals (it was started from a background job): every child
+    /// resets them to their defaults before it execs. Checked once: the daemon never ignores a
+    /// signal itself.
+    pub reset_signals: bool,
 }
 
 impl Defaults {
@@ -40,6 +45,7 @@ impl Defaults {
             passwd: PathBuf::from("/etc/passwd"),
             euid: crate::sys::euid(),
             rlimits: Rlimits::default(),
+            reset_signals: !crate::sys::ignored_signals().is_empty(),
         }
     }
 }
@@ -61,6 +67,7 @@ pub struct Launch {
     pub cwd: PathBuf,
     pub user: Option<UserIds>,
     pub rlimits: Rlimits,
+    pub reset_signals: bool,
 }
 
 /// The parts of a request that say what to run and how.
@@ -131,25 +138,39 @@ impl Launch {
                 p
             }
         };
-        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits })
+        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits, reset_signals: defaults.reset_signals })
     }
 
     /// A `Command` in a new process group, with stdout and stderr piped and the given stdin.
     pub fn command(&self, stdin: Stdio) -> Command {
+        let mut cmd = self.base();
+        cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        crate::sys::set_child_setup_on_exec(
+            &mut cmd,
+            ChildSetup { rlimits: self.rlimits, controlling_tty: false, reset_signals: self.reset_signals },
+        );
+        cmd
+    }
+
+    /// A `Command` whose stdin, stdout and stderr are the terminal `slave`, in a session of its
+    /// own (so also a process group of its own) with that terminal as its controlling terminal.
+    pub fn command_on_pty(&self, slave: &OwnedFd) -> std::io::Result<Command> {
+        let mut cmd = self.base();
+        cmd.stdin(slave.try_clone()?).stdout(slave.try_clone()?).stderr(slave.try_clone()?);
+        crate::sys::set_child_setup_on_exec(
+            &mut cmd,
+            ChildSetup { rlimits: self.rlimits, controlling_tty: true, reset_signals: self.reset_signals },
+        );
+        Ok(cmd)
+    }
+
+    fn base(&self) -> Command {
         let mut cmd = Command::new(&self.argv[0]);
-        cmd.args(&self.argv[1..])
-            .env_clear()
-            .envs(&self.env)
-            .current_dir(&self.cwd)
-            .stdin(stdin)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+        cmd.args(&self.argv[1..]).env_clear().envs(&self.env).current_dir(&self.cwd);
         if let Some(u) = &self.user {
             // std clears the supplementary groups (setgroups(0)) when root sets a uid.
             cmd.uid(u.uid).gid(u.gid);
         }
-        crate::sys::set_rlimits_on_exec(&mut cmd, self.rlimits);
         cmd
     }
 
@@ -167,9 +188,15 @@ pub fn lookup_user(passwd: &Path, spec: &str) -> DaemonResult<UserIds> {
     };
     let gid_override = match group {
         None => None,
-        Some(g) => Some(g.parse::<u32>().map_err(|_| {
-            DaemonError::InvalidArgument(format!("group `{g}` in user `{spec}` must be a numeric gid"))
-        })?),
+        Some(g) => Some(match g.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => lookup_group(&passwd.with_file_name("group"), g).ok_or_else(|| {
+                DaemonError::InvalidArgument(format!(
+                    "unknown group `{g}` in user `{spec}`: not in {} (numeric gids always work)",
+                    passwd.with_file_name("group").display()
+                ))
+            })?,
+        }),
     };
     if let Ok(uid) = user.parse::<u32>() {
         let entry = read_passwd(passwd).into_iter().find(|e| e.uid == uid);
@@ -191,6 +218,16 @@ pub fn lookup_user(passwd: &Path, spec: &str) -> DaemonResult<UserIds> {
         gid: gid_override.unwrap_or(entry.gid),
         name: Some(entry.name),
         home: Some(entry.home),
+    })
+}
+
+/// The gid of group `name` in a `/etc/group` file.
+fn lookup_group(path: &Path, name: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find_map(|line| {
+        let mut f = line.split(':');
+        (f.next()? == name).then_some(())?;
+        f.nth(1)?.parse().ok()
     })
 }
 
@@ -230,6 +267,7 @@ mod tests {
             passwd,
             euid: 0,
             rlimits: Rlimits::default(),
+            reset_signals: false,
         }
     }
 
@@ -243,6 +281,10 @@ mod tests {
         assert_eq!((u.uid, u.gid, u.home.as_deref()), (1000, 1001, Some("/home/agent")));
         let n = lookup_user(&dir.path().join("absent"), "4242:7").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((n.uid, n.gid, n.name), (4242, 7, None));
+        std::fs::write(dir.path().join("group"), "root:x:0:\nstaff:x:50:agent\n").unwrap_or_else(|e| panic!("{e}"));
+        let g = lookup_user(&passwd, "agent:staff").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((g.uid, g.gid), (1000, 50));
+        assert!(lookup_user(&passwd, "agent:nobody-here").is_err());
         let bare = lookup_user(&dir.path().join("absent"), "4242").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(bare.gid, 4242);
         assert!(lookup_user(&dir.path().join("absent"), "agent").is_err());

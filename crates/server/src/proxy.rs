@@ -2,7 +2,8 @@
 //! token. Bodies stream both ways; nothing is buffered whole, but for one case: the JSON body
 //! of a call that starts a command (exec, a process, a session) on a sandbox claimed from a
 //! warm pool with an environment of its own, which is read (up to the JSON limit) to merge
-//! that environment into its `env`.
+//! that environment into its `env`. An HTTP/1.1 upgrade (a WebSocket to a port in the sandbox,
+//! `…/ports/{port}/…`) is passed on, and once the daemon answers 101 both connections are spliced.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,9 +30,11 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 pub async fn forward(
     State(service): State<Arc<Service>>,
     Path((id, rest)): Path<(String, String)>,
-    req: Request,
+    mut req: Request,
 ) -> ServerResult<Response> {
     let target = service.call_target(&id)?;
+    let upgrade = is_upgrade(req.headers());
+    let inbound = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (endpoint, token) = (target.endpoint, target.token);
     service.metrics.proxied.inc();
     let path_and_query = match req.uri().query() {
@@ -41,7 +44,7 @@ pub async fn forward(
     let uri =
         daemon::uri(&endpoint, &path_and_query).map_err(|e| ServerError::InvalidArgument(format!("bad path: {e}")))?;
     let (mut parts, body) = req.into_parts();
-    let body = if (!target.env.is_empty() || target.eval)
+    let body = if (!target.env.is_empty() || target.eval || target.user.is_some())
         && parts.method == http::Method::POST
         && starts_command(&rest)
         && is_json(&parts.headers)
@@ -53,7 +56,7 @@ pub async fn forward(
             check_eval_call(&bytes).map_err(ServerError::InvalidArgument)?;
         }
         parts.headers.remove(header::CONTENT_LENGTH);
-        Body::from(merge_env(bytes, &target.env))
+        Body::from(merge_defaults(bytes, &target.env, target.user.as_deref()))
     } else {
         body
     };
@@ -72,18 +75,56 @@ pub async fn forward(
         if let Ok(v) = format!("Bearer {token}").parse() {
             headers.insert(header::AUTHORIZATION, v);
         }
+        if upgrade {
+            keep_upgrade(&parts.headers, headers);
+        }
     }
     let out = out.body(body).map_err(|e| ServerError::Internal(format!("cannot build the daemon request: {e}")))?;
-    let resp = service
+    let mut resp = service
         .daemons
         .request(out)
         .await
         .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {e}")))?;
+    let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(inbound)) = (switching, inbound) {
+        let outbound = hyper::upgrade::on(&mut resp);
+        // Owned by the service's tracker; it ends when either side closes.
+        service.tasks.spawn(async move {
+            let (Ok(client), Ok(daemon)) = (inbound.await, outbound.await) else { return };
+            let _ = tokio::io::copy_bidirectional(
+                &mut hyper_util::rt::TokioIo::new(client),
+                &mut hyper_util::rt::TokioIo::new(daemon),
+            )
+            .await;
+        });
+    }
     let (mut parts, body) = resp.into_parts();
+    let kept = parts.headers.clone();
     for h in HOP_BY_HOP {
         parts.headers.remove(h);
     }
+    if switching {
+        keep_upgrade(&kept, &mut parts.headers);
+    }
     Ok(Response::from_parts(parts, Body::new(body)).into_response())
+}
+
+/// Whether a request asks to switch protocols (`Connection: upgrade` with `Upgrade`).
+fn is_upgrade(headers: &http::HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+}
+
+/// Puts back `Connection: upgrade` and `Upgrade`, which an upgrade carries across each hop.
+fn keep_upgrade(from: &http::HeaderMap, to: &mut http::HeaderMap) {
+    to.insert(header::CONNECTION, http::HeaderValue::from_static("upgrade"));
+    if let Some(u) = from.get(header::UPGRADE) {
+        to.insert(header::UPGRADE, u.clone());
+    }
 }
 
 /// The daemon calls whose JSON body has an `env` for the command they start.
@@ -107,12 +148,21 @@ fn check_eval_call(body: &[u8]) -> Result<(), String> {
     crate::conditions::check_eval_env(&env)
 }
 
-/// The body with `env` added to its `env` object, the body's own values winning; a body that is
-/// not a JSON object goes on unchanged, for the daemon to refuse.
-fn merge_env(body: bytes::Bytes, env: &BTreeMap<String, String>) -> bytes::Bytes {
+/// The body with `env` added to its `env` object and `user` as its `user` when it names none, the
+/// body's own values winning; a body that is not a JSON object goes on unchanged, for the daemon
+/// to refuse.
+fn merge_defaults(body: bytes::Bytes, env: &BTreeMap<String, String>, user: Option<&str>) -> bytes::Bytes {
     let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice::<serde_json::Value>(&body) else {
         return body;
     };
+    if let Some(user) = user
+        && obj.get("user").is_none_or(|u| u.is_null())
+    {
+        obj.insert("user".into(), serde_json::Value::String(user.to_string()));
+    }
+    if env.is_empty() {
+        return serde_json::to_vec(&obj).map(bytes::Bytes::from).unwrap_or(body);
+    }
     let slot = obj.entry("env").or_insert_with(|| serde_json::Value::Object(Default::default()));
     let Some(map) = slot.as_object_mut() else { return body };
     for (k, v) in env {
@@ -128,15 +178,29 @@ mod tests {
     #[test]
     fn a_claimers_env_is_merged_under_the_calls_own() {
         let env = BTreeMap::from([("A".to_string(), "claim".to_string()), ("B".to_string(), "claim".to_string())]);
-        let out = merge_env(bytes::Bytes::from_static(br#"{"argv":["env"],"env":{"B":"call"}}"#), &env);
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["env"],"env":{"B":"call"}}"#), &env, None);
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
         assert_eq!(v["env"], serde_json::json!({"A": "claim", "B": "call"}));
-        let out = merge_env(bytes::Bytes::from_static(br#"{"command":"env"}"#), &env);
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"command":"env"}"#), &env, None);
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
         assert_eq!(v["env"]["A"], "claim");
         let raw = bytes::Bytes::from_static(b"not json");
-        assert_eq!(merge_env(raw.clone(), &env), raw);
+        assert_eq!(merge_defaults(raw.clone(), &env, Some("1000")), raw);
         assert!(starts_command("exec/stream") && starts_command("sessions") && !starts_command("sessions/s1/run"));
+    }
+
+    #[test]
+    fn the_sandboxs_user_is_given_to_calls_that_name_none() {
+        let none = BTreeMap::new();
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["id"]}"#), &none, Some("agent"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!((v["user"].as_str(), v.get("env")), (Some("agent"), None));
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["id"],"user":"0"}"#), &none, Some("agent"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!(v["user"], "0");
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["id"],"user":null}"#), &none, Some("agent"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!(v["user"], "agent");
     }
 
     #[test]
