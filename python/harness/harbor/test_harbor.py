@@ -9,7 +9,9 @@ sandbox had the property.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Dict, Optional
@@ -17,7 +19,7 @@ from typing import Dict, Optional
 import pytest
 from conftest import Harbor
 
-from sandman_server import Server
+from sandman_server import REPO, Server
 
 
 def write_task(
@@ -215,4 +217,19 @@ def test_sixteen_attempts_eight_at_a_time_all_pass_and_nothing_is_left(
     job = harbor.run("-p", str(task), "-a", "oracle", "-k", "16", "-n", "8", name="burst")
     assert len(job.trials) == 16
     assert [(t.reward, t.exception) for t in job.trials] == [(1.0, "")] * 16, [t.result for t in job.trials]
+    assert_nothing_left(server)
+
+
+def test_the_example_script_scores_the_oracle_one_and_nop_zero(image: str, server: Server) -> None:
+    example = REPO / "examples" / "harbor_trial.py"
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    out = subprocess.run(
+        [sys.executable, str(example), "--image", image, "--url", server.url, "--token", server.token],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["oracle: reward 1.0", "nop: reward 0.0"], out.stdout + out.stderr
     assert_nothing_left(server)
