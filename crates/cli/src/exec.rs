@@ -51,6 +51,7 @@ pub fn exec_request(
         timeout_ms: flags.timeout_ms,
         // Streamed output is written out as it comes, never held, so it needs no cap.
         max_output_bytes: Some(u64::MAX),
+        merge_output: false,
     })
 }
 

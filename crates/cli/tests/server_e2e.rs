@@ -344,3 +344,79 @@ async fn the_cli_drives_a_real_server() {
     let (code, out, err) = e2e::cli(&server, &["run", "host", "--", "sh", "-c", "echo ran; exit 4"]);
     assert_eq!((code, out.as_str()), (4, "ran\n"), "{err}");
 }
+
+/// Runs a background process in the sandbox and answers its output once it holds `needle`.
+async fn output_with(http: &Http, id: &str, process: &str, needle: &str) -> String {
+    let mut text = String::new();
+    let found = eventually(Duration::from_secs(20), async || {
+        let out = http.get(&format!("/v1/sandboxes/{id}/processes/{process}/output")).await.json();
+        text = out["data"].as_str().unwrap_or_default().to_string();
+        text.contains(needle)
+    })
+    .await;
+    assert!(found, "`{needle}` never came: {text:?}");
+    text
+}
+
+#[tokio::test]
+async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_included() {
+    let server = Server::start();
+    let http = server.client();
+    let id = http.create(host()).await["id"].as_str().unwrap().to_string();
+    let put = http
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/tmp/site/hello.txt"),
+            Body::Stream(Box::new(std::iter::once(Bytes::from_static(b"served from a sandbox\n")))),
+        )
+        .await;
+    assert_eq!(put.status, 200);
+    let start =
+        json!({"command": "exec python3 -u -m http.server 0 --bind 127.0.0.1 --directory /tmp/site", "tag": "site"});
+    http.post(&format!("/v1/sandboxes/{id}/processes"), start).await.ok();
+    let banner = output_with(&http, &id, "site", ") ...").await;
+    let port: u16 = banner.split(" port ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap().parse().unwrap();
+    let r = http.get(&format!("/v1/sandboxes/{id}/ports/{port}/hello.txt")).await;
+    assert_eq!((r.status, r.body.as_ref()), (200, &b"served from a sandbox\n"[..]));
+    let listing = http.get(&format!("/v1/sandboxes/{id}/ports/{port}/")).await;
+    assert!(String::from_utf8_lossy(&listing.body).contains("hello.txt"));
+    let anonymous = Http { addr: http.addr.clone(), token: None };
+    anonymous.get(&format!("/v1/sandboxes/{id}/ports/{port}/hello.txt")).await.error(401, "unauthorized");
+    http.get(&format!("/v1/sandboxes/{id}/ports/0/")).await.error(400, "invalid_argument");
+
+    // A WebSocket, upgraded through the server and the daemon.
+    let app = concat!(env!("CARGO_MANIFEST_DIR"), "/../sandmand/tests/fixtures/web.py");
+    http.post(&format!("/v1/sandboxes/{id}/processes"), json!({"argv": ["python3", app], "tag": "ws"})).await.ok();
+    let ws_port: u16 = output_with(&http, &id, "ws", "\n").await.trim().parse().unwrap();
+    let mut s = tokio::net::TcpStream::connect(&http.addr).await.unwrap();
+    let handshake = format!(
+        "GET /v1/sandboxes/{id}/ports/{ws_port}/chat HTTP/1.1\r\nHost: sandman\r\nAuthorization: Bearer {}\r\n\
+         Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+        http.token.as_deref().unwrap()
+    );
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(handshake.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut b = [0u8; 1];
+        assert_eq!(s.read(&mut b).await.unwrap(), 1, "{}", String::from_utf8_lossy(&head));
+        head.push(b[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(head.contains("s3pPLMBiTxaQ9kYGzzhZRbK+xOo="), "{head}");
+    for msg in ["hello", "through two hops"] {
+        let mask = [7u8, 1, 9, 3];
+        let mut frame = vec![0x81, 0x80 | msg.len() as u8];
+        frame.extend_from_slice(&mask);
+        frame.extend(msg.bytes().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        s.write_all(&frame).await.unwrap();
+        let mut h = [0u8; 2];
+        s.read_exact(&mut h).await.unwrap();
+        let mut data = vec![0u8; (h[1] & 0x7f) as usize];
+        s.read_exact(&mut data).await.unwrap();
+        assert_eq!(String::from_utf8(data).unwrap(), format!("echo: {msg}"));
+    }
+    http.release(&id).await;
+}

@@ -9,7 +9,7 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{Method, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use sandman_wire::ErrorCode;
 use sandman_wire::daemon::{Health, Info, Keepalive};
 
@@ -17,7 +17,7 @@ use sandman_http::error_response;
 
 use crate::error::DaemonError;
 use crate::state::Daemon;
-use crate::{archive, exec, files, processes, sessions};
+use crate::{archive, exec, files, ports, processes, sessions};
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
@@ -38,6 +38,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/processes/{id}/stdin"),
     ("POST", "/v1/processes/{id}/signal"),
     ("POST", "/v1/processes/{id}/wait"),
+    ("POST", "/v1/processes/{id}/resize"),
     ("POST", "/v1/sessions"),
     ("GET", "/v1/sessions"),
     ("DELETE", "/v1/sessions/{id}"),
@@ -52,6 +53,11 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/move"),
     ("GET", "/v1/archive"),
     ("PUT", "/v1/archive"),
+    ("GET", "/v1/ports/{port}/{path}"),
+    ("POST", "/v1/ports/{port}/{path}"),
+    ("PUT", "/v1/ports/{port}/{path}"),
+    ("PATCH", "/v1/ports/{port}/{path}"),
+    ("DELETE", "/v1/ports/{port}/{path}"),
 ];
 
 /// The whole daemon API.
@@ -68,6 +74,7 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/processes/{id}/stdin", post(processes::write_stdin))
         .route("/v1/processes/{id}/signal", post(processes::signal))
         .route("/v1/processes/{id}/wait", post(processes::wait))
+        .route("/v1/processes/{id}/resize", post(processes::resize))
         .route("/v1/sessions", post(sessions::create).get(sessions::list))
         .route("/v1/sessions/{id}", axum::routing::delete(sessions::delete))
         .route("/v1/sessions/{id}/run", post(sessions::run))
@@ -77,6 +84,9 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .route("/v1/dir", get(files::list_dir).post(files::mkdir))
         .route("/v1/move", post(files::move_path))
         .route("/v1/archive", get(archive::download).put(archive::extract))
+        .route("/v1/ports/{port}", any(ports::forward_root))
+        .route("/v1/ports/{port}/", any(ports::forward_root))
+        .route("/v1/ports/{port}/{*path}", any(ports::forward))
         .route_layer(middleware::from_fn_with_state(daemon.clone(), authorize));
     Router::new()
         .route("/v1/health", get(health))

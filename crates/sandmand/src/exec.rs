@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 
 use crate::error::DaemonResult;
 use crate::extract::ApiJson;
-use crate::run::{self, OutputSink, Started, Utf8Chunks};
+use crate::run::{self, Io, OutputSink, Started, Utf8Chunks};
 use crate::spawn::{Launch, LaunchRequest};
 use crate::state::Daemon;
 use crate::stream;
@@ -30,6 +30,7 @@ struct Parsed {
     stdin: Option<String>,
     timeout: Option<Duration>,
     cap: u64,
+    merge: bool,
 }
 
 fn parse(daemon: &Daemon, req: ExecRequest) -> DaemonResult<Parsed> {
@@ -42,13 +43,15 @@ fn parse(daemon: &Daemon, req: ExecRequest) -> DaemonResult<Parsed> {
         stdin: req.stdin,
         timeout: req.timeout_ms.map(Duration::from_millis),
         cap: req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT),
+        merge: req.merge_output,
     })
 }
 
 /// Starts the process and feeds it its stdin from a task of its own, so that a large stdin and
 /// a large output cannot deadlock each other.
 fn start(daemon: &Daemon, parsed: &mut Parsed) -> DaemonResult<Started> {
-    let mut started = run::start(&daemon.children, &parsed.launch, parsed.stdin.is_some())?;
+    let mut started =
+        run::start(&daemon.children, &parsed.launch, Io::Pipes { stdin: parsed.stdin.is_some(), merge: parsed.merge })?;
     if let (Some(mut pipe), Some(text)) = (started.stdin.take(), parsed.stdin.take()) {
         daemon.tasks.spawn(async move {
             // A command that exits without reading its stdin closes the pipe: not an error.

@@ -15,6 +15,7 @@ pub mod lease;
 pub mod observe;
 #[cfg(feature = "openapi")]
 pub mod openapi;
+pub mod ports;
 pub mod processes;
 pub mod run;
 pub mod sessions;

@@ -15,9 +15,9 @@ use utoipa::{Modify, OpenApi};
     paths(
         health, info, keepalive, conditions, exec, exec_stream,
         process_start, process_list, process_status, process_delete, process_output, process_stdin,
-        process_signal, process_wait,
+        process_signal, process_wait, process_resize,
         session_create, session_list, session_run, session_interrupt, session_delete,
-        file_read, file_write, file_remove, stat, dir_list, dir_make, move_path, archive_put, archive_get,
+        file_read, file_write, file_remove, stat, dir_list, dir_make, move_path, archive_put, archive_get, port,
     ),
     components(schemas(ErrorBody, ErrorDetail, ErrorCode, ExecEvent, OutputEvent)),
     modifiers(&BearerAuth),
@@ -74,9 +74,14 @@ fn process_delete() {}
 #[utoipa::path(get, path = "/v1/processes/{id}/output", params(("id" = String, Path, description = "process id or tag"), OutputQuery),
     responses((status = 200, description = "an OutputChunk, or with follow=true NDJSON OutputEvents", body = OutputChunk), (status = 404, body = ErrorBody)))]
 fn process_output() {}
-#[utoipa::path(post, path = "/v1/processes/{id}/stdin", params(("id" = String, Path, description = "process id or tag")), request_body = StdinWrite,
+#[utoipa::path(post, path = "/v1/processes/{id}/stdin", params(("id" = String, Path, description = "process id or tag"), StdinQuery),
+    request_body(description = "a JSON StdinWrite, or raw bytes as application/octet-stream (then `close` is a query parameter); on a terminal, `close` sends Ctrl-D",
+        content((StdinWrite = "application/json"), (Vec<u8> = "application/octet-stream"))),
     responses((status = 200, body = ProcessInfo), (status = 409, body = ErrorBody)))]
 fn process_stdin() {}
+#[utoipa::path(post, path = "/v1/processes/{id}/resize", params(("id" = String, Path, description = "process id or tag")), request_body = PtySize,
+    responses((status = 200, body = ProcessInfo), (status = 400, body = ErrorBody), (status = 409, description = "the process has no terminal, or has exited", body = ErrorBody)))]
+fn process_resize() {}
 #[utoipa::path(post, path = "/v1/processes/{id}/signal", params(("id" = String, Path, description = "process id or tag")), request_body = SignalRequest,
     responses((status = 200, body = ProcessInfo), (status = 409, body = ErrorBody)))]
 fn process_signal() {}
@@ -120,6 +125,11 @@ fn archive_put() {}
 #[utoipa::path(get, path = "/v1/archive", params(PathQuery),
     responses((status = 200, description = "a tar of the directory (or file)", content_type = "application/x-tar", body = Vec<u8>), (status = 404, body = ErrorBody)))]
 fn archive_get() {}
+#[utoipa::path(method(get, post, put, patch, delete), path = "/v1/ports/{port}/{path}",
+    params(("port" = u16, Path, description = "a port inside the sandbox, 1 to 65535"), ("path" = String, Path, description = "the path on the app, with the query passed on")),
+    description = "HTTP to `127.0.0.1:{port}` inside the sandbox, any method (HEAD and OPTIONS too), bodies streamed; a WebSocket or any HTTP/1.1 upgrade is spliced through after the app's 101. `Authorization` is not passed on; `Host` is `127.0.0.1:{port}`.",
+    responses((status = 200, description = "the app's answer, whatever it is"), (status = 400, body = ErrorBody), (status = 503, description = "nothing answers on that port", body = ErrorBody)))]
+fn port() {}
 
 #[cfg(test)]
 mod tests {

@@ -2,25 +2,26 @@
 //! with bounded output retention read from any byte offset or followed, stdin, signals and wait.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use sandman_wire::daemon::{
-    ExitStatus, OutputChunk, OutputEvent, OutputQuery, ProcessInfo, ProcessList, ProcessState, SignalRequest,
-    SignalSpec, StartProcess, StdinWrite, StreamName, WaitRequest,
+    ExitStatus, OutputChunk, OutputEvent, OutputQuery, ProcessInfo, ProcessList, ProcessState, PtySize, ResizeRequest,
+    SignalRequest, SignalSpec, StartProcess, StdinQuery, StdinWrite, StreamName, WaitRequest,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, watch};
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::extract::{ApiJson, ApiQuery};
-use crate::run::{self, OutputSink, Utf8Chunks, incomplete_tail};
+use crate::extract::{ApiJson, ApiQuery, BadRequest, MAX_JSON_BODY, read_limited};
+use crate::run::{self, Io, OutputSink, Utf8Chunks, incomplete_tail};
 use crate::spawn::{Launch, LaunchRequest};
 use crate::state::Daemon;
 use crate::{stream, sys, tree};
@@ -37,6 +38,10 @@ const DEFAULT_CHUNK: u64 = 1 << 20;
 const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 /// Events buffered for one follower of a process's output.
 const FOLLOW_EVENTS: usize = 16;
+/// `TERM` of a process on a terminal whose request sets none.
+pub const DEFAULT_TERM: &str = "xterm-256color";
+/// What `close` writes to a terminal: Ctrl-D, end-of-file for a reader in canonical mode.
+const EOF_CHAR: u8 = 0x04;
 
 /// The last `cap` bytes of one output stream and the offset of the first of them.
 #[derive(Debug)]
@@ -108,6 +113,16 @@ pub struct Process {
     /// The stdin pipe while it is open; a tokio mutex because a write awaits the pipe.
     stdin: tokio::sync::Mutex<Option<pipe::Sender>>,
     stdin_open: AtomicBool,
+    /// The terminal it runs on, when it was started with `pty`.
+    pty: Option<Pty>,
+}
+
+/// A process's pseudo-terminal: its master (for `TIOCSWINSZ`) and its current size.
+#[derive(Debug)]
+struct Pty {
+    master: OwnedFd,
+    /// The size last set; read by `info`, written by `resize`, never held across `.await`.
+    size: Mutex<PtySize>,
 }
 
 impl Process {
@@ -128,6 +143,7 @@ impl Process {
             stdout_bytes: out.stdout.total(),
             stderr_bytes: out.stderr.total(),
             stdin_open: self.stdin_open.load(Ordering::Relaxed),
+            pty: self.pty.as_ref().map(|p| *p.size.lock().unwrap_or_else(PoisonError::into_inner)),
         }
     }
 
@@ -217,10 +233,26 @@ pub async fn start(
             "tag `{tag}` must be non-empty, without `/`, and not start with `p-`"
         )));
     }
-    let launch = Launch::parse(
+    if let Some(size) = &req.pty {
+        size.check().map_err(DaemonError::InvalidArgument)?;
+        if req.merge_output {
+            return Err(DaemonError::InvalidArgument(
+                "`merge_output` and `pty` do not go together: a terminal has one output stream already".into(),
+            ));
+        }
+    }
+    let term_given = req.env.contains_key("TERM");
+    let mut launch = Launch::parse(
         &daemon.defaults,
         LaunchRequest { argv: req.argv, command: req.command, env: req.env, cwd: req.cwd, user: req.user },
     )?;
+    if req.pty.is_some() && !term_given {
+        launch.env.insert("TERM".into(), DEFAULT_TERM.into());
+    }
+    let io = match req.pty {
+        Some(size) => Io::Pty(size),
+        None => Io::Pipes { stdin: req.stdin, merge: req.merge_output },
+    };
     // Reserve the number and tag first, so that two starts with one tag cannot both win.
     let n = {
         let mut table = daemon.processes.lock();
@@ -250,7 +282,7 @@ pub async fn start(
         }
         n
     };
-    let mut started = match run::start(&daemon.children, &launch, req.stdin) {
+    let mut started = match run::start(&daemon.children, &launch, io) {
         Ok(s) => s,
         Err(e) => {
             if let Some(tag) = &req.tag {
@@ -260,6 +292,10 @@ pub async fn start(
         }
     };
     let stdin = started.stdin.take();
+    let pty = match (started.pty.take(), req.pty) {
+        (Some(master), Some(size)) => Some(Pty { master, size: Mutex::new(size) }),
+        _ => None,
+    };
     let process = Arc::new(Process {
         id: format!("p-{n}"),
         tag: req.tag,
@@ -274,6 +310,7 @@ pub async fn start(
         changed: watch::Sender::new(0),
         stdin_open: AtomicBool::new(stdin.is_some()),
         stdin: tokio::sync::Mutex::new(stdin),
+        pty,
     });
     daemon.processes.lock().by_id.insert(n, process.clone());
     let timeout = req.timeout_ms.map(Duration::from_millis);
@@ -371,11 +408,26 @@ fn follow(daemon: &Daemon, process: Arc<Process>, stream: StreamName, mut offset
     stream::ndjson(rx, || OutputEvent::Keepalive)
 }
 
+/// `POST /v1/processes/{id}/stdin`: a JSON [`StdinWrite`], or raw bytes
+/// (`Content-Type: application/octet-stream`, with `?close=true` to close after them).
 pub async fn write_stdin(
     State(daemon): State<Arc<Daemon>>,
     Path(id): Path<String>,
-    ApiJson(req): ApiJson<StdinWrite>,
+    req: Request,
 ) -> DaemonResult<Json<ProcessInfo>> {
+    let raw = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("application/octet-stream"));
+    let (data, close) = if raw {
+        let (mut parts, body) = req.into_parts();
+        let ApiQuery(q) = ApiQuery::<StdinQuery>::from_request_parts(&mut parts, &()).await.map_err(bad_request)?;
+        (read_limited(body, MAX_JSON_BODY).await.map_err(bad_request)?.to_vec(), q.close)
+    } else {
+        let ApiJson(w) = ApiJson::<StdinWrite>::from_request(req, &()).await.map_err(bad_request)?;
+        (w.data.into_bytes(), w.close)
+    };
     let process = daemon.processes.get(&id)?;
     let mut stdin = process.stdin.lock().await;
     let Some(pipe) = stdin.as_mut() else {
@@ -383,18 +435,50 @@ pub async fn write_stdin(
             "process `{id}` has no open stdin (start it with `stdin: true`; it may have been closed)"
         )));
     };
-    if !req.data.is_empty()
-        && let Err(e) = pipe.write_all(req.data.as_bytes()).await
+    if !data.is_empty()
+        && let Err(e) = pipe.write_all(&data).await
     {
         *stdin = None;
         process.stdin_open.store(false, Ordering::Relaxed);
         return Err(DaemonError::Conflict(format!("stdin of process `{id}` is closed: {e}")));
     }
-    if req.close {
-        *stdin = None;
-        process.stdin_open.store(false, Ordering::Relaxed);
+    if close {
+        if process.pty.is_some() {
+            // Closing a terminal's master would hang it up (SIGHUP): send end-of-file instead.
+            let _ = pipe.write_all(&[EOF_CHAR]).await;
+        } else {
+            *stdin = None;
+            process.stdin_open.store(false, Ordering::Relaxed);
+        }
     }
     drop(stdin);
+    Ok(Json(process.info()))
+}
+
+fn bad_request(e: BadRequest) -> DaemonError {
+    match e {
+        BadRequest::TooLarge { limit } => DaemonError::TooLarge { limit },
+        BadRequest::Invalid(m) => DaemonError::InvalidArgument(m),
+    }
+}
+
+/// `POST /v1/processes/{id}/resize`: a new size for the process's terminal.
+pub async fn resize(
+    State(daemon): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    ApiJson(size): ApiJson<ResizeRequest>,
+) -> DaemonResult<Json<ProcessInfo>> {
+    size.check().map_err(DaemonError::InvalidArgument)?;
+    let process = daemon.processes.get(&id)?;
+    let Some(pty) = &process.pty else {
+        return Err(DaemonError::Conflict(format!("process `{id}` has no terminal (start it with `pty`)")));
+    };
+    if process.exited() {
+        return Err(DaemonError::Conflict(format!("process `{id}` has already exited")));
+    }
+    sys::set_pty_size(pty.master.as_fd(), size.rows, size.cols)
+        .map_err(|e| DaemonError::Internal(format!("cannot resize the terminal of process `{id}`: {e}")))?;
+    *pty.size.lock().unwrap_or_else(PoisonError::into_inner) = size;
     Ok(Json(process.info()))
 }
 

@@ -5,7 +5,7 @@ use std::os::fd::OwnedFd;
 use std::process::Stdio;
 use std::time::Duration;
 
-use sandman_wire::daemon::{ExitStatus, StreamName};
+use sandman_wire::daemon::{ExitStatus, PtySize, StreamName};
 use tokio::io::AsyncReadExt;
 use tokio::net::unix::pipe;
 use tokio::sync::oneshot;
@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::children::Children;
 use crate::error::{DaemonError, DaemonResult};
 use crate::spawn::Launch;
-use crate::sys::Reaped;
+use crate::sys::{self, Reaped};
 use crate::tree;
 
 /// How long output is still read after the leader exits, for descendants that keep the pipes
@@ -28,40 +28,92 @@ const READ_CHUNK: usize = 64 * 1024;
 #[derive(Debug)]
 pub struct Started {
     pub pid: i32,
+    /// Its stdin: a pipe, or the terminal's master.
     pub stdin: Option<pipe::Sender>,
+    /// Its output: stdout's pipe, the one pipe of both streams, or the terminal's master.
     stdout: pipe::Receiver,
-    stderr: pipe::Receiver,
+    /// Its stderr's pipe, unless stderr goes where stdout goes.
+    stderr: Option<pipe::Receiver>,
+    /// The terminal's master, for resizing it, when it runs on one.
+    pub pty: Option<OwnedFd>,
     exit: oneshot::Receiver<Reaped>,
     started: Instant,
 }
 
-/// Starts `launch` with stdin from a pipe: kept open for the caller when `piped`, else closed at
-/// once so that the command reads end-of-file. (Not `/dev/null`: an image may have no `/dev`.)
-pub fn start(children: &Children, launch: &Launch, piped: bool) -> DaemonResult<Started> {
-    let mut cmd = launch.command(Stdio::piped());
-    let (mut child, exit) = children
-        .spawn(&mut cmd)
-        .map_err(|source| DaemonError::Spawn { program: launch.program().to_string(), source })?;
-    let pid = child.id() as i32;
-    fn convert<T>(pid: i32, res: std::io::Result<T>) -> DaemonResult<T> {
-        res.map_err(|e| DaemonError::Internal(format!("cannot watch the pipes of pid {pid}: {e}")))
-    }
-    let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) else {
-        tree::kill_tree(pid);
-        return Err(DaemonError::Internal("child has no output pipes".into()));
-    };
-    // Dropping the write end of an unwanted stdin closes it: the command reads end-of-file.
-    let stdin = match child.stdin.take().filter(|_| piped) {
-        Some(s) => {
-            Some(convert(pid, pipe::Sender::from_owned_fd(OwnedFd::from(s))).inspect_err(|_| tree::kill_tree(pid))?)
+/// Where a started process's stdin, stdout and stderr go.
+#[derive(Debug, Clone, Copy)]
+pub enum Io {
+    /// Pipes: stdin kept open for the caller when `stdin`, else closed at once so that the command
+    /// reads end-of-file (not `/dev/null`: an image may have no `/dev`); stdout and stderr on one
+    /// pipe when `merge`.
+    Pipes { stdin: bool, merge: bool },
+    /// A new pseudo-terminal of this size for all three.
+    Pty(PtySize),
+}
+
+fn watch_err<T>(pid: i32, res: std::io::Result<T>) -> DaemonResult<T> {
+    res.map_err(|e| DaemonError::Internal(format!("cannot watch the pipes of pid {pid}: {e}")))
+        .inspect_err(|_| tree::kill_tree(pid))
+}
+
+/// Starts `launch` with its stdin, stdout and stderr as `io` says.
+pub fn start(children: &Children, launch: &Launch, io: Io) -> DaemonResult<Started> {
+    let spawn_err = |source| DaemonError::Spawn { program: launch.program().to_string(), source };
+    match io {
+        Io::Pipes { stdin: piped, merge } => {
+            let mut cmd = launch.command(Stdio::piped());
+            let merged = if merge {
+                let (reader, writer) =
+                    std::io::pipe().map_err(|e| DaemonError::Internal(format!("cannot make an output pipe: {e}")))?;
+                let copy = writer.try_clone().map_err(|e| DaemonError::Internal(format!("cannot copy a pipe: {e}")))?;
+                cmd.stdout(copy).stderr(writer);
+                Some(reader)
+            } else {
+                None
+            };
+            let (mut child, exit) = children.spawn(&mut cmd).map_err(spawn_err)?;
+            // The command holds the write ends of a merged pipe: drop ours, or it never ends.
+            drop(cmd);
+            let pid = child.id() as i32;
+            // Dropping the write end of an unwanted stdin closes it: the command reads end-of-file.
+            let stdin = match child.stdin.take().filter(|_| piped) {
+                Some(s) => Some(watch_err(pid, pipe::Sender::from_owned_fd(OwnedFd::from(s)))?),
+                None => None,
+            };
+            let (stdout, stderr) = match (merged, child.stdout.take(), child.stderr.take()) {
+                (Some(both), _, _) => (watch_err(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(both)))?, None),
+                (None, Some(out), Some(err)) => (
+                    watch_err(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(out)))?,
+                    Some(watch_err(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(err)))?),
+                ),
+                _ => {
+                    tree::kill_tree(pid);
+                    return Err(DaemonError::Internal("child has no output pipes".into()));
+                }
+            };
+            Ok(Started { pid, stdin, stdout, stderr, pty: None, exit, started: Instant::now() })
         }
-        None => None,
-    };
-    let stdout =
-        convert(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(out))).inspect_err(|_| tree::kill_tree(pid))?;
-    let stderr =
-        convert(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(err))).inspect_err(|_| tree::kill_tree(pid))?;
-    Ok(Started { pid, stdin, stdout, stderr, exit, started: Instant::now() })
+        Io::Pty(size) => {
+            let (master, slave) = sys::open_pty(size.rows, size.cols).map_err(|e| {
+                DaemonError::Unavailable(format!(
+                    "cannot open a pseudo-terminal (/dev/ptmx): {e}; the sandbox needs /dev/ptmx and /dev/pts"
+                ))
+            })?;
+            let mut cmd = launch.command_on_pty(&slave).map_err(spawn_err)?;
+            let (child, exit) = children.spawn(&mut cmd).map_err(spawn_err)?;
+            // Only the command may hold the terminal's slave: the master reads end-of-file (EIO)
+            // once every process on it is gone.
+            drop(cmd);
+            drop(slave);
+            let pid = child.id() as i32;
+            let writer = watch_err(pid, master.try_clone())?;
+            let control = watch_err(pid, master.try_clone())?;
+            // The master is a terminal, not a FIFO; it was opened non-blocking, as these need.
+            let stdout = watch_err(pid, pipe::Receiver::from_owned_fd_unchecked(master))?;
+            let stdin = Some(watch_err(pid, pipe::Sender::from_owned_fd_unchecked(writer))?);
+            Ok(Started { pid, stdin, stdout, stderr: None, pty: Some(control), exit, started: Instant::now() })
+        }
+    }
 }
 
 /// Where a running tree's output goes.
@@ -98,7 +150,7 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
     let deadline = timeout.map(|t| started.started + t);
     let mut timed_out = false;
     let mut abandoned = false;
-    let (mut out_open, mut err_open) = (true, true);
+    let (mut out_open, mut err_open) = (true, started.stderr.is_some());
     let mut out_buf = vec![0u8; READ_CHUNK];
     let mut err_buf = vec![0u8; READ_CHUNK];
     let mut reaped: Option<Reaped> = None;
@@ -125,7 +177,7 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
                 }
                 _ => out_open = false,
             },
-            r = started.stderr.read(&mut err_buf), if err_open => match r {
+            r = read_some(started.stderr.as_mut(), &mut err_buf), if err_open => match r {
                 Ok(n) if n > 0 => {
                     if !abandoned && !sink.output(StreamName::Stderr, &err_buf[..n]).await {
                         abandoned = true;
@@ -158,6 +210,14 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
         timed_out,
         duration_ms: started.started.elapsed().as_millis() as u64,
         usage: reaped.usage,
+    }
+}
+
+/// Reads from `pipe`, or never when there is none.
+async fn read_some(pipe: Option<&mut pipe::Receiver>, buf: &mut [u8]) -> std::io::Result<usize> {
+    match pipe {
+        Some(p) => p.read(buf).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -28,8 +28,13 @@ use crate::tree;
 /// Output kept per stream and run when the request sets no `max_output_bytes`.
 pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 10 << 20;
 
-/// How long a timed-out command has, after SIGINT, to stop before the whole session is killed.
-const INTERRUPT_GRACE: Duration = Duration::from_secs(2);
+/// How long a timed-out command has, after SIGINT, to stop before what it started is SIGKILLed.
+const INTERRUPT_GRACE: Duration = Duration::from_secs(1);
+
+/// How long the shell has, once a timed-out command's processes were SIGKILLed, to print the
+/// run's markers. Only a command that runs in the shell itself (a loop of builtins) keeps it
+/// from them; that shell is then killed, as nothing else can stop it.
+const KILL_GRACE: Duration = Duration::from_secs(1);
 
 /// How long the end of a run is still awaited once the shell has exited or one of its pipes
 /// closed: the exit and the last output arrive by different paths, in either order.
@@ -162,9 +167,14 @@ impl Sessions {
         let cap = req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT_BYTES).try_into().unwrap_or(usize::MAX);
         let nonce = sys::random_hex();
         let started = Instant::now();
+        let timeout = req.timeout_ms.map(Duration::from_millis);
         let mut slot = RunSlot::begin(session, &nonce, cap)?;
-        let outcome =
-            slot.wait(run_script(&req.command, &nonce).as_bytes(), req.timeout_ms.map(Duration::from_millis)).await;
+        // What already runs in the session (background jobs of earlier runs) is spared when this
+        // run times out; looked up only when a timeout may come.
+        if timeout.is_some() {
+            slot.spared = tree::group_members(slot.session.pid);
+        }
+        let outcome = slot.wait(run_script(&req.command, &nonce, req.merge_output).as_bytes(), timeout).await;
         Ok(slot.finish(outcome, started))
     }
 
@@ -256,7 +266,7 @@ impl Session {
         // Refused only when the shell already ended, which the message below explains.
         let result = match RunSlot::begin(Arc::clone(self), &nonce, SETUP_OUTPUT_BYTES) {
             Ok(mut slot) => {
-                let outcome = slot.wait(run_script(SETUP_COMMAND, &nonce).as_bytes(), Some(SETUP_TIMEOUT)).await;
+                let outcome = slot.wait(run_script(SETUP_COMMAND, &nonce, false).as_bytes(), Some(SETUP_TIMEOUT)).await;
                 slot.finish(outcome, started)
             }
             Err(_) => SessionRunResult::default(),
@@ -448,6 +458,8 @@ struct RunSlot {
     sent: usize,
     script_len: usize,
     finished: bool,
+    /// Processes of the session that were there before the run (see [`tree::group_members`]).
+    spared: Vec<i32>,
 }
 
 /// How a run ended, before its output is collected.
@@ -460,13 +472,13 @@ struct Outcome {
 impl RunSlot {
     fn begin(session: Arc<Session>, nonce: &str, cap: usize) -> DaemonResult<RunSlot> {
         let stdin = session.shared.lock().begin_run(&session.id, nonce, cap)?;
-        Ok(RunSlot { session, stdin: Some(stdin), sent: 0, script_len: 0, finished: false })
+        Ok(RunSlot { session, stdin: Some(stdin), sent: 0, script_len: 0, finished: false, spared: Vec::new() })
     }
 
     /// Writes `script` and waits for both markers, the shell's end, or the timeout.
     async fn wait(&mut self, script: &[u8], timeout: Option<Duration>) -> Outcome {
         self.script_len = script.len();
-        let RunSlot { session, stdin, sent, .. } = self;
+        let RunSlot { session, stdin, sent, spared, .. } = self;
         let shared = &session.shared;
         let Some(stdin) = stdin.as_mut() else { return Outcome { exit_code: None, timed_out: false } };
         // Written while output is read: a large script and a chatty command must not wait on
@@ -484,6 +496,7 @@ impl RunSlot {
         let mut writing = true;
         let mut deadline = timeout.map(|t| Instant::now() + t);
         let mut timed_out = false;
+        let mut killed_below = false;
         let mut drain_until: Option<Instant> = None;
         let mut changed = shared.changed.subscribe();
         loop {
@@ -515,13 +528,24 @@ impl RunSlot {
                 // The sender lives in `shared`, which this run holds: this never fails.
                 _ = changed.changed() => {}
                 () = sleep_until(deadline) => {
-                    if timed_out {
-                        session.kill("a command timed out and did not stop on SIGINT, so the session was killed");
+                    if !timed_out {
+                        // First SIGINT, as Ctrl-C would: the shell traps it and carries on.
+                        timed_out = true;
+                        let _ = sys::kill_group(session.pid, sys::SIGINT);
+                        deadline = Some(Instant::now() + INTERRUPT_GRACE);
+                    } else if !killed_below {
+                        // Then SIGKILL to what the run started, never to the shell: the run ends
+                        // with the shell's markers and the session keeps its cwd and env.
+                        killed_below = true;
+                        tree::kill_group_members(session.pid, spared);
+                        deadline = Some(Instant::now() + KILL_GRACE);
+                    } else {
+                        session.kill(
+                            "a command timed out while running in the shell itself (a loop of builtins), which \
+                             only killing the shell stops",
+                        );
                         return Outcome { exit_code: None, timed_out };
                     }
-                    timed_out = true;
-                    let _ = sys::kill_group(session.pid, sys::SIGINT);
-                    deadline = Some(Instant::now() + INTERRUPT_GRACE);
                 }
                 () = sleep_until(drain_until) => {
                     let exit_code = shared.lock().exited.and_then(|e| e.code);
@@ -709,11 +733,12 @@ fn single_quote(s: &str) -> String {
 /// The script one run writes to the shell. `command eval` keeps the shell alive through a syntax
 /// error in the command, `</dev/null` keeps the command from reading the scripts that follow,
 /// and the markers print the status on stdout and end stderr, each after a newline of our own.
-fn run_script(command: &str, nonce: &str) -> String {
+fn run_script(command: &str, nonce: &str, merge: bool) -> String {
     format!(
-        "command eval {} </dev/null\n__sandman_rc=$?; printf '\\n%s %d\\n' '{nonce}' \"$__sandman_rc\"; \
+        "command eval {} </dev/null{}\n__sandman_rc=$?; printf '\\n%s %d\\n' '{nonce}' \"$__sandman_rc\"; \
          printf '\\n%s\\n' '{nonce}' >&2\n",
-        single_quote(command)
+        single_quote(command),
+        if merge { " 2>&1" } else { "" }
     )
 }
 
@@ -776,7 +801,7 @@ mod tests {
 
     #[test]
     fn the_script_evals_the_command_then_prints_both_markers() {
-        let script = run_script("echo 'a'", NONCE);
+        let script = run_script("echo 'a'", NONCE, false);
         assert_eq!(
             script,
             format!(
@@ -955,6 +980,9 @@ mod tests {
         let r = run_ok(sessions, &id, cmd("pwd; echo \"$FOO\"; greet 'o'\\''brien'; echo err >&2; false")).await;
         assert_eq!(r.stdout, "/tmp\nbar\nhi o'brien\n");
         assert_eq!((r.stderr.as_str(), r.exit_code, r.timed_out), ("err\n", Some(1), false));
+        let merged = SessionRun { merge_output: true, ..cmd("echo a; echo b >&2; echo c; greet x >&2") };
+        let r = run_ok(sessions, &id, merged).await;
+        assert_eq!((r.stdout.as_str(), r.stderr.as_str(), r.exit_code), ("a\nb\nc\nhi x\n", "", Some(0)));
 
         let r = run_ok(sessions, &id, cmd("printf 'no newline'; printf '\\n%s 0\\n' 0123456789abcdef0123456789abcdef"))
             .await;
@@ -1033,6 +1061,17 @@ mod tests {
         let r = run_ok(sessions, &id, SessionRun { timeout_ms: Some(1000), ..cmd("echo before; sleep 30") }).await;
         assert_eq!((r.stdout.as_str(), r.exit_code, r.timed_out), ("before\n", Some(130), true));
         assert!(sessions.list().iter().any(|s| s.id == id && s.alive));
+
+        // A command that ignores SIGINT is SIGKILLed, the shell kept with its cwd and env, and a
+        // background job of an earlier run spared (regression: the session was killed).
+        let r = run_ok(sessions, &id, cmd("cd /tmp; export KEEP=kept; sleep 300 & echo $!")).await;
+        let background: i32 = r.stdout.trim().parse().unwrap_or_else(|e| panic!("{e}: {r:?}"));
+        let stubborn = "sh -c 'trap \"\" INT; echo ready; exec sleep 30'";
+        let r = run_ok(sessions, &id, SessionRun { timeout_ms: Some(300), ..cmd(stubborn) }).await;
+        assert_eq!((r.stdout.as_str(), r.exit_code, r.timed_out), ("ready\n", Some(137), true));
+        let r = run_ok(sessions, &id, cmd(&format!("echo \"$PWD $KEEP\"; kill -0 {background} && echo spared"))).await;
+        assert_eq!(r.stdout, "/tmp kept\nspared\n");
+        let _ = sys::kill_pid(background, sys::SIGKILL);
 
         // A loop of builtins runs in the shell itself, which SIGINT (trapped) does not stop.
         let r =

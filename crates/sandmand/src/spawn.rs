@@ -2,12 +2,13 @@
 //! process group, a clean environment (never the daemon's token), and the user's ids.
 
 use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::sys::Rlimits;
+use crate::sys::{ChildSetup, Rlimits};
 
 /// PATH used when neither the sandbox nor the request sets one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -136,20 +137,28 @@ impl Launch {
 
     /// A `Command` in a new process group, with stdout and stderr piped and the given stdin.
     pub fn command(&self, stdin: Stdio) -> Command {
+        let mut cmd = self.base();
+        cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        crate::sys::set_child_setup_on_exec(&mut cmd, ChildSetup { rlimits: self.rlimits, controlling_tty: false });
+        cmd
+    }
+
+    /// A `Command` whose stdin, stdout and stderr are the terminal `slave`, in a session of its
+    /// own (so also a process group of its own) with that terminal as its controlling terminal.
+    pub fn command_on_pty(&self, slave: &OwnedFd) -> std::io::Result<Command> {
+        let mut cmd = self.base();
+        cmd.stdin(slave.try_clone()?).stdout(slave.try_clone()?).stderr(slave.try_clone()?);
+        crate::sys::set_child_setup_on_exec(&mut cmd, ChildSetup { rlimits: self.rlimits, controlling_tty: true });
+        Ok(cmd)
+    }
+
+    fn base(&self) -> Command {
         let mut cmd = Command::new(&self.argv[0]);
-        cmd.args(&self.argv[1..])
-            .env_clear()
-            .envs(&self.env)
-            .current_dir(&self.cwd)
-            .stdin(stdin)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+        cmd.args(&self.argv[1..]).env_clear().envs(&self.env).current_dir(&self.cwd);
         if let Some(u) = &self.user {
             // std clears the supplementary groups (setgroups(0)) when root sets a uid.
             cmd.uid(u.uid).gid(u.gid);
         }
-        crate::sys::set_rlimits_on_exec(&mut cmd, self.rlimits);
         cmd
     }
 

@@ -405,6 +405,118 @@ pub fn loopback_up() -> io::Result<()> {
     Ok(())
 }
 
+/// What every child does between fork and exec, whatever the daemon inherited: default signal
+/// dispositions and an empty signal mask (a daemon started by `cmd &` inherits SIGINT and SIGQUIT
+/// ignored, and ignored signals survive exec), on a terminal a session of its own with that
+/// terminal as its controlling one, and the `--rlimit-*` limits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChildSetup {
+    pub rlimits: Rlimits,
+    /// Start a new session (`setsid`) and make stdin, a terminal, its controlling terminal.
+    pub controlling_tty: bool,
+}
+
+/// Makes `cmd` run `setup` in the child just before it execs.
+pub fn set_child_setup_on_exec(cmd: &mut Command, setup: ChildSetup) {
+    // SAFETY: the closure runs in the forked child before exec; it only calls sigprocmask,
+    // sigaction, setsid, ioctl, getrlimit and setrlimit, which are async-signal-safe, and
+    // allocates nothing (an OS error is a plain code).
+    unsafe {
+        cmd.pre_exec(move || {
+            reset_signals();
+            if setup.controlling_tty {
+                if libc::setsid() < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            apply_rlimits(setup.rlimits)
+        });
+    }
+}
+
+/// Empties the signal mask and sets every signal's disposition to its default. Handlers are reset
+/// by exec anyway; ignored signals are not. The raw system call reaches the two real-time signals
+/// the C library keeps for itself (and refuses through `sigaction`), which can be inherited
+/// ignored too.
+fn reset_signals() {
+    // The kernel's `struct sigaction` with SIG_DFL (0), no flags, no restorer, an empty mask.
+    let default = [0u64; 4];
+    // SAFETY: an all-zero `sigset_t` is a valid value; every pointer is to a live local, and
+    // rt_sigaction reads `default` as the kernel's sigaction (handler, flags, restorer, 8-byte
+    // mask), whose every field is zero for SIG_DFL.
+    unsafe {
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+        for sig in 1..65 {
+            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                libc::syscall(libc::SYS_rt_sigaction, sig, default.as_ptr(), std::ptr::null_mut::<u64>(), 8usize);
+            }
+        }
+    }
+}
+
+/// Opens a new pseudo-terminal of `rows` × `cols`: the master (non-blocking, close-on-exec) and
+/// the slave (close-on-exec; the child gets its own copies as stdin, stdout and stderr). Opens
+/// `/dev/ptmx`, else `/dev/pts/ptmx`; the slave comes from `TIOCGPTPEER` where the kernel has it
+/// (no path lookup), else from `/dev/pts/N`.
+pub fn open_pty(rows: u16, cols: u16) -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC | libc::O_NONBLOCK;
+    let mut master = None;
+    let mut last = io::Error::from(io::ErrorKind::NotFound);
+    for path in [c"/dev/ptmx", c"/dev/pts/ptmx"] {
+        // SAFETY: the path is a NUL-terminated literal; `open` takes no other pointer.
+        let fd = unsafe { libc::open(path.as_ptr(), flags) };
+        if fd >= 0 {
+            // SAFETY: `fd` was just opened and is owned by nothing else.
+            master = Some(unsafe { OwnedFd::from_raw_fd(fd) });
+            break;
+        }
+        last = io::Error::last_os_error();
+    }
+    let master = master.ok_or(last)?;
+    let unlock: libc::c_int = 0;
+    // SAFETY: TIOCSPTLCK reads one int from the live local.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK as _, &unlock) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    set_pty_size(master.as_fd(), rows, cols)?;
+    let peer_flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
+    // SAFETY: TIOCGPTPEER takes open flags by value and returns a new descriptor.
+    let fd = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER as _, peer_flags) };
+    if fd >= 0 {
+        // SAFETY: `fd` was just returned by the kernel and is owned by nothing else.
+        return Ok((master, unsafe { OwnedFd::from_raw_fd(fd) }));
+    }
+    let mut n: libc::c_uint = 0;
+    // SAFETY: TIOCGPTN writes one unsigned int into the live local.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTN as _, &mut n) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let path = CString::new(format!("/dev/pts/{n}")).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `path` is a live NUL-terminated string.
+    let fd = unsafe { libc::open(path.as_ptr(), peer_flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and is owned by nothing else.
+    Ok((master, unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// Sets a terminal's size; the kernel sends SIGWINCH to its foreground process group.
+pub fn set_pty_size(fd: BorrowedFd<'_>, rows: u16, cols: u16) -> io::Result<()> {
+    let size = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    // SAFETY: TIOCSWINSZ reads one `winsize` from the live local.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ as _, &size) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 pub const SIGKILL: i32 = libc::SIGKILL;
 pub const SIGTERM: i32 = libc::SIGTERM;
 pub const SIGINT: i32 = libc::SIGINT;

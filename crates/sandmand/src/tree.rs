@@ -5,32 +5,70 @@ use std::collections::HashMap;
 
 use crate::sys;
 
-/// pid → parent pid of every process visible in `/proc`. Empty when `/proc` is not mounted.
-fn parents() -> HashMap<i32, i32> {
+/// pid → (parent pid, process group) of every process visible in `/proc`. Empty when `/proc`
+/// is not mounted.
+fn processes() -> HashMap<i32, (i32, i32)> {
     let mut map = HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else { return map };
     for entry in dir.flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        if let Some(ppid) = parse_ppid(&stat) {
-            map.insert(pid, ppid);
+        if let Some(ids) = parse_ids(&stat) {
+            map.insert(pid, ids);
         }
     }
     map
 }
 
-/// The parent pid from a `/proc/PID/stat` line. The command name may hold spaces and
-/// parentheses, so fields are counted from the last `)`.
-fn parse_ppid(stat: &str) -> Option<i32> {
+fn parents() -> HashMap<i32, i32> {
+    processes().into_iter().map(|(pid, (ppid, _))| (pid, ppid)).collect()
+}
+
+/// The parent pid and process group from a `/proc/PID/stat` line. The command name may hold
+/// spaces and parentheses, so fields are counted from the last `)`.
+fn parse_ids(stat: &str) -> Option<(i32, i32)> {
     let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    let mut fields = rest.split_whitespace().skip(1);
+    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+}
+
+#[cfg(test)]
+fn parse_ppid(stat: &str) -> Option<i32> {
+    parse_ids(stat).map(|(ppid, _)| ppid)
+}
+
+/// Every process of the group `leader` leads and every descendant of `leader`, but `leader`
+/// itself: what a shell session has started.
+pub fn group_members(leader: i32) -> Vec<i32> {
+    let all = processes();
+    let below = descendants_in(&all.iter().map(|(&pid, &(ppid, _))| (pid, ppid)).collect(), leader);
+    let mut out: Vec<i32> =
+        all.iter().filter(|&(&pid, &(_, pgrp))| pgrp == leader && pid != leader).map(|(&p, _)| p).collect();
+    for pid in below {
+        if !out.contains(&pid) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// SIGKILLs every [`group_members`] of `leader` but those in `spared`; never `leader`.
+pub fn kill_group_members(leader: i32, spared: &[i32]) {
+    for pid in group_members(leader) {
+        if !spared.contains(&pid) {
+            let _ = sys::kill_pid(pid, sys::SIGKILL);
+        }
+    }
 }
 
 /// Every descendant of `root` (not `root` itself).
 pub fn descendants(root: i32) -> Vec<i32> {
-    let parents = parents();
+    descendants_in(&parents(), root)
+}
+
+fn descendants_in(parents: &HashMap<i32, i32>, root: i32) -> Vec<i32> {
     let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
-    for (&pid, &ppid) in &parents {
+    for (&pid, &ppid) in parents {
         children.entry(ppid).or_default().push(pid);
     }
     let mut out = Vec::new();

@@ -233,3 +233,45 @@ async fn an_exec_whose_client_leaves_is_killed() {
     let _ = call.await;
     assert!(eventually(Duration::from_secs(5), || !alive(pid)).await, "command {pid} outlived its client");
 }
+
+#[tokio::test]
+async fn merged_output_keeps_the_order_written_on_one_stream() {
+    let d = Daemon::start().await;
+    let script = "for i in 1 2 3; do echo out$i; echo err$i >&2; done";
+    let r = d.exec(json!({"command": script, "merge_output": true})).await;
+    assert_eq!(r["stdout"], "out1\nerr1\nout2\nerr2\nout3\nerr3\n");
+    assert_eq!(r["stderr"], "");
+    let apart = d.exec(json!({"command": script})).await;
+    assert_eq!(
+        (apart["stdout"].as_str(), apart["stderr"].as_str()),
+        (Some("out1\nout2\nout3\n"), Some("err1\nerr2\nerr3\n"))
+    );
+
+    let streamed = d.json("POST", "/v1/exec/stream", json!({"command": script, "merge_output": true})).await.lines();
+    let text: String =
+        streamed.iter().filter(|e| e["event"] == "stdout").map(|e| e["data"].as_str().unwrap()).collect();
+    assert_eq!(text, "out1\nerr1\nout2\nerr2\nout3\nerr3\n");
+    assert!(streamed.iter().all(|e| e["event"] != "stderr"));
+
+    let p = d.json("POST", "/v1/processes", json!({"command": script, "merge_output": true, "tag": "m"})).await;
+    assert_eq!(p.status, 201, "{}", p.text());
+    d.json("POST", "/v1/processes/m/wait", json!({})).await;
+    assert_eq!(d.get("/v1/processes/m/output").await.json()["data"], "out1\nerr1\nout2\nerr2\nout3\nerr3\n");
+    assert_eq!(d.get("/v1/processes/m").await.json()["stderr_bytes"], 0);
+}
+
+/// A daemon started from a shell's background job (`sandmand &`) inherits SIGINT and SIGQUIT
+/// ignored; its commands must not (regression: interrupts did nothing in any sandbox).
+#[tokio::test]
+async fn commands_start_with_default_signals_whatever_the_daemon_inherited() {
+    let d = Daemon::start_with(&[], Some(&["sh", "-c", "trap '' INT QUIT HUP TERM USR1; exec \"$0\" \"$@\""])).await;
+    let daemon_ignores = std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap();
+    assert!(daemon_ignores.lines().any(|l| l.starts_with("SigIgn:") && !l.ends_with("0000000000000000")));
+    let r = d.exec(json!({"argv": ["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"]})).await;
+    assert_eq!(r["stdout"], "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n");
+    let p = d.json("POST", "/v1/processes", json!({"argv": ["sleep", "30"], "tag": "s"})).await;
+    assert_eq!(p.status, 201);
+    d.json("POST", "/v1/processes/s/signal", json!({"signal": "INT"})).await;
+    let waited = d.json("POST", "/v1/processes/s/wait", json!({"timeout_ms": 10000})).await.json();
+    assert_eq!(waited["exit"]["signal"], 2, "{waited}");
+}

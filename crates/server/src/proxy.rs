@@ -2,7 +2,8 @@
 //! token. Bodies stream both ways; nothing is buffered whole, but for one case: the JSON body
 //! of a call that starts a command (exec, a process, a session) on a sandbox claimed from a
 //! warm pool with an environment of its own, which is read (up to the JSON limit) to merge
-//! that environment into its `env`.
+//! that environment into its `env`. An HTTP/1.1 upgrade (a WebSocket to a port in the sandbox,
+//! `…/ports/{port}/…`) is passed on, and once the daemon answers 101 both connections are spliced.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,9 +30,11 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 pub async fn forward(
     State(service): State<Arc<Service>>,
     Path((id, rest)): Path<(String, String)>,
-    req: Request,
+    mut req: Request,
 ) -> ServerResult<Response> {
     let target = service.call_target(&id)?;
+    let upgrade = is_upgrade(req.headers());
+    let inbound = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (endpoint, token) = (target.endpoint, target.token);
     service.metrics.proxied.inc();
     let path_and_query = match req.uri().query() {
@@ -72,18 +75,56 @@ pub async fn forward(
         if let Ok(v) = format!("Bearer {token}").parse() {
             headers.insert(header::AUTHORIZATION, v);
         }
+        if upgrade {
+            keep_upgrade(&parts.headers, headers);
+        }
     }
     let out = out.body(body).map_err(|e| ServerError::Internal(format!("cannot build the daemon request: {e}")))?;
-    let resp = service
+    let mut resp = service
         .daemons
         .request(out)
         .await
         .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {e}")))?;
+    let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(inbound)) = (switching, inbound) {
+        let outbound = hyper::upgrade::on(&mut resp);
+        // Owned by the service's tracker; it ends when either side closes.
+        service.tasks.spawn(async move {
+            let (Ok(client), Ok(daemon)) = (inbound.await, outbound.await) else { return };
+            let _ = tokio::io::copy_bidirectional(
+                &mut hyper_util::rt::TokioIo::new(client),
+                &mut hyper_util::rt::TokioIo::new(daemon),
+            )
+            .await;
+        });
+    }
     let (mut parts, body) = resp.into_parts();
+    let kept = parts.headers.clone();
     for h in HOP_BY_HOP {
         parts.headers.remove(h);
     }
+    if switching {
+        keep_upgrade(&kept, &mut parts.headers);
+    }
     Ok(Response::from_parts(parts, Body::new(body)).into_response())
+}
+
+/// Whether a request asks to switch protocols (`Connection: upgrade` with `Upgrade`).
+fn is_upgrade(headers: &http::HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+}
+
+/// Puts back `Connection: upgrade` and `Upgrade`, which an upgrade carries across each hop.
+fn keep_upgrade(from: &http::HeaderMap, to: &mut http::HeaderMap) {
+    to.insert(header::CONNECTION, http::HeaderValue::from_static("upgrade"));
+    if let Some(u) = from.get(header::UPGRADE) {
+        to.insert(header::UPGRADE, u.clone());
+    }
 }
 
 /// The daemon calls whose JSON body has an `env` for the command they start.

@@ -79,6 +79,53 @@ pub struct ExecRequest {
     /// Keep at most this many bytes of each of stdout and stderr.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_output_bytes: Option<u64>,
+    /// Give stdout and stderr one pipe, so that they interleave as a terminal shows them, in the
+    /// order written: all of it is reported as stdout, and stderr is empty.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub merge_output: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// The size of a pseudo-terminal, in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    /// 1 to 1000.
+    pub rows: u16,
+    /// 1 to 1000.
+    pub cols: u16,
+}
+
+impl PtySize {
+    /// Largest rows or cols accepted.
+    pub const MAX: u16 = 1000;
+
+    /// Refuses a size outside `1..=MAX`, naming it.
+    pub fn check(&self) -> Result<(), String> {
+        if (1..=Self::MAX).contains(&self.rows) && (1..=Self::MAX).contains(&self.cols) {
+            Ok(())
+        } else {
+            Err(format!("a terminal of {} rows and {} cols is out of range (1 to {})", self.rows, self.cols, Self::MAX))
+        }
+    }
+}
+
+/// `POST /v1/processes/{id}/resize`: the new size of a process's terminal.
+pub type ResizeRequest = PtySize;
+
+/// Query of `POST /v1/processes/{id}/stdin` when its body is raw bytes
+/// (`Content-Type: application/octet-stream`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct StdinQuery {
+    /// Close stdin after writing (for a terminal: send end-of-file, Ctrl-D).
+    #[serde(default)]
+    pub close: bool,
 }
 
 /// Resource usage of a finished process tree, from `wait4`.
@@ -169,6 +216,14 @@ pub struct StartProcess {
     /// Kill the process tree after this long.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// One pipe for stdout and stderr, reported as stdout, in the order written.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub merge_output: bool,
+    /// Run the process on a new pseudo-terminal of this size, as its controlling terminal and
+    /// its stdin, stdout and stderr: its output is one stream (`stdout`), its input is written
+    /// with `/stdin` (always open), and `/resize` changes the size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -198,6 +253,9 @@ pub struct ProcessInfo {
     pub stdout_bytes: u64,
     pub stderr_bytes: u64,
     pub stdin_open: bool,
+    /// The terminal's size, for a process started with `pty`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
 }
 
 /// `GET /v1/processes`.
@@ -350,11 +408,15 @@ pub struct SessionList {
 #[serde(deny_unknown_fields)]
 pub struct SessionRun {
     pub command: String,
-    /// Interrupt the command after this long; if it does not stop, the session is killed.
+    /// Interrupt the command after this long (SIGINT, then SIGKILL to what it started); the
+    /// shell stays, with its cwd and environment, and the run answers `timed_out`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_output_bytes: Option<u64>,
+    /// The command's stderr goes to its stdout (one pipe, order kept); `stderr` is empty.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub merge_output: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

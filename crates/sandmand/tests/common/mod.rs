@@ -180,8 +180,20 @@ pub enum Body {
     Empty,
     Json(Value),
     Bytes(Vec<u8>),
+    /// Raw bytes sent as `application/octet-stream`.
+    Octets(Vec<u8>),
     /// Sent chunk by chunk, never whole.
     Chunks(Box<dyn Iterator<Item = Bytes> + Send>),
+}
+
+impl Body {
+    /// These bytes, sent as `application/octet-stream`.
+    pub fn octet_stream(self) -> Body {
+        match self {
+            Body::Bytes(b) => Body::Octets(b),
+            other => other,
+        }
+    }
 }
 
 pub struct Conn {
@@ -216,6 +228,10 @@ impl Conn {
                 Full::new(Bytes::from(serde_json::to_vec(&v).unwrap())).map_err(|e| match e {}).boxed_unsync()
             }
             Body::Bytes(b) => Full::new(Bytes::from(b)).map_err(|e| match e {}).boxed_unsync(),
+            Body::Octets(b) => {
+                req = req.header("content-type", "application/octet-stream");
+                Full::new(Bytes::from(b)).map_err(|e| match e {}).boxed_unsync()
+            }
             Body::Chunks(it) => {
                 let stream = futures_util::stream::iter(it.map(|b| Ok::<_, std::io::Error>(Frame::data(b))));
                 StreamBody::new(stream).boxed_unsync()
