@@ -41,6 +41,7 @@ refused with an error saying so.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import io
 import logging
 import os
@@ -67,6 +68,7 @@ from harbor.utils.path_filter import filter_paths_by_patterns
 from pydantic import Field
 
 from .. import AsyncSandbox, AsyncSandman, SandmanError
+from ._pty import resize, start_on_terminal
 
 __all__ = ["SandmanEnvironment", "SandmanOptions"]
 
@@ -336,6 +338,75 @@ class SandmanEnvironment(BaseEnvironment):
         if status.timed_out:
             raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
         return ExecResult(stdout=stdout or None, stderr=stderr or None, return_code=_return_code(status))
+
+    # ---- an interactive shell ----
+
+    async def attach(self) -> None:
+        """An interactive `bash` in the sandbox on this terminal (`harbor task start-env -i`),
+        until it exits: keystrokes go to a terminal in the sandbox, its screen comes back, and
+        a resized window resizes it. As the environment's default user, in its workdir."""
+        import signal
+        import sys
+        import termios
+        import tty
+
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd):
+            raise RuntimeError("attaching to the sandbox needs a terminal on stdin")
+        # The terminal's own size (shutil's would prefer $COLUMNS and $LINES).
+        cols, rows = os.get_terminal_size(fd)
+        user = self._resolve_user(None)
+        env = {**(self._merge_env(None) or {}), "TERM": os.environ.get("TERM", "xterm-256color")}
+        process = await start_on_terminal(
+            self.sandbox,
+            [self.options.shell[0]] if self.options.shell else ["bash"],
+            rows=rows,
+            cols=cols,
+            env=env,
+            cwd=self.task_env_config.workdir or None,
+            user=None if user is None else str(user),
+        )
+        loop = asyncio.get_running_loop()
+        keys: "asyncio.Queue[bytes]" = asyncio.Queue()
+        loop.add_reader(fd, lambda: keys.put_nowait(os.read(fd, 4096)))
+
+        resizes: "set[asyncio.Future[None]]" = set()
+
+        def resized(task: "asyncio.Future[None]") -> None:
+            resizes.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self.logger.warning(f"could not resize the sandbox's terminal: {task.exception()}")
+
+        def on_resize() -> None:
+            c, r = os.get_terminal_size(fd)
+            task = asyncio.ensure_future(resize(process, r, c))
+            resizes.add(task)
+            task.add_done_callback(resized)
+
+        loop.add_signal_handler(signal.SIGWINCH, on_resize)
+        saved = termios.tcgetattr(fd)
+        tty.setraw(fd)
+
+        async def forward_keys() -> None:
+            # A read may end inside a character: decode incrementally.
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            while True:
+                text = decoder.decode(await keys.get())
+                if text:
+                    await process.write_stdin(text)
+
+        typing = asyncio.ensure_future(forward_keys())
+        try:
+            async with process.follow() as screen:
+                async for ev in screen:
+                    if ev.type == "data":
+                        os.write(sys.stdout.fileno(), ev.data.encode("utf-8"))
+        finally:
+            typing.cancel()
+            loop.remove_reader(fd)
+            loop.remove_signal_handler(signal.SIGWINCH)
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+            await process.kill()
 
     # ---- files ----
 
