@@ -102,3 +102,23 @@ def test_what_it_refuses(tmp_path: Path, server: Server, image: str) -> None:
     os.remove(tmp_path / "environment" / "docker-compose.yaml")
     with pytest.raises(ValueError, match="Unknown option 'no_such_option'"):
         make(tmp_path, server, image, no_such_option=1)
+
+
+def test_cpus_and_memory_are_the_sandboxs_limits(tmp_path: Path, server: Server, image: str) -> None:
+    config = EnvironmentConfig(docker_image=image, cpus=0.5, memory_mb=256)
+    env = make(tmp_path, server, image, task_env_config=config)
+
+    async def scenario() -> None:
+        await env.start(force_build=False)
+        try:
+            with server.client() as c:
+                assert c.get(env.sandbox.id).resources == {"cpu": 0.5, "memory": "256Mi"}
+            # what the kernel enforces, seen from inside (cgroup v2, else v1)
+            r = await env.exec(
+                "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+            )
+            assert r.stdout == f"{256 << 20}\n", r
+        finally:
+            await env.stop(delete=True)
+
+    asyncio.run(scenario())
