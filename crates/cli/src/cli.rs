@@ -135,6 +135,10 @@ pub struct SandboxFlags {
     /// Give up waiting for readiness after this many seconds [default: the server's]
     #[arg(long, value_name = "SECS")]
     pub wait_timeout: Option<u64>,
+    /// The user every command in the sandbox runs as unless it names one (a name or
+    /// `uid[:gid]`); on the docker provider the image's USER is the default without it.
+    #[arg(long, value_name = "USER")]
+    pub default_user: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

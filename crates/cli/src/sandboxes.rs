@@ -33,6 +33,7 @@ pub fn create_request(image: &str, flags: &SandboxFlags, wait: bool) -> CreateSa
         idempotency_key: flags.idempotency_key.clone(),
         wait,
         wait_timeout_s: flags.wait_timeout,
+        user: flags.default_user.clone(),
     }
 }
 
@@ -121,6 +122,9 @@ fn describe(sb: &Sandbox, now: u64) -> String {
     }
     fields.push(("profile", format::json_word(&sb.profile)));
     fields.push(("network", format::json_word(&sb.network)));
+    if let Some(user) = &sb.user {
+        fields.push(("user", user.clone()));
+    }
     let resources = resources(&sb.resources);
     if !resources.is_empty() {
         fields.push(("resources", resources));
@@ -310,6 +314,8 @@ mod tests {
             idle_expires_at_ms: None,
             ttl_expires_at_ms: None,
             lease_s: 60,
+            user: None,
+            image_config: None,
         }
     }
 

@@ -177,3 +177,63 @@ fn serve_refuses_a_dynamic_daemon_for_docker_and_says_how_to_build_the_static_on
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("dynamically linked") && stderr.contains("./scripts/build-daemon"), "{stderr}");
 }
+
+const BUSYBOX_USER: &str = "sandman-test/busybox-user:latest";
+
+/// Harbor's docker backend runs as the image's `USER`: so does a docker sandbox, unless its
+/// create names another user; the image's config is in the sandbox's info either way. A terminal
+/// works in a container (its `/dev/pts`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_images_user_is_the_default_and_its_config_is_shown() {
+    require_docker();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let state = dir.path().join("state");
+    let _cleanup = Cleanup(state.clone());
+    let server = start(&state);
+    let http = server.client();
+
+    let sb = http.create(json!({"image": BUSYBOX_USER})).await;
+    let id = sb["id"].as_str().unwrap().to_string();
+    assert_eq!(sb["user"], "nobody", "{sb}");
+    let config = &sb["image_config"];
+    assert_eq!((config["user"].as_str(), config["workdir"].as_str()), (Some("nobody"), Some("/work")), "{sb}");
+    assert_eq!(config["env"]["FROM_IMAGE"], "busybox");
+    assert_eq!(config["cmd"], json!(["sh"]));
+    assert_eq!(http.get(&format!("/v1/sandboxes/{id}")).await.ok()["user"], "nobody");
+    let out = http.exec(&id, json!({"argv": ["id", "-u"]})).await;
+    assert_eq!(out["stdout"], "65534\n", "{out}");
+    let root = http.exec(&id, json!({"argv": ["id", "-u"], "user": "0"})).await;
+    assert_eq!(root["stdout"], "0\n", "a call's own user wins: {root}");
+    let session = http.post(&format!("/v1/sandboxes/{id}/sessions"), json!({})).await.ok();
+    let sid = session["id"].as_str().unwrap();
+    let r = http.post(&format!("/v1/sandboxes/{id}/sessions/{sid}/run"), json!({"command": "id -u"})).await.ok();
+    assert_eq!(r["stdout"], "65534\n", "{r}");
+
+    // A terminal in the container.
+    let p = http
+        .post(
+            &format!("/v1/sandboxes/{id}/processes"),
+            json!({"argv": ["sh"], "pty": {"rows": 30, "cols": 90}, "tag": "t"}),
+        )
+        .await
+        .ok();
+    assert_eq!(p["pty"], json!({"rows": 30, "cols": 90}));
+    http.post(&format!("/v1/sandboxes/{id}/processes/t/stdin"), json!({"data": "stty size; tty; exit 4\n"})).await.ok();
+    let waited = http.post(&format!("/v1/sandboxes/{id}/processes/t/wait"), json!({"timeout_ms": 20000})).await.ok();
+    assert_eq!(waited["exit"]["exit_code"], 4, "{waited}");
+    let out = http.get(&format!("/v1/sandboxes/{id}/processes/t/output")).await.ok();
+    let text = out["data"].as_str().unwrap();
+    assert!(text.contains("30 90\r\n") && text.contains("/dev/pts/"), "{text:?}");
+
+    let named = http.create(json!({"image": BUSYBOX_USER, "user": "root"})).await;
+    let named_id = named["id"].as_str().unwrap().to_string();
+    assert_eq!(named["user"], "root");
+    assert_eq!(http.exec(&named_id, json!({"argv": ["id", "-u"]})).await["stdout"], "0\n");
+
+    // An image with no USER runs as root, as before, with no default user shown.
+    let plain = http.create(json!({"image": BUSYBOX})).await;
+    assert!(plain.get("user").is_none() || plain["user"] == "root", "{plain}");
+    for sandbox in [id, named_id, plain["id"].as_str().unwrap().to_string()] {
+        http.release(&sandbox).await;
+    }
+}

@@ -420,3 +420,27 @@ async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_include
     }
     http.release(&id).await;
 }
+
+/// A create's `user` is the default of every command of the sandbox that names none.
+#[tokio::test]
+async fn a_creates_user_runs_every_command_that_names_none() {
+    let server = Server::start();
+    let http = server.client();
+    let sb = http.create(json!({"image": "host", "user": "65534"})).await;
+    assert_eq!((sb["user"].as_str(), sb.get("image_config")), (Some("65534"), None), "{sb}");
+    let id = sb["id"].as_str().unwrap().to_string();
+    assert_eq!(http.exec(&id, json!({"argv": ["id", "-u"]})).await["stdout"], "65534\n");
+    assert_eq!(http.exec(&id, json!({"argv": ["id", "-u"], "user": "0"})).await["stdout"], "0\n");
+    http.post(&format!("/v1/sandboxes/{id}/processes"), json!({"argv": ["id", "-u"], "tag": "p"})).await.ok();
+    http.post(&format!("/v1/sandboxes/{id}/processes/p/wait"), json!({})).await.ok();
+    assert_eq!(output_with(&http, &id, "p", "\n").await, "65534\n");
+    let s = http.post(&format!("/v1/sandboxes/{id}/sessions"), json!({})).await.ok();
+    let r = http
+        .post(&format!("/v1/sandboxes/{id}/sessions/{}/run", s["id"].as_str().unwrap()), json!({"command": "id -u"}))
+        .await
+        .ok();
+    assert_eq!(r["stdout"], "65534\n");
+    let bad = http.post("/v1/sandboxes", json!({"image": "host", "user": "a b"})).await;
+    bad.error(400, "invalid_argument");
+    http.release(&id).await;
+}

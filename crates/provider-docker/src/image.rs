@@ -47,6 +47,25 @@ impl Pinned {
     }
 }
 
+/// What the sandbox's info shows of an image's configuration; empty strings and lists are "not
+/// set".
+pub fn config_of(c: &ImageConfig) -> sandman_wire::server::ImageConfig {
+    let text = |s: &Option<String>| s.clone().filter(|s| !s.is_empty());
+    let list = |l: &Option<Vec<String>>| l.clone().filter(|l| !l.is_empty());
+    sandman_wire::server::ImageConfig {
+        user: text(&c.user),
+        workdir: text(&c.working_dir),
+        env: c
+            .env
+            .iter()
+            .flatten()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+            .collect(),
+        entrypoint: list(&c.entrypoint),
+        cmd: list(&c.cmd),
+    }
+}
+
 /// The image `image` names now, pulling it first when it is not on this engine.
 pub async fn ensure(
     docker: &Docker,
@@ -193,6 +212,24 @@ pub fn split_tag(image: &str) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_images_config_is_shown_with_unset_fields_left_out() {
+        let c = ImageConfig {
+            user: Some("agent:agent".into()),
+            working_dir: Some(String::new()),
+            env: Some(vec!["PATH=/usr/bin".into(), "EMPTY=".into(), "A=b=c".into()]),
+            entrypoint: Some(vec![]),
+            cmd: Some(vec!["python3".into(), "-m".into(), "app".into()]),
+            ..Default::default()
+        };
+        let w = config_of(&c);
+        assert_eq!(w.user.as_deref(), Some("agent:agent"));
+        assert_eq!((w.workdir, w.entrypoint), (None, None));
+        assert_eq!(w.env.get("A").map(String::as_str), Some("b=c"));
+        assert_eq!(w.env.get("EMPTY").map(String::as_str), Some(""));
+        assert_eq!(w.cmd, Some(vec!["python3".to_string(), "-m".into(), "app".into()]));
+    }
 
     #[test]
     fn a_reference_without_a_tag_means_latest_and_registry_ports_are_not_tags() {

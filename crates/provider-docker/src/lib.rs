@@ -518,6 +518,31 @@ impl Provider for DockerProvider {
         };
         Ok(container::applied_of(&found, &digests, self.cgroup_version.as_deref()))
     }
+
+    /// The configuration of the image the container was made from (by its ID): its `USER`,
+    /// `WORKDIR`, `ENV`, entrypoint and command.
+    async fn image_config(&self, id: &str) -> Result<Option<sandman_wire::server::ImageConfig>, ProviderError> {
+        check_id(id).map_err(|_| ProviderError::NotFound(id.to_string()))?;
+        let name = container_name(id);
+        let found = match self.docker.inspect_container(&name, None).await {
+            Ok(c) => c,
+            Err(BollardError::DockerResponseServerError { status_code: 404, .. }) => {
+                return Err(ProviderError::NotFound(id.to_string()));
+            }
+            Err(e) => return Err(engine_error(&format!("cannot inspect container `{name}`"), e)),
+        };
+        let labels = found.config.as_ref().and_then(|c| c.labels.as_ref());
+        if labels.and_then(|l| l.get(OWNER_LABEL)) != Some(&self.owner) {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        let Some(image) = found.image.as_deref() else { return Ok(None) };
+        match self.docker.inspect_image(image).await {
+            Ok(i) => Ok(i.config.map(|c| image::config_of(&c))),
+            // Removed since (the container runs on): unknown, not an error.
+            Err(BollardError::DockerResponseServerError { status_code: 404, .. }) => Ok(None),
+            Err(e) => Err(engine_error(&format!("cannot inspect image `{image}`"), e)),
+        }
+    }
 }
 
 /// The spec of a container whose own cannot be read: enough for the server to report and remove it.

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Mutex, PoisonError};
 
-use sandman_wire::server::{Applied, Network, Profile, Reason, Resources};
+use sandman_wire::server::{Applied, ImageConfig, Network, Profile, Reason, Resources};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -45,6 +45,9 @@ pub struct ServerMeta {
     pub idle_timeout_s: Option<u64>,
     pub ttl_s: Option<u64>,
     pub idempotency_key: Option<String>,
+    /// The create's default user for the sandbox's commands (the server passes it to each call).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// The sandboxes a provider is making right now: `list` must not take a half-made one for a
@@ -275,6 +278,14 @@ pub trait Provider: Send + Sync {
     fn applied(&self, id: &str) -> impl Future<Output = Result<Applied, ProviderError>> + Send {
         let _ = id;
         async { Ok(Applied::default()) }
+    }
+
+    /// The configuration of the image sandbox `id` runs (its `USER`, `WORKDIR`, `ENV`,
+    /// entrypoint and command), where the provider knows it; the server shows it in the sandbox's
+    /// info and takes its user as the sandbox's default. The default knows none.
+    fn image_config(&self, id: &str) -> impl Future<Output = Result<Option<ImageConfig>, ProviderError>> + Send {
+        let _ = id;
+        async { Ok(None) }
     }
 
     /// Records `claim` of a warm-pool sandbox where the provider keeps its records, atomically:

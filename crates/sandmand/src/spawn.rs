@@ -176,9 +176,15 @@ pub fn lookup_user(passwd: &Path, spec: &str) -> DaemonResult<UserIds> {
     };
     let gid_override = match group {
         None => None,
-        Some(g) => Some(g.parse::<u32>().map_err(|_| {
-            DaemonError::InvalidArgument(format!("group `{g}` in user `{spec}` must be a numeric gid"))
-        })?),
+        Some(g) => Some(match g.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => lookup_group(&passwd.with_file_name("group"), g).ok_or_else(|| {
+                DaemonError::InvalidArgument(format!(
+                    "unknown group `{g}` in user `{spec}`: not in {} (numeric gids always work)",
+                    passwd.with_file_name("group").display()
+                ))
+            })?,
+        }),
     };
     if let Ok(uid) = user.parse::<u32>() {
         let entry = read_passwd(passwd).into_iter().find(|e| e.uid == uid);
@@ -200,6 +206,16 @@ pub fn lookup_user(passwd: &Path, spec: &str) -> DaemonResult<UserIds> {
         gid: gid_override.unwrap_or(entry.gid),
         name: Some(entry.name),
         home: Some(entry.home),
+    })
+}
+
+/// The gid of group `name` in a `/etc/group` file.
+fn lookup_group(path: &Path, name: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find_map(|line| {
+        let mut f = line.split(':');
+        (f.next()? == name).then_some(())?;
+        f.nth(1)?.parse().ok()
     })
 }
 
@@ -252,6 +268,10 @@ mod tests {
         assert_eq!((u.uid, u.gid, u.home.as_deref()), (1000, 1001, Some("/home/agent")));
         let n = lookup_user(&dir.path().join("absent"), "4242:7").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((n.uid, n.gid, n.name), (4242, 7, None));
+        std::fs::write(dir.path().join("group"), "root:x:0:\nstaff:x:50:agent\n").unwrap_or_else(|e| panic!("{e}"));
+        let g = lookup_user(&passwd, "agent:staff").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((g.uid, g.gid), (1000, 50));
+        assert!(lookup_user(&passwd, "agent:nobody-here").is_err());
         let bare = lookup_user(&dir.path().join("absent"), "4242").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(bare.gid, 4242);
         assert!(lookup_user(&dir.path().join("absent"), "agent").is_err());

@@ -8,7 +8,7 @@ use sandman_provider::{
 use sandman_provider_docker::DockerProvider;
 use sandman_provider_kube::KubeProvider;
 use sandman_provider_process::ProcessProvider;
-use sandman_wire::server::Applied;
+use sandman_wire::server::{Applied, ImageConfig};
 use tokio::sync::mpsc;
 
 #[derive(Debug)]
@@ -106,6 +106,15 @@ impl Provider for AnyProvider {
             AnyProvider::Docker(p) => p.applied(id).await,
             AnyProvider::Kube(p) => p.applied(id).await,
             AnyProvider::Fake(p) => p.applied(id).await,
+        }
+    }
+
+    async fn image_config(&self, id: &str) -> Result<Option<ImageConfig>, ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.image_config(id).await,
+            AnyProvider::Docker(p) => p.image_config(id).await,
+            AnyProvider::Kube(p) => p.image_config(id).await,
+            AnyProvider::Fake(p) => p.image_config(id).await,
         }
     }
 

@@ -44,7 +44,7 @@ pub async fn forward(
     let uri =
         daemon::uri(&endpoint, &path_and_query).map_err(|e| ServerError::InvalidArgument(format!("bad path: {e}")))?;
     let (mut parts, body) = req.into_parts();
-    let body = if (!target.env.is_empty() || target.eval)
+    let body = if (!target.env.is_empty() || target.eval || target.user.is_some())
         && parts.method == http::Method::POST
         && starts_command(&rest)
         && is_json(&parts.headers)
@@ -56,7 +56,7 @@ pub async fn forward(
             check_eval_call(&bytes).map_err(ServerError::InvalidArgument)?;
         }
         parts.headers.remove(header::CONTENT_LENGTH);
-        Body::from(merge_env(bytes, &target.env))
+        Body::from(merge_defaults(bytes, &target.env, target.user.as_deref()))
     } else {
         body
     };
@@ -148,12 +148,21 @@ fn check_eval_call(body: &[u8]) -> Result<(), String> {
     crate::conditions::check_eval_env(&env)
 }
 
-/// The body with `env` added to its `env` object, the body's own values winning; a body that is
-/// not a JSON object goes on unchanged, for the daemon to refuse.
-fn merge_env(body: bytes::Bytes, env: &BTreeMap<String, String>) -> bytes::Bytes {
+/// The body with `env` added to its `env` object and `user` as its `user` when it names none, the
+/// body's own values winning; a body that is not a JSON object goes on unchanged, for the daemon
+/// to refuse.
+fn merge_defaults(body: bytes::Bytes, env: &BTreeMap<String, String>, user: Option<&str>) -> bytes::Bytes {
     let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice::<serde_json::Value>(&body) else {
         return body;
     };
+    if let Some(user) = user
+        && obj.get("user").is_none_or(|u| u.is_null())
+    {
+        obj.insert("user".into(), serde_json::Value::String(user.to_string()));
+    }
+    if env.is_empty() {
+        return serde_json::to_vec(&obj).map(bytes::Bytes::from).unwrap_or(body);
+    }
     let slot = obj.entry("env").or_insert_with(|| serde_json::Value::Object(Default::default()));
     let Some(map) = slot.as_object_mut() else { return body };
     for (k, v) in env {
@@ -169,15 +178,29 @@ mod tests {
     #[test]
     fn a_claimers_env_is_merged_under_the_calls_own() {
         let env = BTreeMap::from([("A".to_string(), "claim".to_string()), ("B".to_string(), "claim".to_string())]);
-        let out = merge_env(bytes::Bytes::from_static(br#"{"argv":["env"],"env":{"B":"call"}}"#), &env);
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["env"],"env":{"B":"call"}}"#), &env, None);
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
         assert_eq!(v["env"], serde_json::json!({"A": "claim", "B": "call"}));
-        let out = merge_env(bytes::Bytes::from_static(br#"{"command":"env"}"#), &env);
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"command":"env"}"#), &env, None);
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
         assert_eq!(v["env"]["A"], "claim");
         let raw = bytes::Bytes::from_static(b"not json");
-        assert_eq!(merge_env(raw.clone(), &env), raw);
+        assert_eq!(merge_defaults(raw.clone(), &env, Some("1000")), raw);
         assert!(starts_command("exec/stream") && starts_command("sessions") && !starts_command("sessions/s1/run"));
+    }
+
+    #[test]
+    fn the_sandboxs_user_is_given_to_calls_that_name_none() {
+        let none = BTreeMap::new();
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["id"]}"#), &none, Some("agent"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!((v["user"].as_str(), v.get("env")), (Some("agent"), None));
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["id"],"user":"0"}"#), &none, Some("agent"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!(v["user"], "0");
+        let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["id"],"user":null}"#), &none, Some("agent"));
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
+        assert_eq!(v["user"], "agent");
     }
 
     #[test]

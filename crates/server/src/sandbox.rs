@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sandman_provider::{Endpoint, SandboxSpec};
-use sandman_wire::server::{Reason, Sandbox as WireSandbox, SandboxState, SignedConditions};
+use sandman_wire::server::{ImageConfig, Reason, Sandbox as WireSandbox, SandboxState, SignedConditions};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -103,6 +103,8 @@ pub struct Inner {
     pub daemon_touched: Instant,
     /// The signed conditions record, once taken.
     pub conditions: Option<SignedConditions>,
+    /// The image's configuration, once the provider told it (see `Provider::image_config`).
+    pub image_config: Option<ImageConfig>,
 }
 
 #[derive(Debug)]
@@ -149,6 +151,7 @@ impl Sandbox {
                 timers,
                 daemon_touched: now,
                 conditions: None,
+                image_config: None,
             }),
             state_tx: watch::Sender::new(state),
         }
@@ -227,6 +230,12 @@ impl Sandbox {
         }
     }
 
+    /// The user its commands run as unless a call names one: the create's, else the image's.
+    pub fn default_user(&self) -> Option<String> {
+        let inner = self.lock();
+        default_user(self.spec.server.user.as_deref(), inner.image_config.as_ref())
+    }
+
     pub fn to_wire(&self) -> WireSandbox {
         let inner = self.lock();
         let live = !inner.state.is_terminal();
@@ -249,8 +258,15 @@ impl Sandbox {
             idle_expires_at_ms: if live { inner.timers.idle_expires().map(wall_ms) } else { None },
             ttl_expires_at_ms: if live { inner.timers.ttl_expires().map(wall_ms) } else { None },
             lease_s: inner.timers.lease.as_secs(),
+            user: default_user(self.spec.server.user.as_deref(), inner.image_config.as_ref()),
+            image_config: inner.image_config.clone(),
         }
     }
+}
+
+/// The create's user, else the image's `USER`; none when neither names one.
+pub fn default_user(asked: Option<&str>, image: Option<&ImageConfig>) -> Option<String> {
+    asked.or_else(|| image.and_then(|c| c.user.as_deref())).filter(|u| !u.is_empty()).map(str::to_string)
 }
 
 #[cfg(test)]

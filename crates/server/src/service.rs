@@ -370,6 +370,9 @@ impl Service {
         }
         self.check_provider(req.provider.as_deref())?;
         check_resources(&req.resources)?;
+        if let Some(user) = &req.user {
+            check_user(user)?;
+        }
         check_env(&req.env)?;
         if req.profile == Profile::Eval {
             conditions::check_eval_env(&req.env).map_err(ServerError::InvalidArgument)?;
@@ -425,6 +428,7 @@ impl Service {
                 idle_timeout_s: req.idle_timeout_s,
                 ttl_s: ttl.map(|t| t.as_secs()),
                 idempotency_key: req.idempotency_key.clone(),
+                user: req.user.clone(),
             },
         };
         Ok(Parsed { spec, lease: Duration::from_secs(lease_s), idle, ttl })
@@ -731,6 +735,7 @@ impl Service {
             }
         };
         sb.lock().endpoint = Some(endpoint.clone());
+        self.learn_image_config(&sb).await;
         if sb.state() != SandboxState::Creating {
             // Released while the provider was creating it: make sure nothing is left.
             let _ = self.provider.delete(sb.id()).await;
@@ -793,6 +798,15 @@ impl Service {
             Err(_) => {
                 let _ = self.provider.delete(sb.id()).await;
             }
+        }
+    }
+
+    /// Asks the provider for the image's configuration (its user becomes the sandbox's default
+    /// when the create named none). A provider that cannot tell only leaves it unknown.
+    async fn learn_image_config(&self, sb: &Sandbox) {
+        match self.provider.image_config(sb.id()).await {
+            Ok(config) => sb.lock().image_config = config,
+            Err(e) => tracing::warn!(sandbox = sb.id(), error = %e, "cannot read the image's configuration"),
         }
     }
 
@@ -952,6 +966,7 @@ impl Service {
             token: sb.spec.token.clone(),
             env: sb.env_overlay.clone(),
             eval: sb.spec.profile == Profile::Eval,
+            user: crate::sandbox::default_user(sb.spec.server.user.as_deref(), inner.image_config.as_ref()),
         })
     }
 
@@ -1241,7 +1256,7 @@ impl Service {
             token: random_hex(),
             daemon_lease_s: lease_s + DAEMON_LEASE_SLACK_S,
             created_at_ms: now_ms(),
-            server: ServerMeta { lease_s, idle_timeout_s: None, ttl_s: None, idempotency_key: None },
+            server: ServerMeta { lease_s, ..ServerMeta::default() },
         }
     }
 
@@ -1577,6 +1592,7 @@ impl Service {
                 }
                 None => {
                     live += 1;
+                    self.learn_image_config(&sb).await;
                     if sb.transition(SandboxState::Ready, None, Some("recovered after a server restart".into())).is_ok()
                     {
                         self.metrics.moved(Some(SandboxState::Creating), SandboxState::Ready);
@@ -1790,6 +1806,26 @@ pub struct CallTarget {
     pub env: Arc<BTreeMap<String, String>>,
     /// An `eval` sandbox: its commands may not change the environment eval fixes.
     pub eval: bool,
+    /// The sandbox's default user, given to its commands that name none.
+    pub user: Option<String>,
+}
+
+/// A create's `user`: a name or `uid`, optionally `:group` or `:gid`, as the daemon resolves it.
+fn check_user(user: &str) -> ServerResult<()> {
+    let ok_part = |p: &str| {
+        !p.is_empty() && p.len() <= 64 && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+    };
+    let ok = match user.split_once(':') {
+        Some((u, g)) => ok_part(u) && ok_part(g),
+        None => ok_part(user),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(ServerError::InvalidArgument(format!(
+            "`user` `{user}` is not a user name or uid, optionally with `:group` or `:gid`"
+        )))
+    }
 }
 
 fn check_resources(r: &sandman_wire::server::Resources) -> ServerResult<()> {
@@ -1949,7 +1985,7 @@ mod tests {
         let mut spec = sandman_provider::conformance::spec(id, "any");
         spec.job = job.map(str::to_string);
         spec.created_at_ms = now_ms();
-        spec.server = ServerMeta { lease_s, idle_timeout_s: idle, ttl_s: ttl, idempotency_key: None };
+        spec.server = ServerMeta { lease_s, idle_timeout_s: idle, ttl_s: ttl, ..ServerMeta::default() };
         fake(s).create(&spec).await.unwrap_or_else(|e| panic!("{e}"));
         s.recover().await.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(s.get(id).map(|sb| sb.state()).ok(), Some(SandboxState::Ready));

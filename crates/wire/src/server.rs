@@ -284,6 +284,11 @@ pub struct CreateSandbox {
     /// passes is taken off the queue and ends with `queue_timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_timeout_s: Option<u64>,
+    /// The user every exec, background process and session of the sandbox runs as unless the
+    /// call names one: a name (from the image's `/etc/passwd`) or `uid[:gid]`. On the docker
+    /// provider the image's `USER` is the default when this is absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 fn yes() -> bool {
@@ -324,6 +329,33 @@ pub struct Sandbox {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_expires_at_ms: Option<u64>,
     pub lease_s: u64,
+    /// The user its commands run as unless a call names one: the create's `user`, else the
+    /// image's `USER` where the provider knows it; absent for the daemon's own (root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// The image's configuration, where the provider knows it (docker); absent elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_config: Option<ImageConfig>,
+}
+
+/// What an image says about how to run it (`docker image inspect`'s `Config`). The daemon is the
+/// sandbox's entry point, so `entrypoint` and `cmd` are not run; a harness may run them itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ImageConfig {
+    /// `USER`: a name, `uid`, `name:group` or `uid:gid`; absent when the image sets none (root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// `WORKDIR`; absent when the image sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// `ENV`, as variables.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entrypoint: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<Vec<String>>,
 }
 
 /// `GET /v1/sandboxes`.

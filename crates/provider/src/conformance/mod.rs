@@ -50,6 +50,7 @@ pub fn spec(id: &str, image: &str) -> SandboxSpec {
             idle_timeout_s: Some(600),
             ttl_s: Some(3600),
             idempotency_key: Some(format!("key-{id}")),
+            user: None,
         },
     }
 }
