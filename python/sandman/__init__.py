@@ -14,6 +14,7 @@ from ._async.client import (
     AsyncJob,
     AsyncOutputStream,
     AsyncProcess,
+    AsyncPty,
     AsyncSandbox,
     AsyncSandman,
     AsyncSession,
@@ -21,7 +22,7 @@ from ._async.client import (
 )
 from ._core import __version__
 from .conditions import canonical_json, conditions_key, verify_conditions
-from ._sync.client import ExecStream, Job, OutputStream, Process, Sandbox, Sandman, Session, Stream
+from ._sync.client import ExecStream, Job, OutputStream, Process, Pty, Sandbox, Sandman, Session, Stream
 from .errors import (
     Conflict,
     Forbidden,
@@ -64,7 +65,9 @@ from .models import (
     PoolInfo,
     PreparedImage,
     PrepareResult,
+    ImageConfig,
     ProcessInfo,
+    TerminalSize,
     SandboxInfo,
     SessionInfo,
     SessionResult,
@@ -131,6 +134,10 @@ __all__ = [
     "PreparedImage",
     "PrepareResult",
     "ProcessInfo",
+    "ImageConfig",
+    "TerminalSize",
+    "Pty",
+    "AsyncPty",
     "SandboxInfo",
     "SessionInfo",
     "SessionResult",

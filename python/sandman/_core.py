@@ -259,6 +259,7 @@ def create_call(
     idempotency_key: Optional[str],
     wait: bool,
     wait_timeout: Optional[int],
+    user: Optional[str] = None,
 ) -> Call:
     """`POST /v1/sandboxes`, always keyed: a resend after a lost answer returns the same sandbox.
 
@@ -283,6 +284,7 @@ def create_call(
             "setup": setup_list(setup),
             "idempotency_key": idempotency_key or new_idempotency_key(),
             "wait_timeout_s": wait_timeout,
+            "user": user,
         }
     )
     if not wait:
@@ -459,6 +461,7 @@ def exec_body(
     user: Optional[str],
     stdin: Optional[Union[str, bytes]],
     max_output_bytes: Optional[int],
+    merge_output: bool = False,
 ) -> Dict[str, Any]:
     body = command_fields(cmd)
     if isinstance(stdin, bytes):
@@ -475,6 +478,8 @@ def exec_body(
             }
         )
     )
+    if merge_output:
+        body["merge_output"] = True
     return body
 
 
@@ -499,6 +504,8 @@ def start_call(
     stdin: bool,
     retain_bytes: Optional[int],
     timeout: Optional[float],
+    merge_output: bool = False,
+    pty: Optional[Tuple[int, int]] = None,
 ) -> Call:
     body = command_fields(cmd)
     body.update(
@@ -515,6 +522,11 @@ def start_call(
     )
     if stdin:
         body["stdin"] = True
+    if merge_output:
+        body["merge_output"] = True
+    if pty is not None:
+        rows, cols = pty
+        body["pty"] = {"rows": int(rows), "cols": int(cols)}
     return Call("POST", sandbox_path(sandbox_id, "/processes"), json=body)
 
 
@@ -551,12 +563,33 @@ def _opt_str(v: Optional[int]) -> Optional[str]:
 
 
 def stdin_call(sandbox_id: str, process: str, data: Union[str, bytes], close: bool) -> Call:
+    """Text goes as JSON; bytes go raw (`application/octet-stream`), so any byte gets through."""
     if isinstance(data, bytes):
-        data = data.decode("utf-8")
+        params = {"close": "true"} if close else None
+        return Call(
+            "POST",
+            process_path(sandbox_id, process, "/stdin"),
+            params=params,
+            content=data,
+            content_type="application/octet-stream",
+        )
     body: Dict[str, Any] = {"data": data}
     if close:
         body["close"] = True
     return Call("POST", process_path(sandbox_id, process, "/stdin"), json=body)
+
+
+def resize_call(sandbox_id: str, process: str, rows: int, cols: int) -> Call:
+    return Call(
+        "POST", process_path(sandbox_id, process, "/resize"), json={"rows": int(rows), "cols": int(cols)}, idempotent=True
+    )
+
+
+def port_path(sandbox_id: str, port: int, path: str = "") -> str:
+    """`/v1/sandboxes/{id}/ports/{port}/{path}`: `127.0.0.1:{port}` inside the sandbox."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise ValueError(f"port must be an integer from 1 to 65535, not {port!r}")
+    return sandbox_path(sandbox_id, f"/ports/{port}/{path.lstrip('/')}")
 
 
 def signal_call(sandbox_id: str, process: str, signal: Union[str, int]) -> Call:
@@ -568,6 +601,9 @@ def wait_call(sandbox_id: str, process: str, timeout: float) -> Call:
         "POST", process_path(sandbox_id, process, "/wait"), json={"timeout_ms": ms(timeout)}, idempotent=True
     ).with_timeout(long_call_timeout(timeout))
 
+
+#: `Pty.read_until` follows a silent terminal for at most this long at a time, to keep its timeout.
+READ_UNTIL_STEP = 5.0
 
 #: One `/wait` call waits at most this long; `Process.wait()` with no timeout loops on it.
 WAIT_STEP = 30.0
@@ -598,9 +634,16 @@ def session_path(sandbox_id: str, session: str, rest: str = "") -> str:
 
 
 def session_run_call(
-    sandbox_id: str, session: str, command: str, timeout: Optional[float], max_output_bytes: Optional[int]
+    sandbox_id: str,
+    session: str,
+    command: str,
+    timeout: Optional[float],
+    max_output_bytes: Optional[int],
+    merge_output: bool = False,
 ) -> Call:
     body = _drop_none({"command": command, "timeout_ms": ms(timeout), "max_output_bytes": max_output_bytes})
+    if merge_output:
+        body["merge_output"] = True
     return Call("POST", session_path(sandbox_id, session, "/run"), json=body).with_timeout(long_call_timeout(timeout))
 
 

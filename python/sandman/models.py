@@ -292,10 +292,13 @@ class ProcessInfo:
     stdout_bytes: int = 0
     stderr_bytes: int = 0
     stdin_open: bool = False
+    #: The terminal's size, for a process started on one (`Sandbox.pty`, `start(pty=...)`).
+    pty: Optional["TerminalSize"] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ProcessInfo":
         exit_ = d.get("exit")
+        pty = d.get("pty")
         return cls(
             id=str(d["id"]),
             pid=int(d.get("pid", 0)),
@@ -307,11 +310,44 @@ class ProcessInfo:
             stdout_bytes=int(d.get("stdout_bytes", 0)),
             stderr_bytes=int(d.get("stderr_bytes", 0)),
             stdin_open=bool(d.get("stdin_open", False)),
+            pty=TerminalSize(rows=int(pty["rows"]), cols=int(pty["cols"])) if pty else None,
         )
 
     @property
     def running(self) -> bool:
         return self.state == "running"
+
+
+@dataclass(frozen=True)
+class TerminalSize:
+    """A pseudo-terminal's size in character cells."""
+
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """What an image says about running it (its `Config`), where the provider knows it (docker)."""
+
+    user: Optional[str] = None
+    workdir: Optional[str] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    entrypoint: Optional[List[str]] = None
+    cmd: Optional[List[str]] = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ImageConfig":
+        def strings(v: Any) -> Optional[List[str]]:
+            return None if v is None else [str(x) for x in v]
+
+        return cls(
+            user=d.get("user"),
+            workdir=d.get("workdir"),
+            env={str(k): str(v) for k, v in (d.get("env") or {}).items()},
+            entrypoint=strings(d.get("entrypoint")),
+            cmd=strings(d.get("cmd")),
+        )
 
 
 @dataclass(frozen=True)
@@ -522,9 +558,15 @@ class SandboxInfo:
     lease_expires_at_ms: Optional[int] = None
     idle_expires_at_ms: Optional[int] = None
     ttl_expires_at_ms: Optional[int] = None
+    #: The user its commands run as unless a call names one (the create's `user`, else the
+    #: image's `USER` on docker); None for the daemon's own (root).
+    user: Optional[str] = None
+    #: The image's configuration where the provider knows it (docker), else None.
+    image_config: Optional[ImageConfig] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SandboxInfo":
+        image_config = d.get("image_config")
         return cls(
             id=str(d["id"]),
             image=str(d.get("image", "")),
@@ -544,6 +586,8 @@ class SandboxInfo:
             lease_expires_at_ms=_opt_int(d.get("lease_expires_at_ms")),
             idle_expires_at_ms=_opt_int(d.get("idle_expires_at_ms")),
             ttl_expires_at_ms=_opt_int(d.get("ttl_expires_at_ms")),
+            user=d.get("user"),
+            image_config=ImageConfig.from_dict(image_config) if image_config else None,
         )
 
     @property

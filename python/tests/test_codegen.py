@@ -64,7 +64,7 @@ def _public(cls: type) -> dict:
 
 def test_sync_and_async_classes_have_the_same_calls() -> None:
     renames = {"aclose": "close", "__aenter__": "__enter__", "__aiter__": "__iter__"}
-    assert len(TWINS) == 8
+    assert len(TWINS) == 9
     for sync_cls, async_cls in TWINS.items():
         a, s = _public(async_cls), _public(sync_cls)
         assert {renames.get(n, n) for n in a} == set(s), async_cls.__name__

@@ -222,6 +222,10 @@ pub struct ExecCmd {
     pub env: Vec<(String, String)>,
     #[command(flatten)]
     pub exec: ExecFlags,
+    /// Run COMMAND on a terminal of the sandbox, sized as this one and resized with it; this
+    /// terminal goes raw while it runs. With `-i`, what is typed goes to COMMAND (`-it`).
+    #[arg(long = "tty", short = 't')]
+    pub tty: bool,
     /// The command and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<String>,

@@ -23,6 +23,9 @@ const RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
 const TIMED_OUT: u8 = 124;
 
 pub async fn exec(client: &Client, cmd: ExecCmd) -> anyhow::Result<ExitCode> {
+    if cmd.tty {
+        return crate::tty::exec(client, cmd).await;
+    }
     let req = exec_request(cmd.command, cmd.env.into_iter().collect(), &cmd.exec)?;
     stream(client, &cmd.id, &req).await
 }

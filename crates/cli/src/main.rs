@@ -16,6 +16,7 @@ mod procs;
 mod report;
 mod sandboxes;
 mod serve;
+mod tty;
 
 use std::process::ExitCode;
 

@@ -5,9 +5,9 @@ use bytes::Bytes;
 use http::Method;
 use sandman_wire::daemon::{
     CreateSession, DirListing, ExecEvent, ExecRequest, ExecResult, ExtractResult, FileStat, Info, ListDirQuery,
-    MkdirQuery, MoveRequest, OutputChunk, OutputEvent, OutputQuery, PathQuery, ProcessInfo, ProcessList, ReadFileQuery,
-    RemoveQuery, SessionInfo, SessionRun, SessionRunResult, SignalRequest, StartProcess, StdinWrite, WaitRequest,
-    WriteFileQuery,
+    MkdirQuery, MoveRequest, OutputChunk, OutputEvent, OutputQuery, PathQuery, ProcessInfo, ProcessList, PtySize,
+    ReadFileQuery, RemoveQuery, SessionInfo, SessionRun, SessionRunResult, SignalRequest, StartProcess, StdinQuery,
+    StdinWrite, WaitRequest, WriteFileQuery,
 };
 
 use crate::body::{ByteStream, NdjsonStream, UploadBody};
@@ -106,6 +106,32 @@ impl Client {
     /// `POST /v1/processes/{process}/stdin`: write to (and maybe close) the process's stdin.
     pub async fn write_stdin(&self, id: &str, process: &str, req: &StdinWrite) -> Result<ProcessInfo, ClientError> {
         self.json(Req::new(Method::POST, process_path(id, process, "/stdin")).json(req)?).await
+    }
+
+    /// `POST /v1/processes/{process}/stdin` with raw bytes (`application/octet-stream`): any byte
+    /// gets through (keystrokes for a terminal). `close` closes stdin after them; on a terminal it
+    /// sends Ctrl-D.
+    pub async fn write_stdin_bytes(
+        &self,
+        id: &str,
+        process: &str,
+        data: Bytes,
+        close: bool,
+    ) -> Result<ProcessInfo, ClientError> {
+        let query = StdinQuery { close };
+        self.json(Req::new(Method::POST, process_path(id, process, "/stdin")).query(&query)?.upload(data.into())).await
+    }
+
+    /// `POST /v1/processes/{process}/resize`: the new size of the process's terminal.
+    pub async fn resize(&self, id: &str, process: &str, size: PtySize) -> Result<ProcessInfo, ClientError> {
+        self.json(Req::new(Method::POST, process_path(id, process, "/resize")).json(&size)?).await
+    }
+
+    /// The URL of `127.0.0.1:{port}/{path}` inside the sandbox, through the server
+    /// (`/v1/sandboxes/{id}/ports/{port}/{path}`): HTTP and WebSocket, with this client's token
+    /// in `Authorization`.
+    pub fn port_url(&self, id: &str, port: u16, path: &str) -> String {
+        format!("{}{}", self.base_url(), sandbox_path(id, &format!("/ports/{port}/{}", path.trim_start_matches('/'))))
     }
 
     /// `POST /v1/processes/{process}/signal`: signal the process group.

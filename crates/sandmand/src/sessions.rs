@@ -921,6 +921,9 @@ mod tests {
             passwd: PathBuf::from("/etc/passwd"),
             euid: sys::euid(),
             rlimits: sys::Rlimits::default(),
+            // As the daemon decides: a test run from a background job ignores SIGINT
+            // (regression: the shell could not be interrupted there).
+            reset_signals: !sys::ignored_signals().is_empty(),
         }
     }
 

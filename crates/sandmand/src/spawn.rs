@@ -26,6 +26,10 @@ pub struct Defaults {
     pub euid: u32,
     /// Resource limits set on every process started (`--rlimit-*`).
     pub rlimits: Rlimits,
+    /// The daemon ignores some signals (it was started from a background job): every child
+    /// resets them to their defaults before it execs. Checked once: the daemon never ignores a
+    /// signal itself.
+    pub reset_signals: bool,
 }
 
 impl Defaults {
@@ -41,6 +45,7 @@ impl Defaults {
             passwd: PathBuf::from("/etc/passwd"),
             euid: crate::sys::euid(),
             rlimits: Rlimits::default(),
+            reset_signals: !crate::sys::ignored_signals().is_empty(),
         }
     }
 }
@@ -62,6 +67,7 @@ pub struct Launch {
     pub cwd: PathBuf,
     pub user: Option<UserIds>,
     pub rlimits: Rlimits,
+    pub reset_signals: bool,
 }
 
 /// The parts of a request that say what to run and how.
@@ -132,14 +138,17 @@ impl Launch {
                 p
             }
         };
-        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits })
+        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits, reset_signals: defaults.reset_signals })
     }
 
     /// A `Command` in a new process group, with stdout and stderr piped and the given stdin.
     pub fn command(&self, stdin: Stdio) -> Command {
         let mut cmd = self.base();
         cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-        crate::sys::set_child_setup_on_exec(&mut cmd, ChildSetup { rlimits: self.rlimits, controlling_tty: false });
+        crate::sys::set_child_setup_on_exec(
+            &mut cmd,
+            ChildSetup { rlimits: self.rlimits, controlling_tty: false, reset_signals: self.reset_signals },
+        );
         cmd
     }
 
@@ -148,7 +157,10 @@ impl Launch {
     pub fn command_on_pty(&self, slave: &OwnedFd) -> std::io::Result<Command> {
         let mut cmd = self.base();
         cmd.stdin(slave.try_clone()?).stdout(slave.try_clone()?).stderr(slave.try_clone()?);
-        crate::sys::set_child_setup_on_exec(&mut cmd, ChildSetup { rlimits: self.rlimits, controlling_tty: true });
+        crate::sys::set_child_setup_on_exec(
+            &mut cmd,
+            ChildSetup { rlimits: self.rlimits, controlling_tty: true, reset_signals: self.reset_signals },
+        );
         Ok(cmd)
     }
 
@@ -255,6 +267,7 @@ mod tests {
             passwd,
             euid: 0,
             rlimits: Rlimits::default(),
+            reset_signals: false,
         }
     }
 

@@ -405,25 +405,54 @@ pub fn loopback_up() -> io::Result<()> {
     Ok(())
 }
 
-/// What every child does between fork and exec, whatever the daemon inherited: default signal
-/// dispositions and an empty signal mask (a daemon started by `cmd &` inherits SIGINT and SIGQUIT
-/// ignored, and ignored signals survive exec), on a terminal a session of its own with that
-/// terminal as its controlling one, and the `--rlimit-*` limits.
+/// What a child does between fork and exec: default signal dispositions and an empty signal mask
+/// when the daemon ignores signals (one started by `cmd &` inherits SIGINT and SIGQUIT ignored, and
+/// ignored signals survive exec; std itself empties the mask and resets SIGPIPE), on a terminal a
+/// session of its own with that terminal as its controlling one, and the `--rlimit-*` limits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ChildSetup {
     pub rlimits: Rlimits,
     /// Start a new session (`setsid`) and make stdin, a terminal, its controlling terminal.
     pub controlling_tty: bool,
+    /// Reset every signal to its default: the daemon ignores some ([`ignored_signals`]).
+    pub reset_signals: bool,
 }
 
-/// Makes `cmd` run `setup` in the child just before it execs.
+/// The signals this process ignores (SIG_IGN), which its children would inherit through exec:
+/// SIGPIPE aside, which the Rust runtime ignores in every program and std resets in every child.
+pub fn ignored_signals() -> Vec<i32> {
+    let mut out = Vec::new();
+    for sig in 1..65 {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP || sig == libc::SIGPIPE {
+            continue;
+        }
+        // The kernel's `struct sigaction`: handler, flags, restorer, 8-byte mask.
+        let mut old = [0u64; 4];
+        // SAFETY: a null new action only reads the current one into `old`, a live local the
+        // size of the kernel's struct.
+        let rc =
+            unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, std::ptr::null::<u64>(), old.as_mut_ptr(), 8usize) };
+        if rc == 0 && old[0] == libc::SIG_IGN as u64 {
+            out.push(sig);
+        }
+    }
+    out
+}
+
+/// Makes `cmd` run `setup` in the child just before it execs. Without anything to do there
+/// (no terminal, no limits, no ignored signal), the spawn keeps std's fast path (no `pre_exec`).
 pub fn set_child_setup_on_exec(cmd: &mut Command, setup: ChildSetup) {
+    if !setup.controlling_tty && !setup.reset_signals && setup.rlimits.is_empty() {
+        return;
+    }
     // SAFETY: the closure runs in the forked child before exec; it only calls sigprocmask,
     // sigaction, setsid, ioctl, getrlimit and setrlimit, which are async-signal-safe, and
     // allocates nothing (an OS error is a plain code).
     unsafe {
         cmd.pre_exec(move || {
-            reset_signals();
+            if setup.reset_signals {
+                reset_signals();
+            }
             if setup.controlling_tty {
                 if libc::setsid() < 0 {
                     return Err(io::Error::last_os_error());

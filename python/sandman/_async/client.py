@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import ssl
+import time
 import uuid
 from pathlib import Path
 from typing import (
@@ -71,6 +72,7 @@ __all__ = [
     "AsyncSandman",
     "AsyncSandbox",
     "AsyncProcess",
+    "AsyncPty",
     "AsyncSession",
     "AsyncJob",
     "AsyncStream",
@@ -110,6 +112,9 @@ class AsyncSandman:
         self.url = _core.resolve_url(url)
         self.retries = retries
         token = _core.resolve_token(token)
+        # Kept for what goes around the pools: a sandbox's ports (`AsyncSandbox.port_client`).
+        self._token = token
+        self._verify = _core.verify(verify)
         # Several small connection pools rather than one big one (see `_core.shards`).
         n_shards = 1 if transport is not None else _core.shards(max_connections)
         self._pools = [
@@ -164,6 +169,7 @@ class AsyncSandman:
         idempotency_key: Optional[str] = None,
         wait: bool = True,
         wait_timeout: Optional[int] = None,
+        user: Optional[str] = None,
     ) -> "AsyncSandbox":
         """Creates a sandbox and answers it once ready (at once with `wait=False`).
 
@@ -178,7 +184,9 @@ class AsyncSandman:
         `setup_failed`). A create past the job's quota, or while the server's admission queue is
         full, raises `QuotaExceeded` (the latter with `retry_after`). The create is keyed with
         `idempotency_key` (a fresh one when not given), so a create sent again after a lost
-        answer returns the same sandbox.
+        answer returns the same sandbox. `user` (a name or `uid[:gid]`) is the user of every
+        exec, process and session of the sandbox that names none; on the docker provider the
+        image's `USER` is the default without it (see `SandboxInfo.user` and `image_config`).
         """
         call = _core.create_call(
             image,
@@ -197,6 +205,7 @@ class AsyncSandman:
             idempotency_key=idempotency_key,
             wait=wait,
             wait_timeout=wait_timeout,
+            user=user,
         )
         info = SandboxInfo.from_dict(await self._json(call))
         return AsyncSandbox(self, info.id, info)
@@ -596,16 +605,26 @@ class AsyncSandbox:
         user: Optional[str] = None,
         stdin: Optional[Union[str, bytes]] = None,
         max_output_bytes: Optional[int] = None,
+        merge_output: bool = False,
     ) -> ExecResult:
         """Runs a command to completion: a shell string (`/bin/sh -c`) or an argv list.
 
         `timeout` (seconds) kills the whole process tree and keeps the partial output
         (`timed_out=True`); `stdin` is written to the command and closed; output beyond
         `max_output_bytes` per stream (default 10 MiB) is dropped (`stdout_truncated`).
+        `merge_output=True` gives stdout and stderr one pipe, as a terminal shows them: all of
+        it is in `stdout`, in the order written, and `stderr` is empty.
         A failing command is not an error: check `exit_code` (or `ok`).
         """
         body = _core.exec_body(
-            cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, max_output_bytes=max_output_bytes
+            cmd,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            max_output_bytes=max_output_bytes,
+            merge_output=merge_output,
         )
         return ExecResult.from_dict(await self.client._json(_core.exec_call(self.id, body, timeout)))
 
@@ -619,12 +638,21 @@ class AsyncSandbox:
         user: Optional[str] = None,
         stdin: Optional[Union[str, bytes]] = None,
         max_output_bytes: Optional[int] = None,
+        merge_output: bool = False,
     ) -> "AsyncExecStream":
         """Runs a command, yielding `ExecEvent`s as output comes: `started`, `stdout`/`stderr`
         chunks, then `exit`. The call is sent when iteration starts; closing the stream early
-        (or leaving its `with` block) kills the command's process tree."""
+        (or leaving its `with` block) kills the command's process tree. With `merge_output`
+        every chunk is `stdout`, in the order written."""
         body = _core.exec_body(
-            cmd, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, max_output_bytes=max_output_bytes
+            cmd,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            max_output_bytes=max_output_bytes,
+            merge_output=merge_output,
         )
         return AsyncExecStream(self.client, _core.exec_stream_call(self.id, body))
 
@@ -639,15 +667,85 @@ class AsyncSandbox:
         stdin: bool = False,
         retain_bytes: Optional[int] = None,
         timeout: Optional[float] = None,
+        merge_output: bool = False,
+        pty: Optional[Tuple[int, int]] = None,
     ) -> "AsyncProcess":
         """Starts a background process. `tag` names it (usable wherever its id is); `stdin=True`
         gives it a pipe for `write_stdin`; `retain_bytes` bounds the output kept per stream
-        (default 1 MiB); `timeout` (seconds) kills its tree."""
+        (default 1 MiB); `timeout` (seconds) kills its tree; `merge_output` gives stdout and
+        stderr one pipe (all of it read as `stdout`). `pty=(rows, cols)` runs it on a terminal
+        (see `pty()`, which answers a handle made for that)."""
         call = _core.start_call(
-            self.id, cmd, tag=tag, env=env, cwd=cwd, user=user, stdin=stdin, retain_bytes=retain_bytes, timeout=timeout
+            self.id,
+            cmd,
+            tag=tag,
+            env=env,
+            cwd=cwd,
+            user=user,
+            stdin=stdin,
+            retain_bytes=retain_bytes,
+            timeout=timeout,
+            merge_output=merge_output,
+            pty=pty,
         )
         info = ProcessInfo.from_dict(await self.client._json(call))
         return AsyncProcess(self, info.id, info)
+
+    async def pty(
+        self,
+        cmd: Command = ("/bin/sh",),
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        tag: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        retain_bytes: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> "AsyncPty":
+        """Starts `cmd` on a new pseudo-terminal of `rows` x `cols` (1 to 1000 each), as a
+        background process: interactive programs (`bash`, `python3 -i`, `less`, `gdb`) see a
+        terminal. Write keystrokes with `write` (Enter is `\\r`, Ctrl-C `\\x03`), read what the
+        terminal shows with `read`, `read_until` or by iterating, `resize` it, `kill` it. Find it
+        again later with `sandbox.pty_of(tag)`. `TERM` is `xterm-256color` unless `env` sets it."""
+        call = _core.start_call(
+            self.id,
+            cmd,
+            tag=tag,
+            env=env,
+            cwd=cwd,
+            user=user,
+            stdin=False,
+            retain_bytes=retain_bytes,
+            timeout=timeout,
+            pty=(rows, cols),
+        )
+        info = ProcessInfo.from_dict(await self.client._json(call))
+        return AsyncPty(self, info.id, info)
+
+    def pty_of(self, id_or_tag: str, *, offset: int = 0) -> "AsyncPty":
+        """A handle on a process already on a terminal, by id or tag, without a call: reattach
+        to it. Reading starts at byte `offset` of its output (0: all that is retained)."""
+        return AsyncPty(self, id_or_tag, offset=offset)
+
+    def port_url(self, port: int, path: str = "") -> str:
+        """The URL of `http://127.0.0.1:{port}/{path}` inside the sandbox, through the server
+        (`/v1/sandboxes/{id}/ports/{port}/{path}`): HTTP and WebSockets, on every provider.
+        Requests to it need the server's token: send `port_headers()` along (or use
+        `port_client`)."""
+        return self.client.url.rstrip("/") + _core.port_path(self.id, port, path)
+
+    def port_headers(self) -> Dict[str, str]:
+        """The headers a request to `port_url` needs: the server's bearer token."""
+        return {"Authorization": f"Bearer {self.client._token}"}
+
+    def port_client(self, port: int, **kwargs: Any) -> httpx.AsyncClient:
+        """An `httpx.AsyncClient` whose base URL is `port` inside the sandbox and which sends the
+        server's token: `client.get("/index.html")`. Close it when done (it is a context
+        manager); extra arguments go to httpx."""
+        headers = {**self.port_headers(), **dict(kwargs.pop("headers", None) or {})}
+        return httpx.AsyncClient(base_url=self.port_url(port), headers=headers, verify=self.client._verify, **kwargs)
 
     def process(self, id_or_tag: str) -> "AsyncProcess":
         """A handle on a background process by id or tag, without a call."""
@@ -780,6 +878,13 @@ class AsyncProcess:
     async def close_stdin(self) -> ProcessInfo:
         return await self.write_stdin("", close=True)
 
+    async def resize(self, rows: int, cols: int) -> ProcessInfo:
+        """Sets the size of the process's terminal (it was started on one); the terminal sends
+        SIGWINCH to its foreground job."""
+        call = _core.resize_call(self.sandbox.id, self.id, rows, cols)
+        self.info = ProcessInfo.from_dict(await self.sandbox.client._json(call))
+        return self.info
+
     async def signal(self, signal: Union[str, int] = "TERM") -> ProcessInfo:
         """Sends `signal` (a name like `TERM`, or a number) to the process group."""
         call = _core.signal_call(self.sandbox.id, self.id, signal)
@@ -792,6 +897,86 @@ class AsyncProcess:
             await self.sandbox.client._json(_core.kill_call(self.sandbox.id, self.id))
         except errors.NotFound:
             pass
+
+
+class AsyncPty(AsyncProcess):
+    """A process on a pseudo-terminal (`AsyncSandbox.pty`): keystrokes in, what the terminal
+    shows out (one stream, escape sequences included). It keeps `offset`, the byte of the output
+    that `read`, `read_until` and iteration have reached, so each reads on from the last."""
+
+    def __init__(
+        self, sandbox: AsyncSandbox, process_id: str, info: Optional[ProcessInfo] = None, *, offset: int = 0
+    ) -> None:
+        super().__init__(sandbox, process_id, info)
+        #: The byte offset of the output read so far.
+        self.offset = offset
+
+    async def write(self, data: Union[str, bytes]) -> ProcessInfo:
+        """Types `data` into the terminal: text, or bytes sent as they are. Enter is `\\r`,
+        Ctrl-C `\\x03` (SIGINT to the foreground job), Ctrl-D `\\x04`."""
+        return await self.write_stdin(data if isinstance(data, bytes) else data.encode("utf-8"))
+
+    async def send_eof(self) -> ProcessInfo:
+        """Ctrl-D: end-of-file for a program reading a line."""
+        return await self.write_stdin(b"", close=True)
+
+    async def read(self, *, max_bytes: Optional[int] = None) -> str:
+        """What the terminal showed since the last read (possibly nothing), without waiting."""
+        chunk = await self.output(offset=self.offset, max_bytes=max_bytes)
+        self.offset = chunk.next_offset
+        return chunk.data
+
+    async def read_until(self, text: str, *, timeout: Optional[float] = 30.0) -> str:
+        """Waits until the terminal shows `text` after the last read, and answers everything up
+        to and including it (the rest is read next). Raises `Timeout` (reason `client_timeout`)
+        when it has not come within `timeout` seconds, and `Conflict` when the process exits
+        before it comes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = ""
+        start = position = self.offset
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise errors.Timeout(
+                    f"`{text}` did not show in {timeout} s; the terminal showed {seen[-500:]!r}",
+                    reason="client_timeout",
+                )
+            call = _core.output_call(
+                self.sandbox.id, self.id, stream="stdout", offset=position, max_bytes=None, follow=True
+            )
+            if remaining is not None:
+                # A silent terminal sends nothing: wake up in time to give up at the deadline.
+                call = call.with_timeout(min(remaining, _core.READ_UNTIL_STEP))
+            try:
+                async with AsyncOutputStream(self.sandbox.client, call) as events:
+                    async for ev in events:
+                        if ev.type == "data":
+                            seen += ev.data
+                            position = ev.offset + len(ev.data.encode("utf-8"))
+                            at = seen.find(text)
+                            if at >= 0:
+                                upto = seen[: at + len(text)]
+                                self.offset = start + len(upto.encode("utf-8"))
+                                return upto
+                        elif ev.type == "exit":
+                            raise errors.Conflict(
+                                f"the process exited before `{text}` showed; the terminal showed {seen[-500:]!r}"
+                            )
+                        if deadline is not None and time.monotonic() >= deadline:
+                            break
+            except errors.Timeout as e:
+                if e.reason != "client_timeout":
+                    raise
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        """What the terminal shows, as it comes, from the last read until the process exits."""
+        async with self.follow(offset=self.offset) as events:
+            async for ev in events:
+                if ev.type == "data":
+                    self.offset = ev.offset + len(ev.data.encode("utf-8"))
+                    yield ev.data
+                elif ev.type == "exit":
+                    self.offset = ev.next_offset
 
 
 class AsyncSession:
@@ -812,11 +997,18 @@ class AsyncSession:
         await self.close()
 
     async def run(
-        self, command: str, *, timeout: Optional[float] = None, max_output_bytes: Optional[int] = None
+        self,
+        command: str,
+        *,
+        timeout: Optional[float] = None,
+        max_output_bytes: Optional[int] = None,
+        merge_output: bool = False,
     ) -> SessionResult:
-        """Runs `command` in the shell. After `timeout` seconds the command is interrupted (and the
-        session killed if it does not stop)."""
-        call = _core.session_run_call(self.sandbox.id, self.id, command, timeout, max_output_bytes)
+        """Runs `command` in the shell. After `timeout` seconds the command is interrupted (SIGINT,
+        then SIGKILL to what it started a second later); the shell stays, with its cwd and
+        environment, and the result has `timed_out=True`. `merge_output` sends the command's
+        stderr to its stdout (one pipe, order kept; `stderr` is empty)."""
+        call = _core.session_run_call(self.sandbox.id, self.id, command, timeout, max_output_bytes, merge_output)
         return SessionResult.from_dict(await self.sandbox.client._json(call))
 
     async def interrupt(self) -> None:
