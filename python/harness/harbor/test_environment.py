@@ -122,3 +122,17 @@ def test_cpus_and_memory_are_the_sandboxs_limits(tmp_path: Path, server: Server,
             await env.stop(delete=True)
 
     asyncio.run(scenario())
+
+
+def test_merge_output_gives_one_stream_in_the_order_written(tmp_path: Path, server: Server, image: str) -> None:
+    env = make(tmp_path, server, image, merge_output=True)
+
+    async def scenario() -> None:
+        await env.start(force_build=False)
+        try:
+            r = await env.exec("for i in 1 2 3; do echo out$i; echo err$i >&2; done")
+            assert (r.stdout, r.stderr) == ("out1\nerr1\nout2\nerr2\nout3\nerr3\n", None)
+        finally:
+            await env.stop(delete=True)
+
+    asyncio.run(scenario())

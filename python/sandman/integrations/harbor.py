@@ -41,7 +41,6 @@ refused with an error saying so.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import io
 import logging
 import os
@@ -68,7 +67,6 @@ from harbor.utils.path_filter import filter_paths_by_patterns
 from pydantic import Field
 
 from .. import AsyncSandbox, AsyncSandman, SandmanError
-from ._pty import resize, start_on_terminal
 
 __all__ = ["SandmanEnvironment", "SandmanOptions"]
 
@@ -91,6 +89,11 @@ class SandmanOptions(EnvironmentOptions):
         description="How a task with only an environment/Dockerfile gets its image: `docker` builds "
         "it with the local docker CLI; `auto` does so when the server runs the docker provider; "
         "`never` refuses such tasks.",
+    )
+    merge_output: bool = Field(
+        default=False,
+        description="Give a command's stdout and stderr one pipe: all of it in `stdout`, in the order "
+        "written, as Harbor's docker environment returns it (default: apart, as its cloud environments do).",
     )
     shell: List[str] = Field(
         default_factory=lambda: ["bash", "-c"],
@@ -319,6 +322,7 @@ class SandmanEnvironment(BaseEnvironment):
             "env": self._merge_env(env),
             "cwd": cwd or self.task_env_config.workdir or None,
             "user": None if user is None else str(user),
+            "merge_output": self.options.merge_output,
         }
         callback = self._output_callback()
         status: Any
@@ -357,29 +361,27 @@ class SandmanEnvironment(BaseEnvironment):
         cols, rows = os.get_terminal_size(fd)
         user = self._resolve_user(None)
         env = {**(self._merge_env(None) or {}), "TERM": os.environ.get("TERM", "xterm-256color")}
-        process = await start_on_terminal(
-            self.sandbox,
+        process = await self.sandbox.start(
             [self.options.shell[0]] if self.options.shell else ["bash"],
-            rows=rows,
-            cols=cols,
             env=env,
             cwd=self.task_env_config.workdir or None,
             user=None if user is None else str(user),
+            pty=(rows, cols),
         )
         loop = asyncio.get_running_loop()
         keys: "asyncio.Queue[bytes]" = asyncio.Queue()
         loop.add_reader(fd, lambda: keys.put_nowait(os.read(fd, 4096)))
 
-        resizes: "set[asyncio.Future[None]]" = set()
+        resizes: "set[asyncio.Future[Any]]" = set()
 
-        def resized(task: "asyncio.Future[None]") -> None:
+        def resized(task: "asyncio.Future[Any]") -> None:
             resizes.discard(task)
             if not task.cancelled() and task.exception() is not None:
                 self.logger.warning(f"could not resize the sandbox's terminal: {task.exception()}")
 
         def on_resize() -> None:
             c, r = os.get_terminal_size(fd)
-            task = asyncio.ensure_future(resize(process, r, c))
+            task = asyncio.ensure_future(process.resize(r, c))
             resizes.add(task)
             task.add_done_callback(resized)
 
@@ -388,12 +390,10 @@ class SandmanEnvironment(BaseEnvironment):
         tty.setraw(fd)
 
         async def forward_keys() -> None:
-            # A read may end inside a character: decode incrementally.
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             while True:
-                text = decoder.decode(await keys.get())
-                if text:
-                    await process.write_stdin(text)
+                keystrokes = await keys.get()
+                if keystrokes:  # bytes go to the terminal as they are
+                    await process.write_stdin(keystrokes)
 
         typing = asyncio.ensure_future(forward_keys())
         try:

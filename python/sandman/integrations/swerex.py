@@ -85,7 +85,6 @@ from swerex.runtime.abstract import (
 from swerex.runtime.local import _split_bash_command, _strip_control_chars
 
 from .. import AsyncSandbox, AsyncSandman, NotFound, Sandman, SandmanError
-from ._pty import start_on_terminal
 
 __all__ = ["SandmanDeployment", "SandmanDeploymentConfig", "SandmanRuntime"]
 
@@ -290,17 +289,17 @@ class SandmanRuntime(AbstractRuntime):
         """Runs a command to completion, as `subprocess.run` (`shell=True`: a string for
         `/bin/sh -c`); `env` is added to the sandbox's environment."""
         cmd: Any = command.command
-        if command.shell:
-            if not isinstance(cmd, str):
-                cmd = " ".join(cmd)
-            if command.merge_output_streams:
-                cmd = ["/bin/sh", "-c", "exec 2>&1\n" + cmd]
-        else:
-            if isinstance(cmd, str):
-                cmd = [cmd]
-            if command.merge_output_streams:
-                cmd = ["/bin/sh", "-c", 'exec 2>&1; exec "$@"', "sh", *cmd]
-        r = await self._sandbox().exec(cmd, timeout=command.timeout, env=command.env, cwd=command.cwd)
+        if command.shell and not isinstance(cmd, str):
+            cmd = " ".join(cmd)
+        elif not command.shell and isinstance(cmd, str):
+            cmd = [cmd]
+        r = await self._sandbox().exec(
+            cmd,
+            timeout=command.timeout,
+            env=command.env,
+            cwd=command.cwd,
+            merge_output=command.merge_output_streams,
+        )
         if r.timed_out:
             raise CommandTimeoutError(f"Timeout ({command.timeout}s) exceeded while running command")
         exit_code = r.exit_code if r.exit_code is not None else -(r.signal or 0)
@@ -367,13 +366,11 @@ class SandmanRuntime(AbstractRuntime):
         # and the commands sent never show up in the output. What is typed before `stty` ran
         # would be echoed by the terminal itself, so nothing is sent before its marker.
         # TERM=dumb, as SWE-ReX's server has no TERM: no bracketed-paste escapes around prompts.
-        process = await start_on_terminal(
-            sb,
+        process = await sb.start(
             ["/bin/sh", "-c", f"stty -echo 2>/dev/null; echo {_READY}; exec /usr/bin/env bash"],
-            rows=PTY_ROWS,
-            cols=PTY_COLS,
             tag=tag,
             env={"PS1": _PS1, "PS2": "", "PS0": "", "TERM": "dumb"},
+            pty=(PTY_ROWS, PTY_COLS),
         )
         term.process_id = process.id
         self._terminals[request.session] = term
