@@ -6,6 +6,7 @@ exceptions SWE-ReX defines."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,27 @@ def test_every_call_in_a_fresh_event_loop_keeps_the_session(deployment: SandmanD
     r = asyncio.run(rt.execute(Command(command="echo $0; pwd", shell=True, cwd="/tmp/w")))
     assert r.stdout == "/bin/sh\n/tmp/w\n"
     asyncio.run(rt.close_session(CloseBashSessionRequest()))
+
+
+def open_sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:  # closed meanwhile (listdir's own fd, another thread's)
+            pass
+    return n
+
+
+def test_calls_in_fresh_event_loops_leave_no_connection_open(deployment: SandmanDeployment) -> None:
+    """Regression: a client kept across SWE-agent's per-call event loops stranded one socket per
+    call (each loop's connections can only be closed in that loop)."""
+    rt = deployment.runtime
+    asyncio.run(rt.execute(Command(command=["true"])))
+    before = open_sockets()
+    for _ in range(50):
+        asyncio.run(rt.execute(Command(command=["true"])))
+    assert open_sockets() - before < 5
 
 
 def test_a_timed_out_command_keeps_running_until_interrupted_and_the_shell_stays(

@@ -44,11 +44,12 @@ import asyncio
 import errno
 import logging
 import re
+import functools
 import threading
-import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
+from typing import Any, Callable, Concatenate, Coroutine, Dict, List, Literal, Optional, ParamSpec, Tuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 from swerex.deployment.abstract import AbstractDeployment
@@ -89,6 +90,36 @@ from .. import AsyncSandbox, AsyncSandman, NotFound, Sandman, SandmanError
 __all__ = ["SandmanDeployment", "SandmanDeploymentConfig", "SandmanRuntime"]
 
 log = logging.getLogger(__name__)
+
+#: The client of the runtime call being served, with its runtime. Each call of the runtime's
+#: methods opens its own client and closes it before it returns: an httpx client's connections
+#: belong to the event loop that opened them, and SWE-agent awaits every call in a fresh loop
+#: (`asyncio.run`), which would strand a client kept across calls, sockets and all.
+_CLIENT: "ContextVar[Optional[Tuple[SandmanRuntime, AsyncSandman]]]" = ContextVar("sandman_swerex_client", default=None)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _serving(
+    method: "Callable[Concatenate[SandmanRuntime, P], Coroutine[Any, Any, R]]",
+) -> "Callable[Concatenate[SandmanRuntime, P], Coroutine[Any, Any, R]]":
+    """Gives a runtime method a client of its own for the call (reused by the calls it makes)."""
+
+    @functools.wraps(method)
+    async def serve(self: "SandmanRuntime", /, *args: P.args, **kwargs: P.kwargs) -> R:
+        current = _CLIENT.get()
+        if current is not None and current[0] is self:
+            return await method(self, *args, **kwargs)
+        async with AsyncSandman(self._url, self._token, max_connections=8) as client:
+            token = _CLIENT.set((self, client))
+            try:
+                return await method(self, *args, **kwargs)
+            finally:
+                _CLIENT.reset(token)
+
+    return serve
+
 
 #: The tag of a session's shell process: `swerex-<session name>`.
 TAG_PREFIX = "swerex-"
@@ -212,7 +243,6 @@ class SandmanDeployment(AbstractDeployment):
                     await client.release(runtime.sandbox_id)
                 except SandmanError as e:  # its lease reclaims it anyway
                     self.logger.warning(f"could not release sandbox {runtime.sandbox_id}: {e}")
-        await runtime.aclose()
 
     async def is_alive(self, *, timeout: Optional[float] = None) -> IsAliveResponse:
         if self._runtime is None:
@@ -228,7 +258,8 @@ class SandmanDeployment(AbstractDeployment):
 
 class SandmanRuntime(AbstractRuntime):
     """A SWE-ReX runtime on the sandbox `sandbox` of the server at `url` (see the module's
-    docstring). It keeps no connection across event loops."""
+    docstring). Each call opens its own connections and closes them before it returns, so
+    it may be awaited from any event loop."""
 
     def __init__(
         self,
@@ -242,12 +273,6 @@ class SandmanRuntime(AbstractRuntime):
         self._url = url
         self._token = token
         self.logger = logger or logging.getLogger("rex-runtime")
-        # One client per event loop: an httpx client's connections belong to the loop that
-        # opened them. Weak keys, so a loop that is gone takes its client with it.
-        self._clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncSandman]" = (
-            weakref.WeakKeyDictionary()
-        )
-        self._lock = threading.Lock()
         # What this runtime has read of each session's terminal (see `_Terminal`); the shell
         # itself lives in the sandbox, found by its tag.
         self._terminals: Dict[str, _Terminal] = {}
@@ -256,24 +281,15 @@ class SandmanRuntime(AbstractRuntime):
     # ---- plumbing ----
 
     def _sandbox(self) -> AsyncSandbox:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            client = self._clients.get(loop)
-            if client is None:
-                client = AsyncSandman(self._url, self._token, max_connections=8)
-                self._clients[loop] = client
-        return client.sandbox(self.sandbox_id)
-
-    async def aclose(self) -> None:
-        """Closes this event loop's connections (the others go with their loops)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            client = self._clients.pop(loop, None)
-        if client is not None:
-            await client.aclose()
+        """The sandbox, through the client of the call being served (see `_serving`)."""
+        current = _CLIENT.get()
+        if current is None or current[0] is not self:
+            raise RuntimeError("SandmanRuntime: a call to the server outside one of the runtime's methods")
+        return current[1].sandbox(self.sandbox_id)
 
     # ---- AbstractRuntime ----
 
+    @_serving
     async def is_alive(self, *, timeout: Optional[float] = None) -> IsAliveResponse:
         """Whether the sandbox is ready and its daemon answers (within `timeout` seconds)."""
         try:
@@ -285,6 +301,7 @@ class SandmanRuntime(AbstractRuntime):
         except SandmanError as e:
             return IsAliveResponse(is_alive=False, message=f"sandbox {self.sandbox_id}: {e}")
 
+    @_serving
     async def execute(self, command: Command) -> CommandResponse:
         """Runs a command to completion, as `subprocess.run` (`shell=True`: a string for
         `/bin/sh -c`); `env` is added to the sandbox's environment."""
@@ -314,6 +331,7 @@ class SandmanRuntime(AbstractRuntime):
             raise NonZeroExitCodeError(msg)
         return response
 
+    @_serving
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
         path = await self._absolute(request.path)
         try:
@@ -322,11 +340,13 @@ class SandmanRuntime(AbstractRuntime):
             raise FileNotFoundError(errno.ENOENT, f"No such file or directory: {e.message}", request.path) from e
         return ReadFileResponse(content=data.decode(request.encoding or "utf-8", request.errors or "strict"))
 
+    @_serving
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
         """Writes the file, creating its parent directories."""
         await self._sandbox().write_file(await self._absolute(request.path), request.content)
         return WriteFileResponse()
 
+    @_serving
     async def upload(self, request: UploadRequest) -> UploadResponse:
         """Copies a local file or directory to `target_path` in the sandbox, as `shutil.copy` and
         `copytree` would: a directory's contents become `target_path`; a file becomes
@@ -348,6 +368,7 @@ class SandmanRuntime(AbstractRuntime):
             raise ValueError(f"Source path {source} is not a file or directory")
         return UploadResponse()
 
+    @_serving
     async def create_session(self, request: CreateBashSessionRequest) -> CreateBashSessionResponse:
         """Starts `bash` on a terminal in the sandbox, sources `startup_source`, and sets the
         prompt the runtime finds the end of each command by."""
@@ -389,6 +410,7 @@ class SandmanRuntime(AbstractRuntime):
             raise CommandTimeoutError(f"session {request.session} did not start: {e}") from e
         return CreateBashSessionResponse(output=_strip_control_chars(before))
 
+    @_serving
     async def run_in_session(self, action: Any) -> BashObservation:
         term = await self._terminal(action.session)
         if isinstance(action, BashInterruptAction):
@@ -403,6 +425,7 @@ class SandmanRuntime(AbstractRuntime):
             raise NonZeroExitCodeError(msg)
         return r
 
+    @_serving
     async def close_session(self, request: Any) -> CloseBashSessionResponse:
         self._terminals.pop(request.session, None)
         term = await self._terminal(request.session)
@@ -410,6 +433,7 @@ class SandmanRuntime(AbstractRuntime):
         self._terminals.pop(request.session, None)
         return CloseBashSessionResponse()
 
+    @_serving
     async def close(self) -> CloseResponse:
         """Ends every session's shell (the sandbox stays; the deployment releases it)."""
         sb = self._sandbox()
