@@ -13,6 +13,7 @@ def test_the_sdk_and_the_examples_pass_mypy_strict() -> None:
         [
             sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--cache-dir", "/dev/null",
             "sandman", str(REPO / "examples" / "rollout.py"), str(REPO / "examples" / "determinism.py"),
+            str(REPO / "examples" / "harbor_trial.py"), str(REPO / "examples" / "swerex_session.py"),
         ],
         cwd=REPO / "python",
         capture_output=True,

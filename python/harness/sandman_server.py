@@ -1,0 +1,94 @@
+"""A real `sandman serve` for the harness suites (`scripts/test-harnesses`): started on a free
+loopback port with a state directory of its own, stopped (its sandboxes released first) when done.
+
+The binary is `$SANDMAN_BIN`, else `target/debug/sandman` of this repository.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Sequence
+
+from sandman import Sandman
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    url: str
+    token: str
+    state: Path
+    log: Path
+    proc: "subprocess.Popen[bytes]"
+
+    def client(self) -> Sandman:
+        return Sandman(self.url, self.token)
+
+    def live_sandboxes(self) -> List[str]:
+        with self.client() as c:
+            return [sb.id for sb in c.list() if sb.live]
+
+
+def binary() -> Path:
+    path = Path(os.environ.get("SANDMAN_BIN") or REPO / "target" / "debug" / "sandman")
+    if not path.exists():
+        raise RuntimeError(f"no sandman binary at {path}: `cargo build -p sandman-cli -p sandmand`, or set SANDMAN_BIN")
+    return path
+
+
+def serve(name: str, args: Sequence[str] = ()) -> Iterator[Server]:
+    """Runs `sandman serve ARGS` until the generator is closed. Its state directory is under
+    `target/harness/<name>/` (not /tmp: an isolated process-provider sandbox has a /tmp of its
+    own)."""
+    base = REPO / "target" / "harness" / name
+    base.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix="s-", dir=base))
+    log = state / "serve.log"
+    token = secrets.token_hex(16)
+    env = dict(os.environ, SANDMAN_TOKEN=token)
+    env.pop("SANDMAN_URL", None)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(binary()), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), *args],
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+        )
+    url = None
+    deadline = time.monotonic() + 60
+    while url is None:
+        m = re.search(r"sandman serving on (http://\S+)", log.read_text(errors="replace"))
+        if m:
+            url = m.group(1)
+        elif proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"sandman serve did not start:\n{log.read_text(errors='replace')}")
+        else:
+            time.sleep(0.05)
+    server = Server(url, token, state, log, proc)
+    try:
+        yield server
+    finally:
+        try:
+            with server.client() as c:
+                for sb in c.list():
+                    if sb.live:
+                        c.release(sb.id)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            shutil.copy(log, base / "last-serve.log")
+            shutil.rmtree(state, ignore_errors=True)

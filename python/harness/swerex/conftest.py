@@ -1,0 +1,71 @@
+"""Our conftest for SWE-ReX's own `tests/test_execution.py` (from the swe-rex sdist; see
+`scripts/test-harnesses swe-rex`): its `remote_runtime` fixture is a `SandmanRuntime` on a fresh
+sandbox of a real `sandman serve` (the process provider), instead of SWE-ReX's own server.
+
+The suite writes files through the runtime and reads them on this machine (and the other way
+round) under pytest's `tmp_path`: the process provider's sandboxes see this machine's file system
+but have a `/tmp` of their own, so the script gives pytest a `--basetemp` outside `/tmp`.
+
+One test (`test_server_dead`) points SWE-ReX's own client at a host name on the internet to see
+it fail; the tests send nothing off this machine, so name lookups of anything but local names
+fail here at once, as they would for a host that does not exist.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, AsyncIterator, Iterator, Optional
+
+import pytest
+from swerex.runtime.abstract import BashAction, CloseBashSessionRequest, Command, CreateBashSessionRequest
+
+# python/harness, on PYTHONPATH (the script puts it there: this file runs from a copy).
+from sandman_server import Server, serve
+
+from sandman.integrations.swerex import SandmanDeployment, SandmanRuntime
+
+_LOCAL = {"localhost", "127.0.0.1", "::1", "", None}
+_getaddrinfo = socket.getaddrinfo
+
+
+def _local_only(host: Any, *args: Any, **kwargs: Any) -> Any:
+    name = host.decode() if isinstance(host, bytes) else host
+    if name not in _LOCAL and not str(name).startswith("127."):
+        raise socket.gaierror(socket.EAI_NONAME, f"{name}: name lookups off this machine are refused in tests")
+    return _getaddrinfo(host, *args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _no_lookups_off_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "getaddrinfo", _local_only)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    yield from serve("swe-rex")
+
+
+@pytest.fixture
+async def remote_runtime(server: Server) -> AsyncIterator[SandmanRuntime]:
+    """A `SandmanRuntime` on a sandbox of its own, made and released by a `SandmanDeployment`."""
+    deployment = SandmanDeployment(url=server.url, token=server.token, lease=120, labels={"suite": "swe-rex"})
+    await deployment.start()
+    try:
+        yield deployment.runtime
+    finally:
+        await deployment.stop()
+
+
+@pytest.fixture
+async def runtime_with_default_session(remote_runtime: SandmanRuntime) -> AsyncIterator[SandmanRuntime]:
+    await remote_runtime.create_session(CreateBashSessionRequest())
+    yield remote_runtime
+    await remote_runtime.close_session(CloseBashSessionRequest())
+
+
+class _Action(BashAction):
+    timeout: Optional[float] = 5
+
+
+class _Command(Command):
+    timeout: Optional[float] = 5
