@@ -3,8 +3,12 @@
 sandbox of a real `sandman serve` (the process provider), instead of SWE-ReX's own server.
 
 The suite writes files through the runtime and reads them on this machine (and the other way
-round) under pytest's `tmp_path`: the process provider's sandboxes see this machine's file system
-but have a `/tmp` of their own, so the script gives pytest a `--basetemp` outside `/tmp`.
+round) under pytest's `tmp_path`, as SWE-ReX's own runtime, which runs on the test machine,
+allows. An isolated sandbox writes into a root of its own, so this suite's server runs with
+`--isolation none`: its sandboxes share this machine's file system, as SWE-ReX's runtime does
+(the script gives pytest a `--basetemp` outside `/tmp`, which a sandbox still has of its own).
+What the adapter does is the same either way; `python/tests/test_swerex.py` runs it in isolated
+sandboxes, and the attack suite (`crates/cli/tests/attack_isolation.rs`) checks the isolation.
 
 One test (`test_server_dead`) points SWE-ReX's own client at a host name on the internet to see
 it fail; the tests send nothing off this machine, so name lookups of anything but local names
@@ -42,7 +46,7 @@ def _no_lookups_off_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
-    yield from serve("swe-rex")
+    yield from serve("swe-rex", ["--isolation", "none"])
 
 
 @pytest.fixture
