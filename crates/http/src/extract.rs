@@ -56,8 +56,19 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
         if bytes.is_empty() {
             return Err(BadRequest::Invalid("request body must be a JSON object".into()));
         }
-        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| BadRequest::Invalid(format!("invalid JSON body: {e}")))
+        let mut de = serde_json::Deserializer::from_slice(&bytes);
+        let value = serde_path_to_error::deserialize(&mut de)
+            .map_err(|e| BadRequest::Invalid(format!("invalid JSON body: {}", named(e.path(), e.inner()))))?;
+        de.end().map_err(|e| BadRequest::Invalid(format!("invalid JSON body: {e}")))?;
+        Ok(ApiJson(value))
     }
+}
+
+/// A parse error with the field it is about in front (`lease_s: invalid value: …`), where the
+/// error is about one.
+fn named(path: &serde_path_to_error::Path, err: &dyn std::fmt::Display) -> String {
+    let path = path.to_string();
+    if path.is_empty() || path == "." { err.to_string() } else { format!("{path}: {err}") }
 }
 
 /// Reads a whole body, refusing it past `limit` bytes.
@@ -90,9 +101,10 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let query = parts.uri.query().unwrap_or_default();
-        serde_urlencoded::from_str(query)
+        let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+        serde_path_to_error::deserialize(de)
             .map(ApiQuery)
-            .map_err(|e| BadRequest::Invalid(format!("invalid query string: {e}")))
+            .map_err(|e| BadRequest::Invalid(format!("invalid query string: {}", named(e.path(), e.inner()))))
     }
 }
 

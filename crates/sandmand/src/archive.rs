@@ -6,7 +6,7 @@ use std::io::{self, BufReader, Read};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::Json;
 use axum::body::{Body, HttpBody};
@@ -15,6 +15,7 @@ use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use sandman_wire::bounds;
 use sandman_wire::daemon::{ExtractResult, PathQuery};
 use tokio::io::DuplexStream;
 use tokio_util::io::{ReaderStream, StreamReader, SyncIoBridge};
@@ -41,12 +42,111 @@ pub async fn extract(
     body: Body,
 ) -> DaemonResult<Json<ExtractResult>> {
     let target = absolute(&q.path)?;
-    extract_into(target, body, daemon.config.max_upload_bytes).await.map(Json)
+    let limits = Unpacking::of(&daemon.config.limits);
+    extract_into(target, body, daemon.config.max_upload_bytes, limits).await.map(Json)
+}
+
+/// What an extraction may write.
+#[derive(Debug, Clone, Copy, Default)]
+struct Unpacking {
+    /// The sandbox's disk: entries (contents plus [`ENTRY_COST`] each) past it stop the
+    /// extraction (0 = no limit).
+    disk: u64,
+    /// A gzipped upload may unpack to this many times the compressed bytes read so far (plus
+    /// [`EXPANSION_SLACK`]); 0 = no limit.
+    ratio: u64,
+}
+
+impl Unpacking {
+    fn of(limits: &crate::Limits) -> Self {
+        Unpacking { disk: limits.disk_bytes, ratio: limits.expansion_ratio }
+    }
+}
+
+/// What each entry counts against the disk limit besides its contents: its header's block, as a
+/// directory or a symlink takes room too.
+const ENTRY_COST: u64 = 512;
+/// Unpacked bytes allowed beyond the expansion ratio, so that a small archive of a highly
+/// compressible file (a megabyte of zeros) is not refused.
+const EXPANSION_SLACK: u64 = 1 << 20;
+
+/// Why a read of the archive stopped it, beyond what tar itself refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Expansion {
+        ratio: u64,
+    },
+    /// The client went away: the request was dropped.
+    Abandoned,
+}
+
+/// The extraction's counters, shared by the readers on the unpacking thread and the request.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Bytes of the upload read (compressed, for a gzipped one).
+    raw: AtomicU64,
+    /// Bytes of the tar stream read.
+    tar: AtomicU64,
+    abandoned: AtomicBool,
+    stop: std::sync::Mutex<Option<Stop>>,
+}
+
+impl Progress {
+    fn stop(&self, why: Stop) -> io::Error {
+        *self.stop.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+        io::Error::other(format!("extraction stopped: {why:?}"))
+    }
+
+    fn stopped(&self) -> Option<Stop> {
+        *self.stop.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Counts what passes through a reader of the upload (`raw`) or of the tar stream, and stops the
+/// tar stream past the expansion ratio or once the request is dropped.
+struct Counting<R> {
+    inner: R,
+    progress: Arc<Progress>,
+    tar: bool,
+    /// The expansion ratio, for the tar stream of a gzipped upload.
+    ratio: Option<u64>,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let p = &self.progress;
+        if p.abandoned.load(Ordering::Relaxed) {
+            return Err(p.stop(Stop::Abandoned));
+        }
+        let n = self.inner.read(buf)?;
+        if !self.tar {
+            p.raw.fetch_add(n as u64, Ordering::Relaxed);
+            return Ok(n);
+        }
+        let unpacked = p.tar.fetch_add(n as u64, Ordering::Relaxed).saturating_add(n as u64);
+        if let Some(ratio) = self.ratio {
+            let allowed = p.raw.load(Ordering::Relaxed).saturating_mul(ratio).saturating_add(EXPANSION_SLACK);
+            if unpacked > allowed {
+                return Err(p.stop(Stop::Expansion { ratio }));
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// Marks the extraction abandoned when the request's future is dropped before it ends: the
+/// unpacking thread stops at its next read instead of working on for nobody.
+struct AbandonOnDrop(Arc<Progress>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.abandoned.store(true, Ordering::Relaxed);
+    }
 }
 
 /// The work of [`extract`]: `body` unpacked into `target`, at most `limit` bytes read from it
-/// (0 = no limit).
-async fn extract_into(target: PathBuf, body: Body, limit: u64) -> DaemonResult<ExtractResult> {
+/// (0 = no limit), within `limits`.
+async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking) -> DaemonResult<ExtractResult> {
     if limit > 0 && body.size_hint().lower() > limit {
         return Err(DaemonError::TooLarge { limit });
     }
@@ -61,11 +161,21 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64) -> DaemonResult<E
     let over_limit = Arc::new(AtomicBool::new(false));
     let upload = SyncIoBridge::new(StreamReader::new(counted(body, limit, Arc::clone(&over_limit))));
     let dst = target.clone();
-    let unpacked = blocking(move || Ok(unpack(BufReader::with_capacity(READ_AHEAD, upload), &dst))).await?;
+    let progress = Arc::new(Progress::default());
+    let _abandon = AbandonOnDrop(Arc::clone(&progress));
+    let shared = Arc::clone(&progress);
+    let unpacked = blocking(move || {
+        let raw = Counting { inner: upload, progress: Arc::clone(&shared), tar: false, ratio: None };
+        Ok(unpack(BufReader::with_capacity(READ_AHEAD, raw), &dst, limits, &shared))
+    })
+    .await?;
     match unpacked {
         Ok(counts) => Ok(ExtractResult { path: shown(&target), entries: counts.entries, bytes: counts.bytes }),
         Err(_) if over_limit.load(Ordering::Relaxed) => Err(DaemonError::TooLarge { limit }),
-        Err(refused) => Err(refused.into_error(&target)),
+        Err(refused) => match progress.stopped() {
+            Some(why) => Err(Refusal::Stopped(why).into_error(&target)),
+            None => Err(refused.into_error(&target)),
+        },
     }
 }
 
@@ -109,6 +219,12 @@ enum Refusal {
     Read(io::Error),
     /// One entry could not be written.
     Unpack { entry: PathBuf, source: io::Error },
+    /// An entry's path, or its link's, is deeper than the bound.
+    TooDeep { entry: String, depth: usize },
+    /// The entries would write past the sandbox's disk limit.
+    Disk { entry: String, limit: u64 },
+    /// A read of the archive stopped it.
+    Stopped(Stop),
 }
 
 impl Refusal {
@@ -122,6 +238,18 @@ impl Refusal {
                 "tar entry `{entry}` is a hard link to `{link}`, which would land outside `{target}`"
             )),
             Refusal::Read(err) => DaemonError::InvalidArgument(format!("cannot read the tar archive: {err}")),
+            Refusal::TooDeep { entry, depth } => DaemonError::InvalidArgument(format!(
+                "tar entry `{}` is {depth} levels deep, over the limit of {} levels",
+                short(&entry),
+                bounds::PATH_DEPTH.max
+            )),
+            Refusal::Disk { entry, limit } => {
+                DaemonError::DiskLimit { limit, what: format!("the archive, at entry `{}`,", short(&entry)) }
+            }
+            Refusal::Stopped(Stop::Expansion { ratio }) => DaemonError::Expansion { ratio },
+            Refusal::Stopped(Stop::Abandoned) => {
+                DaemonError::InvalidArgument("the client went away; the extraction was stopped".into())
+            }
             // What tar refuses itself (a write through a symlink leading outside the target, a
             // link without a name) comes as `Other`; a truncated archive as `UnexpectedEof`.
             Refusal::Unpack { entry, source } => match source.kind() {
@@ -138,8 +266,9 @@ impl Refusal {
     }
 }
 
-/// Unpacks a tar stream into `dst`, gunzipping it first when it starts with the gzip magic.
-fn unpack(mut upload: impl Read, dst: &Path) -> Result<Counts, Refusal> {
+/// Unpacks a tar stream into `dst`, gunzipping it first when it starts with the gzip magic,
+/// within `limits`; `progress` counts and can stop it.
+fn unpack(mut upload: impl Read, dst: &Path, limits: Unpacking, progress: &Arc<Progress>) -> Result<Counts, Refusal> {
     let mut magic = [0u8; 2];
     let mut seen = 0;
     while seen < magic.len() {
@@ -151,29 +280,53 @@ fn unpack(mut upload: impl Read, dst: &Path) -> Result<Counts, Refusal> {
         }
     }
     let whole = (&magic[..seen]).chain(upload);
-    if magic == GZIP_MAGIC { unpack_tar(flate2::read::MultiGzDecoder::new(whole), dst) } else { unpack_tar(whole, dst) }
+    let counted = |inner, ratio| Counting { inner, progress: Arc::clone(progress), tar: true, ratio };
+    if magic == GZIP_MAGIC {
+        let ratio = (limits.ratio > 0).then_some(limits.ratio);
+        unpack_tar(counted(Box::new(flate2::read::MultiGzDecoder::new(whole)) as Box<dyn Read>, ratio), dst, limits)
+    } else {
+        unpack_tar(counted(Box::new(whole) as Box<dyn Read>, None), dst, limits)
+    }
 }
 
-fn unpack_tar(source: impl Read, dst: &Path) -> Result<Counts, Refusal> {
+fn unpack_tar(source: impl Read, dst: &Path, limits: Unpacking) -> Result<Counts, Refusal> {
     let mut archive = tar::Archive::new(source);
     archive.set_preserve_permissions(true);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
     archive.set_unpack_xattrs(false);
     let mut counts = Counts::default();
+    // Contents plus a header's block for each entry: what the disk limit is held against.
+    let mut cost = 0u64;
     for entry in archive.entries().map_err(Refusal::Read)? {
         let mut entry = entry.map_err(Refusal::Read)?;
         let name = entry.path().map_err(Refusal::Read)?.into_owned();
         let escapes = |link: Option<&Path>| Refusal::Escapes { entry: shown(&name), link: link.map(shown) };
+        let too_deep = |path: &Path| {
+            let depth = path.components().count();
+            (depth as u64 > bounds::PATH_DEPTH.max).then(|| Refusal::TooDeep { entry: shown(&name), depth })
+        };
+        if let Some(refusal) = too_deep(&name) {
+            return Err(refusal);
+        }
         if !stays_inside(&name) {
             return Err(escapes(None));
         }
         let kind = entry.header().entry_type();
+        if let Some(link) = entry.link_name().map_err(Refusal::Read)?
+            && let Some(refusal) = too_deep(&link)
+        {
+            return Err(refusal);
+        }
         if kind.is_hard_link()
             && let Some(link) = entry.link_name().map_err(Refusal::Read)?
             && !stays_inside(&link)
         {
             return Err(escapes(Some(&link)));
+        }
+        cost = cost.saturating_add(entry.size()).saturating_add(ENTRY_COST);
+        if limits.disk > 0 && cost > limits.disk {
+            return Err(Refusal::Disk { entry: shown(&name), limit: limits.disk });
         }
         // `unpack_in` also refuses to write through a symlink that leads outside `dst`.
         match entry.unpack_in(dst) {
@@ -190,6 +343,14 @@ fn unpack_tar(source: impl Read, dst: &Path) -> Result<Counts, Refusal> {
         }
     }
     Ok(counts)
+}
+
+/// A name for a message: at most 200 characters of it.
+fn short(name: &str) -> String {
+    match name.char_indices().nth(200) {
+        Some((at, _)) => format!("{}…", &name[..at]),
+        None => name.to_string(),
+    }
 }
 
 /// Whether an archive path stays below the directory it is unpacked in: relative, and with no
@@ -337,7 +498,7 @@ mod tests {
     }
 
     fn refusal_message(archive: &[u8], dst: &Path) -> String {
-        match unpack(archive, dst) {
+        match unpack(archive, dst, Unpacking::default(), &Arc::default()) {
             Ok(counts) => format!("unpacked {counts:?}"),
             Err(refusal) => refusal.into_error(dst).to_string(),
         }
@@ -419,7 +580,8 @@ mod tests {
             .collect::<io::Result<_>>()?;
         assert_eq!(names, ["d", "d/e", "d/e/f", "l", "x"]);
         let dst = tempfile::tempdir()?;
-        let counts = unpack(&tar[..], dst.path()).map_err(|r| io::Error::other(format!("{r:?}")))?;
+        let counts = unpack(&tar[..], dst.path(), Unpacking::default(), &Arc::default())
+            .map_err(|r| io::Error::other(format!("{r:?}")))?;
         assert_eq!(counts, Counts { entries: 5, bytes: 8 });
         assert_eq!(fs::read(dst.path().join("d/e/f"))?, b"deep");
         assert_eq!(fs::metadata(dst.path().join("x"))?.permissions().mode() & 0o777, 0o755);
@@ -436,7 +598,8 @@ mod tests {
         let gz = gz.finish()?;
         assert_eq!(gz[..2], GZIP_MAGIC);
         let dst = tempfile::tempdir()?;
-        let counts = unpack(&gz[..], dst.path()).map_err(|r| io::Error::other(format!("{r:?}")))?;
+        let counts = unpack(&gz[..], dst.path(), Unpacking::default(), &Arc::default())
+            .map_err(|r| io::Error::other(format!("{r:?}")))?;
         assert_eq!(counts.entries, 5);
         assert_eq!(fs::read(dst.path().join("x"))?, b"exec");
         Ok(())
@@ -445,7 +608,7 @@ mod tests {
     #[test]
     fn an_empty_upload_unpacks_nothing() {
         let dst = Path::new("/nonexistent-sandman-test");
-        assert_eq!(unpack(&[][..], dst).ok(), Some(Counts::default()));
+        assert_eq!(unpack(&[][..], dst, Unpacking::default(), &Arc::default()).ok(), Some(Counts::default()));
     }
 
     #[test]
@@ -465,7 +628,7 @@ mod tests {
         let tar = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
         let dst = tempfile::tempdir()?;
         let target = dst.path().join("new/dir");
-        let result = extract_into(target.clone(), Body::from(tar), 0).await?;
+        let result = extract_into(target.clone(), Body::from(tar), 0, Unpacking::default()).await?;
         assert_eq!((result.path, result.entries, result.bytes), (shown(&target), 5, 8));
         assert_eq!(fs::read(target.join("d/e/f"))?, b"deep");
         Ok(())
@@ -496,7 +659,7 @@ mod tests {
         let chunks: Vec<io::Result<Bytes>> = tar.chunks(512).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
         let dst = tempfile::tempdir()?;
         let body = Body::from_stream(futures_util::stream::iter(chunks));
-        let err = extract_into(dst.path().to_path_buf(), body, 1024).await.err();
+        let err = extract_into(dst.path().to_path_buf(), body, 1024, Unpacking::default()).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 1024 })), "{err:?}");
         Ok(())
     }

@@ -87,11 +87,10 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .merge(control)
         .merge(proxied)
         .route_layer(middleware::from_fn_with_state(service.clone(), authorize))
-        .route("/healthz", get(healthz))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::disable())
-        .with_state(service);
+        .with_state(service.clone());
     // The limit wraps the whole router as one service: `Router::layer` would give every route
     // and method a semaphore of its own.
     let limited = ServiceBuilder::new()
@@ -99,7 +98,9 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .load_shed()
         .concurrency_limit(limits.max_concurrent)
         .service(app);
-    Router::new().fallback_service(limited)
+    // Liveness is answered beside the limit, never shed: a probe that got 503 under load would
+    // have the server killed for being busy.
+    Router::new().route("/healthz", get(healthz)).with_state(service).fallback_service(limited)
 }
 
 /// Answers the edge layers' refusals with the wire error body.
@@ -329,6 +330,78 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (status, body) = answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await;
         assert_eq!((status, body["error"]["code"].as_str()), (503, Some("unavailable")), "{body}");
+        first.abort();
+    }
+
+    /// Before, a lease of u64::MAX panicked the request (an instant plus the lease overflowed)
+    /// and broke listing for everyone; every number a caller sends is now refused with 400
+    /// naming the field and its range.
+    #[tokio::test]
+    async fn a_lease_of_u64_max_is_refused_naming_its_range() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(5), max_concurrent: 16 });
+        let max = u64::MAX;
+        let cases = [
+            ("POST", "/v1/sandboxes", format!(r#"{{"image":"x","lease_s":{max}}}"#), "`lease_s`", "604800 (7 days)"),
+            (
+                "POST",
+                "/v1/sandboxes",
+                format!(r#"{{"image":"x","idle_timeout_s":{max}}}"#),
+                "`idle_timeout_s`",
+                "604800",
+            ),
+            ("POST", "/v1/sandboxes", format!(r#"{{"image":"x","ttl_s":{max}}}"#), "`ttl_s`", "2592000 (30 days)"),
+            (
+                "POST",
+                "/v1/sandboxes",
+                format!(r#"{{"image":"x","wait_timeout_s":{max}}}"#),
+                "`wait_timeout_s`",
+                "86400 (1 day)",
+            ),
+            (
+                "POST",
+                "/v1/sandboxes",
+                r#"{"image":"x","resources":{"memory":"1e30"}}"#.into(),
+                "`resources.memory`",
+                "TiB",
+            ),
+            ("POST", "/v1/sandboxes", r#"{"image":"x","resources":{"pids":0}}"#.into(), "`resources.pids`", "4194304"),
+            ("PUT", "/v1/jobs/j", format!(r#"{{"lease_s":{max}}}"#), "`lease_s`", "604800"),
+            ("PUT", "/v1/jobs/j", r#"{"weight":1e300}"#.into(), "`weight`", "at most 1000"),
+            ("PUT", "/v1/pools/p", format!(r#"{{"image":"x","min_ready":0,"lease_s":{max}}}"#), "`lease_s`", "604800"),
+            ("POST", "/v1/sandboxes", r#"{"image":"x","lease_s":-1}"#.into(), "lease_s", "u64"),
+        ];
+        for (method, uri, body, field, range) in cases {
+            let (status, v) = answer(&app, req(method, uri, &body, Some("t"))).await;
+            let message = v["error"]["message"].as_str().unwrap_or_default().to_string();
+            assert_eq!((status, v["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}: {v}");
+            assert!(message.contains(field) && message.contains(range), "{body}: {message}");
+        }
+        // Nothing of it broke listing.
+        assert_eq!(answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn healthz_answers_while_the_server_sheds() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 1 });
+        let slow = app.clone();
+        let first =
+            tokio::spawn(
+                async move { answer(&slow, req("POST", "/v1/sandboxes", r#"{"image":"x"}"#, Some("t"))).await },
+            );
+        // Shed: the one slot is taken by the waiting create.
+        let shed = async {
+            loop {
+                if answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await.0 == 503 {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), shed).await.unwrap_or_else(|_| panic!("never shed"));
+        let (status, body) = answer(&app, req("GET", "/healthz", "", None)).await;
+        assert_eq!((status, body["status"].as_str()), (200, Some("ok")), "{body}");
         first.abort();
     }
 
