@@ -329,6 +329,7 @@ impl ProcessProvider {
         }
         if let Some(bytes) = rlimits.file_size {
             arg("--rlimit-fsize", bytes.to_string().into());
+            arg("--disk-limit", bytes.to_string().into());
         }
         for cgroup in eval.iter().flat_map(|e| e.dirs.unique()) {
             arg("--cgroup", cgroup.into());

@@ -172,10 +172,7 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     match unpacked {
         Ok(counts) => Ok(ExtractResult { path: shown(&target), entries: counts.entries, bytes: counts.bytes }),
         Err(_) if over_limit.load(Ordering::Relaxed) => Err(DaemonError::TooLarge { limit }),
-        Err(refused) => match progress.stopped() {
-            Some(why) => Err(Refusal::Stopped(why).into_error(&target)),
-            None => Err(refused.into_error(&target)),
-        },
+        Err(refused) => Err(refused.into_error(&target)),
     }
 }
 
@@ -281,12 +278,14 @@ fn unpack(mut upload: impl Read, dst: &Path, limits: Unpacking, progress: &Arc<P
     }
     let whole = (&magic[..seen]).chain(upload);
     let counted = |inner, ratio| Counting { inner, progress: Arc::clone(progress), tar: true, ratio };
-    if magic == GZIP_MAGIC {
+    let unpacked = if magic == GZIP_MAGIC {
         let ratio = (limits.ratio > 0).then_some(limits.ratio);
         unpack_tar(counted(Box::new(flate2::read::MultiGzDecoder::new(whole)) as Box<dyn Read>, ratio), dst, limits)
     } else {
         unpack_tar(counted(Box::new(whole) as Box<dyn Read>, None), dst, limits)
-    }
+    };
+    // tar wraps the error of a read that stopped the extraction; the progress says why.
+    unpacked.map_err(|refused| progress.stopped().map_or(refused, Refusal::Stopped))
 }
 
 fn unpack_tar(source: impl Read, dst: &Path, limits: Unpacking) -> Result<Counts, Refusal> {
@@ -602,6 +601,84 @@ mod tests {
             .map_err(|r| io::Error::other(format!("{r:?}")))?;
         assert_eq!(counts.entries, 5);
         assert_eq!(fs::read(dst.path().join("x"))?, b"exec");
+        Ok(())
+    }
+
+    /// A tar of one file of `len` zero bytes, gzipped.
+    fn zeros_gz(len: usize) -> io::Result<Vec<u8>> {
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(len as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder.append_data(&mut header, "zeros", io::repeat(0).take(len as u64))?;
+        let tar = builder.into_inner()?;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        io::Write::write_all(&mut gz, &tar)?;
+        gz.finish()
+    }
+
+    #[test]
+    fn a_gzip_bomb_stops_at_the_disk_limit() -> io::Result<()> {
+        let bomb = zeros_gz(16 << 20)?;
+        assert!(bomb.len() < 64 << 10, "{}", bomb.len());
+        let dst = tempfile::tempdir()?;
+        let limits = Unpacking { disk: 1 << 20, ratio: 0 };
+        let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
+        let msg = refused.map(|r| r.into_error(dst.path()).to_string()).unwrap_or_default();
+        assert!(msg.contains("disk limit of 1048576 bytes") && msg.contains("`zeros`"), "{msg}");
+        // Refused before a byte of it was written.
+        assert!(!dst.path().join("zeros").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn a_gzip_bomb_stops_at_the_expansion_ratio() -> io::Result<()> {
+        let bomb = zeros_gz(32 << 20)?;
+        let dst = tempfile::tempdir()?;
+        let limits = Unpacking { disk: 0, ratio: 100 };
+        let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
+        let err = refused.map(|r| r.into_error(dst.path()));
+        assert!(matches!(err, Some(DaemonError::Expansion { ratio: 100 })), "{err:?}");
+        assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::TooLarge));
+        let written = fs::metadata(dst.path().join("zeros")).map(|m| m.len()).unwrap_or(0);
+        assert!(written <= 100 * bomb.len() as u64 + EXPANSION_SLACK, "{written} bytes written");
+        // Within the ratio, the same archive unpacks whole.
+        let dst = tempfile::tempdir()?;
+        let small = zeros_gz(64 << 10)?;
+        assert!(unpack(&small[..], dst.path(), limits, &Arc::default()).is_ok());
+        Ok(())
+    }
+
+    #[test]
+    fn a_2000_deep_path_is_refused_before_anything_is_made() -> io::Result<()> {
+        let deep = "d/".repeat(2000) + "f";
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(1);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder.append_data(&mut header, &deep, &b"x"[..])?;
+        let tar = builder.into_inner()?;
+        assert!(tar.len() < 16 << 10);
+        let dst = tempfile::tempdir()?;
+        let msg = refusal_message(&tar, dst.path());
+        assert!(msg.contains("is 2001 levels deep, over the limit of 256 levels"), "{msg}");
+        assert!(msg.len() < 400, "the whole name was put in the message: {}", msg.len());
+        assert!(!dst.path().join("d").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn an_abandoned_extraction_stops_at_its_next_read() -> io::Result<()> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        let progress = Arc::new(Progress::default());
+        drop(AbandonOnDrop(Arc::clone(&progress)));
+        let dst = tempfile::tempdir()?;
+        let refused = unpack(&tar[..], dst.path(), Unpacking::default(), &progress).err();
+        assert_eq!(progress.stopped(), Some(Stop::Abandoned), "{refused:?}");
+        assert!(fs::read_dir(dst.path())?.next().is_none(), "something was unpacked for nobody");
         Ok(())
     }
 

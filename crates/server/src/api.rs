@@ -544,3 +544,146 @@ mod tests {
         assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("--max-queue")), "{v}");
     }
 }
+
+/// Property tests of the whole router: arbitrary JSON bodies, numbers and query strings on every
+/// control call never panic the server and never answer 5xx; bad input is 4xx.
+#[cfg(test)]
+mod properties {
+    use super::{CreateSandbox, Duration, Limits, Request, Router, Service, router};
+    use crate::service::{Daemons, Settings};
+    use axum::body::Body;
+    use proptest::prelude::*;
+    use sandman_provider::Endpoint;
+    use sandman_provider::fake::FakeProvider;
+    use serde_json::Value;
+    use tower::ServiceExt;
+
+    /// Field names of the server's requests, so that arbitrary bodies reach past "unknown field".
+    const FIELDS: &[&str] = &[
+        "image",
+        "provider",
+        "resources",
+        "cpu",
+        "memory",
+        "disk",
+        "pids",
+        "env",
+        "labels",
+        "job",
+        "profile",
+        "network",
+        "ttl_s",
+        "idle_timeout_s",
+        "lease_s",
+        "pool",
+        "setup",
+        "idempotency_key",
+        "wait",
+        "wait_timeout_s",
+        "max_sandboxes",
+        "create_rate",
+        "weight",
+        "min_ready",
+        "max",
+        "autoscale",
+        "images",
+        "hold_until",
+        "record",
+        "signature",
+        "key_id",
+    ];
+
+    fn number() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            any::<u64>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (0u64..100_000).prop_map(Value::from),
+            Just(Value::from(u64::MAX)),
+            any::<f64>().prop_filter("JSON has no NaN or infinity", |f| f.is_finite()).prop_map(Value::from),
+        ]
+    }
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            number(),
+            "[a-z0-9:/._-]{0,12}".prop_map(Value::from),
+            Just(Value::from("host")),
+        ];
+        leaf.prop_recursive(3, 24, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map(
+                    prop_oneof![prop::sample::select(FIELDS).prop_map(str::to_string), "[a-z_]{1,8}"],
+                    inner,
+                    0..6
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn call() -> impl Strategy<Value = (&'static str, String)> {
+        prop_oneof![
+            Just(("POST", "/v1/sandboxes".to_string())),
+            Just(("PUT", "/v1/jobs/j".to_string())),
+            Just(("PUT", "/v1/pools/p".to_string())),
+            Just(("POST", "/v1/prepare".to_string())),
+            Just(("POST", "/v1/verify".to_string())),
+            "[a-z0-9=&%_-]{0,40}".prop_map(|q| ("GET", format!("/v1/sandboxes?{q}"))),
+            "[a-z0-9=&%_-]{0,40}".prop_map(|q| ("GET", format!("/v1/events?{q}"))),
+            ("[a-z0-9-]{1,8}", "[a-z/]{0,12}").prop_map(|(id, call)| ("POST", format!("/v1/sandboxes/{id}/{call}"))),
+        ]
+    }
+
+    fn app(dir: &std::path::Path) -> Router {
+        let settings = Settings { create_rate: None, daemons: Daemons::Absent, ..Settings::new(dir.to_path_buf()) };
+        let provider = crate::provider::AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.join("none.sock"))));
+        let service = Service::new(settings, provider, "t".into());
+        service.start_background();
+        router(service, Limits { request_timeout: Duration::from_secs(30), max_concurrent: 64 })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_requests_never_panic_nor_answer_5xx((method, uri) in call(), body in json(), raw in any::<bool>()) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| panic!("{e}"));
+            let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+            let status = rt.block_on(async {
+                let app = app(dir.path());
+                // Now and then a body that is not JSON at all.
+                let text = if raw { body.to_string().replace('"', "") } else { body.to_string() };
+                let req = Request::builder()
+                    .method(method)
+                    .uri(&uri)
+                    .header("authorization", "Bearer t")
+                    .header("content-type", "application/json")
+                    .body(Body::from(text))
+                    .unwrap_or_default();
+                let resp = tokio::time::timeout(Duration::from_secs(20), app.oneshot(req)).await;
+                resp.map(|r| r.unwrap_or_else(|e| match e {}).status().as_u16()).unwrap_or(408)
+            });
+            prop_assert!(status < 500, "{method} {uri} {body}: {status}");
+        }
+
+        #[test]
+        fn every_number_of_a_create_is_checked_before_use(lease in any::<u64>(), idle in any::<u64>(), ttl in any::<u64>(), wait in any::<u64>()) {
+            let c = CreateSandbox {
+                image: "host".into(),
+                lease_s: Some(lease),
+                idle_timeout_s: Some(idle),
+                ttl_s: Some(ttl),
+                wait_timeout_s: Some(wait),
+                ..CreateSandbox::default()
+            };
+            let ok = (1..=sandman_wire::bounds::LEASE_S.max).contains(&lease)
+                && (1..=sandman_wire::bounds::IDLE_TIMEOUT_S.max).contains(&idle)
+                && (1..=sandman_wire::bounds::TTL_S.max).contains(&ttl)
+                && wait <= sandman_wire::bounds::WAIT_TIMEOUT_S.max;
+            prop_assert_eq!(c.check_bounds().is_ok(), ok);
+        }
+    }
+}
