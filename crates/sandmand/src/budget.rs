@@ -1,7 +1,8 @@
 //! `OutputBudget`: the daemon-wide bound on command output held in memory at once, shared by
 //! the output `/v1/exec` collects and the output background processes retain
 //! (`--max-buffered-output`). Each holder takes bytes before it keeps them and gives them back
-//! when it drops them; what the budget cannot grant is not kept (an exec's output is cut and
+//! when it drops them (their capacity, not only their length: see [`OutputBudget::grow`]); what
+//! the budget cannot grant is not kept (an exec's output is cut and
 //! marked truncated, a process's oldest output is dropped and counted).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +35,20 @@ impl OutputBudget {
     /// Gives back bytes taken earlier.
     pub fn give_back(&self, n: u64) {
         let _ = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| Some(held.saturating_sub(n)));
+    }
+
+    /// Room for `incoming` more bytes in a buffer of `len` bytes that may hold at most `cap`,
+    /// and has `charged` bytes of capacity taken from the budget: takes more (doubling, as a
+    /// growing `Vec` does) as far as the budget allows, and answers the length the buffer may
+    /// reach now. Charging capacity rather than length keeps what the daemon actually holds,
+    /// slack included, within the budget.
+    pub fn grow(&self, charged: &mut u64, len: u64, incoming: u64, cap: u64) -> u64 {
+        let need = len.saturating_add(incoming).min(cap);
+        if need > *charged {
+            let want = need.max(charged.saturating_mul(2)).min(cap);
+            *charged = charged.saturating_add(self.take(want.saturating_sub(*charged)));
+        }
+        (*charged).min(cap)
     }
 
     pub fn held(&self) -> u64 {

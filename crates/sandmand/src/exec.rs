@@ -73,11 +73,21 @@ struct Capped {
     stderr: Vec<u8>,
     stdout_truncated: bool,
     stderr_truncated: bool,
+    /// Capacity of each buffer taken from the budget, given back when dropped.
+    charged: [u64; 2],
 }
 
 impl Capped {
     fn new(cap: u64, budget: Arc<OutputBudget>) -> Self {
-        Capped { cap, budget, stdout: Vec::new(), stderr: Vec::new(), stdout_truncated: false, stderr_truncated: false }
+        Capped {
+            cap,
+            budget,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            charged: [0; 2],
+        }
     }
 }
 
@@ -87,20 +97,24 @@ impl OutputSink for Capped {
             StreamName::Stdout => (&mut self.stdout, &mut self.stdout_truncated),
             StreamName::Stderr => (&mut self.stderr, &mut self.stderr_truncated),
         };
-        let room = usize::try_from(self.cap).unwrap_or(usize::MAX).saturating_sub(buf.len());
-        let want = data.len().min(room);
-        let granted = usize::try_from(self.budget.take(want as u64)).unwrap_or(0);
-        if data.len() > granted {
+        let charged = &mut self.charged[stream as usize];
+        let max_len = self.budget.grow(charged, buf.len() as u64, data.len() as u64, self.cap);
+        let max_len = usize::try_from(max_len).unwrap_or(usize::MAX);
+        if max_len > buf.capacity() {
+            buf.reserve_exact(max_len - buf.len());
+        }
+        let keep = data.len().min(max_len.saturating_sub(buf.len()));
+        if keep < data.len() {
             *truncated = true;
         }
-        buf.extend_from_slice(&data[..granted]);
+        buf.extend_from_slice(&data[..keep]);
         true
     }
 }
 
 impl Drop for Capped {
     fn drop(&mut self) {
-        self.budget.give_back((self.stdout.len() + self.stderr.len()) as u64);
+        self.budget.give_back(self.charged[0] + self.charged[1]);
     }
 }
 

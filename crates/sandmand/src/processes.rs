@@ -37,7 +37,7 @@ const DEFAULT_WAIT: Duration = Duration::from_secs(30);
 /// Events buffered for one follower of a process's output.
 const FOLLOW_EVENTS: usize = 16;
 
-/// The last `cap` bytes of one output stream and the offset of the first of them. What it holds
+/// The last `cap` bytes of one output stream and the offset of the first of them. Its capacity
 /// is taken from the daemon's output budget; when the budget has no more, new output replaces
 /// the ring's own oldest.
 #[derive(Debug)]
@@ -47,11 +47,13 @@ struct Ring {
     start: u64,
     cap: usize,
     budget: Arc<OutputBudget>,
+    /// Bytes of capacity taken from the budget, given back when the ring is dropped.
+    charged: u64,
 }
 
 impl Ring {
     fn new(cap: usize, budget: Arc<OutputBudget>) -> Self {
-        Ring { buf: VecDeque::new(), start: 0, cap, budget }
+        Ring { buf: VecDeque::new(), start: 0, cap, budget, charged: 0 }
     }
 
     fn total(&self) -> u64 {
@@ -62,15 +64,16 @@ impl Ring {
         // Only the last `cap` bytes of `data` can stay.
         let cut = data.len().saturating_sub(self.cap);
         let data = &data[cut..];
-        let before = self.buf.len();
-        let room = self.cap.saturating_sub(before);
-        let grow = data.len().min(room);
-        let granted = usize::try_from(self.budget.take(grow as u64)).unwrap_or(0);
+        let len = self.buf.len();
+        let max_len = self.budget.grow(&mut self.charged, len as u64, data.len() as u64, self.cap as u64) as usize;
+        if max_len > self.buf.capacity() {
+            self.buf.reserve_exact(max_len - len);
+        }
+        let keep = data.len().min(max_len);
+        let skipped = data.len() - keep;
         // What may not grow the ring replaces its oldest bytes.
-        let evict = (data.len() - granted).min(before);
+        let evict = (len + keep).saturating_sub(max_len).min(len);
         self.buf.drain(..evict);
-        let fits = granted + evict;
-        let skipped = data.len() - fits;
         self.buf.extend(&data[skipped..]);
         self.start += (cut + evict + skipped) as u64;
     }
@@ -88,7 +91,7 @@ impl Ring {
 
 impl Drop for Ring {
     fn drop(&mut self) {
-        self.budget.give_back(self.buf.len() as u64);
+        self.budget.give_back(self.charged);
     }
 }
 
