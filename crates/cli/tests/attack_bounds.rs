@@ -232,7 +232,7 @@ async fn a_gzip_bomb_stops_at_the_disk_limit() {
     let http = server.client();
     let small = http.create(json!({"image": "host", "resources": {"disk": "1Mi"}})).await;
     let small = small["id"].as_str().unwrap().to_string();
-    let bomb = zeros_gz(64 << 20);
+    let bomb = zeros_gz(16 << 20);
     let r = put(&http, &format!("/v1/sandboxes/{small}/archive?path=/tmp/bomb"), bomb).await;
     let err = r.error(413, "too_large");
     assert!(message(&err).contains("disk limit of 1048576 bytes"), "{err}");
@@ -243,9 +243,9 @@ async fn a_gzip_bomb_stops_at_the_disk_limit() {
     let r = put(&http, &format!("/v1/sandboxes/{small}/files?path=/tmp/big"), vec![0u8; 2 << 20]).await;
     assert!(message(&r.error(413, "too_large")).contains("disk limit"));
 
-    // No disk limit: the expansion ratio (100x) stops a 512 MiB bomb of half a megabyte.
+    // No disk limit: the expansion ratio (100x) stops a 256 MiB bomb of a quarter megabyte.
     let big = http.create(json!({"image": "host"})).await["id"].as_str().unwrap().to_string();
-    let bomb = zeros_gz(512 << 20);
+    let bomb = zeros_gz(256 << 20);
     let compressed = bomb.len() as u64;
     let r = put(&http, &format!("/v1/sandboxes/{big}/archive?path=/tmp/bomb"), bomb).await;
     let err = r.error(413, "too_large");

@@ -21,7 +21,7 @@ use tokio::io::DuplexStream;
 use tokio_util::io::{ReaderStream, StreamReader, SyncIoBridge};
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::extract::{ApiQuery, is_length_limit};
+use crate::extract::{ApiQuery, is_length_limit, unstalled};
 use crate::files::{DEFAULT_DIR_MODE, absolute, blocking, shown, sorted_names};
 use crate::state::Daemon;
 
@@ -180,7 +180,7 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
 /// (0 = no limit); `over_limit` records why, since tar wraps the error it gets.
 fn counted(body: Body, limit: u64, over_limit: Arc<AtomicBool>) -> impl Stream<Item = io::Result<Bytes>> {
     let mut seen = 0u64;
-    body.into_data_stream().map(move |chunk| match chunk {
+    unstalled(body).map(move |chunk| match chunk {
         Ok(bytes) => {
             seen = seen.saturating_add(bytes.len() as u64);
             if limit > 0 && seen > limit {

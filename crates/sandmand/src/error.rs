@@ -39,6 +39,9 @@ pub enum DaemonError {
         #[source]
         source: io::Error,
     },
+    /// The request body stopped coming midway.
+    #[error("{0}")]
+    Stalled(String),
     #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]
@@ -64,6 +67,7 @@ impl DaemonError {
             }
             DaemonError::Spawn { source, .. } => io_code(source, ErrorCode::InvalidArgument),
             DaemonError::Io { source, .. } => io_code(source, ErrorCode::Internal),
+            DaemonError::Stalled(_) => ErrorCode::Timeout,
             DaemonError::Unavailable(_) => ErrorCode::Unavailable,
             DaemonError::Internal(_) => ErrorCode::Internal,
         }

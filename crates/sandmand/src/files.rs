@@ -25,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::extract::{ApiJson, ApiQuery, is_length_limit};
+use crate::extract::{ApiJson, ApiQuery, is_length_limit, is_stalled, unstalled};
 use crate::state::Daemon;
 use crate::sys::random_hex;
 
@@ -229,7 +229,7 @@ async fn write_target(path: &Path) -> DaemonResult<PathBuf> {
 
 /// Streams the request body into `file`, refusing it past `limit`.
 async fn copy_body(body: Body, file: &mut tokio::fs::File, limit: Upload, temp: &Path) -> DaemonResult<u64> {
-    let mut chunks = body.into_data_stream();
+    let mut chunks = unstalled(body);
     let mut written = 0u64;
     while let Some(chunk) = chunks.next().await {
         let chunk = chunk.map_err(|e| body_error(&e, limit.max))?;
@@ -247,6 +247,8 @@ async fn copy_body(body: Body, file: &mut tokio::fs::File, limit: Upload, temp: 
 pub(crate) fn body_error(err: &axum::Error, limit: u64) -> DaemonError {
     if is_length_limit(err) {
         DaemonError::TooLarge { limit }
+    } else if is_stalled(err) {
+        DaemonError::Stalled(err.to_string())
     } else {
         DaemonError::InvalidArgument(format!("cannot read request body: {err}"))
     }
@@ -771,6 +773,33 @@ mod tests {
         let err = write_atomically(&target, 0o644, Body::from("123456789"), Upload { max: 8, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 8 })), "{err:?}");
         assert!(sorted_names(dir.path())?.is_empty());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn an_upload_past_the_disk_limit_is_stopped_and_leaves_nothing() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("big");
+        let chunks = futures_util::stream::iter(["12345", "67890"].map(|c| Ok::<_, io::Error>(Bytes::from(c))));
+        let err = write_atomically(&target, 0o644, Body::from_stream(chunks), Upload { max: 0, disk: 8 }).await.err();
+        assert!(matches!(err, Some(DaemonError::DiskLimit { limit: 8, .. })), "{err:?}");
+        assert_eq!(err.map(|e| e.code().http_status()), Some(413));
+        assert!(leftovers(dir.path())?.is_empty());
+        Ok(())
+    }
+
+    /// A client that sends half a body and then nothing is cut at the stall timeout, rather than
+    /// holding its connection and a temporary file for as long as it likes.
+    #[tokio::test(start_paused = true)]
+    async fn an_upload_that_stalls_is_cut_and_leaves_nothing() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("slow");
+        let first = futures_util::stream::once(async { Ok::<_, io::Error>(Bytes::from_static(b"half")) });
+        let body = Body::from_stream(first.chain(futures_util::stream::pending()));
+        let err = write_atomically(&target, 0o644, body, Upload::default()).await.err();
+        assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::Timeout));
+        assert!(!target.exists());
+        assert!(leftovers(dir.path())?.is_empty());
         Ok(())
     }
 
