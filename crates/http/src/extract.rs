@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use axum::body::{Body, HttpBody};
+use axum::body::Body;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
@@ -125,10 +125,9 @@ fn named(path: &serde_path_to_error::Path, err: &dyn std::fmt::Display) -> Strin
 
 /// Reads a whole body, refusing it past `limit` bytes or when it stalls.
 pub async fn read_limited(body: Body, limit: usize) -> Result<Bytes, BadRequest> {
+    // Read up to the limit even when the length says it is over: answering before the body
+    // is taken would cut off a client still sending it, which then never sees the answer.
     let too_large = BadRequest::TooLarge { limit: limit as u64 };
-    if body.size_hint().lower() > limit as u64 {
-        return Err(too_large);
-    }
     let mut chunks = unstalled(body);
     let mut whole = bytes::BytesMut::new();
     while let Some(chunk) = chunks.next().await {
