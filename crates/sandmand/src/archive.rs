@@ -21,7 +21,7 @@ use tokio::io::DuplexStream;
 use tokio_util::io::{ReaderStream, StreamReader, SyncIoBridge};
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::extract::{ApiQuery, is_length_limit, unstalled};
+use crate::extract::{ApiQuery, BodyStalled, is_length_limit, is_stalled, unstalled};
 use crate::files::{DEFAULT_DIR_MODE, absolute, blocking, shown, sorted_names};
 use crate::state::Daemon;
 
@@ -172,6 +172,9 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     match unpacked {
         Ok(counts) => Ok(ExtractResult { path: shown(&target), entries: counts.entries, bytes: counts.bytes }),
         Err(_) if over_limit.load(Ordering::Relaxed) => Err(DaemonError::TooLarge { limit }),
+        Err(refused) if refused.is_stall() => {
+            Err(DaemonError::Stalled(format!("{}; the extraction into `{}` was stopped", BodyStalled, shown(&target))))
+        }
         Err(refused) => Err(refused.into_error(&target)),
     }
 }
@@ -193,6 +196,10 @@ fn counted(body: Body, limit: u64, over_limit: Arc<AtomicBool>) -> impl Stream<I
         Err(err) => {
             if is_length_limit(&err) {
                 over_limit.store(true, Ordering::Relaxed);
+            }
+            // A stall is kept whole so that it can be told apart from a bad archive.
+            if is_stalled(&err) {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, err));
             }
             Err(io::Error::other(err))
         }
@@ -225,6 +232,22 @@ enum Refusal {
 }
 
 impl Refusal {
+    /// Whether the upload stalled (see [`unstalled`]): tar wraps the error it read.
+    fn is_stall(&self) -> bool {
+        let err = match self {
+            Refusal::Read(err) | Refusal::Unpack { source: err, .. } => err,
+            _ => return false,
+        };
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+        while let Some(e) = cur {
+            if is_stalled(e) {
+                return true;
+            }
+            cur = e.source();
+        }
+        err.kind() == io::ErrorKind::TimedOut
+    }
+
     fn into_error(self, target: &Path) -> DaemonError {
         let target = shown(target);
         match self {
@@ -727,6 +750,15 @@ mod tests {
     async fn download_of_a_missing_path_is_not_found_before_any_byte() {
         let err = download(ApiQuery(PathQuery { path: "/nonexistent-sandman-test/x".into() })).await.err();
         assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::NotFound));
+    }
+
+    #[test]
+    fn a_stalled_upload_is_told_apart_from_a_bad_archive() {
+        let stalled = io::Error::new(io::ErrorKind::TimedOut, axum::Error::new(BodyStalled));
+        // tar wraps what it read in an error of its own.
+        let wrapped = io::Error::other(stalled);
+        assert!(Refusal::Read(wrapped).is_stall());
+        assert!(!Refusal::Read(io::Error::other("bad header")).is_stall());
     }
 
     #[tokio::test]
