@@ -49,7 +49,8 @@ __all__ = [
 #: Why a sandbox ended (`SandboxInfo.reason`, `Event.reason`, `Gone.reason`), as the server's wire
 #: enum has them. `conditions_mismatch`: an `eval` sandbox whose daemon observed other limits,
 #: network, timezone or locale than the provider applied (the message names each difference).
-#: A newer server may send a reason not listed here; the SDK passes it through as a string.
+#: `create_interrupted`: the server stopped while creating it; a retry of the create with the same
+#: idempotency key makes a new one. A newer server may send a reason not listed here; the SDK passes it through as a string.
 REASONS = (
     "released",
     "lease_expired",
@@ -67,6 +68,7 @@ REASONS = (
     "setup_failed",
     "queue_timeout",
     "conditions_mismatch",
+    "create_interrupted",
 )
 
 #: Where the preparation of an image is (`Event.phase` of a `prepare` event): `started`, then
@@ -522,6 +524,9 @@ class SandboxInfo:
     lease_expires_at_ms: Optional[int] = None
     idle_expires_at_ms: Optional[int] = None
     ttl_expires_at_ms: Optional[int] = None
+    #: How the provider isolates it: `user_namespace` (the process provider), `container`
+    #: (docker), `pod` (kubernetes) or `none`; `None` from a server that does not say.
+    isolation: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SandboxInfo":
@@ -544,6 +549,7 @@ class SandboxInfo:
             lease_expires_at_ms=_opt_int(d.get("lease_expires_at_ms")),
             idle_expires_at_ms=_opt_int(d.get("idle_expires_at_ms")),
             ttl_expires_at_ms=_opt_int(d.get("ttl_expires_at_ms")),
+            isolation=d.get("isolation"),
         )
 
     @property
@@ -998,7 +1004,11 @@ class Health:
     status: str
     version: str
     provider: str
+    #: How the provider isolates sandboxes (see `SandboxInfo.isolation`).
+    isolation: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Health":
-        return cls(str(d.get("status", "")), str(d.get("version", "")), str(d.get("provider", "")))
+        return cls(
+            str(d.get("status", "")), str(d.get("version", "")), str(d.get("provider", "")), d.get("isolation")
+        )

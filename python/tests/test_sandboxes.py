@@ -19,6 +19,8 @@ from sandman import ExecEvent
 async def test_health(api: Any) -> None:
     h = await api.health()
     assert h.status == "ok" and h.provider == "process" and h.version
+    # The tests run as root, as CI does: every sandbox is isolated.
+    assert h.isolation == "user_namespace"
 
 
 async def test_create_answers_a_ready_sandbox_with_what_was_asked(api: Any) -> None:
@@ -28,7 +30,7 @@ async def test_create_answers_a_ready_sandbox_with_what_was_asked(api: Any) -> N
     ) as sb:
         info = sb.info
         assert info.id == sb.id and info.state == "ready" and info.live
-        assert info.image == "host" and info.provider == "process"
+        assert info.image == "host" and info.provider == "process" and info.isolation == "user_namespace"
         assert info.labels == {"test": label} and info.lease_s == 30
         assert info.lease_expires_at_ms and info.ttl_expires_at_ms and info.idle_expires_at_ms
         assert (await sb.exec("echo $GREETING")).stdout == "hi\n"

@@ -5,6 +5,9 @@
 //! `cargo bench -p sandman-cli --bench service` after `./scripts/build-daemon` (it runs the static
 //! daemon; `SANDMAND_STATIC` overrides). `SANDMAN_BENCH_SANDBOXES` sets how many sandboxes the
 //! density run holds (default 2000); `SANDMAN_BENCH_N` the rounds of the round-trip run.
+//! Create-to-ready is measured isolated and with `--isolation none`, interleaved; with
+//! `SANDMAN_BENCH_BASELINE=<dir>` (a directory holding another build's `sandman` and `sandmand`,
+//! e.g. the previous release) that build's create-to-ready is measured in the same interleaving.
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 #[path = "../tests/e2e/mod.rs"]
@@ -188,6 +191,52 @@ async fn bench() {
     );
     http.release(&id).await.ok();
 
+    // ---- create to ready: isolated against not isolated (and a baseline build), interleaved ----
+    let plain_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let plain = Server::start_in(
+        &plain_dir.path().join("state"),
+        &["--daemon", &daemon_arg, "--isolation", "none", "--create-rate", "0"],
+    );
+    let baseline = std::env::var_os("SANDMAN_BENCH_BASELINE").map(PathBuf::from);
+    let baseline_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let baseline = baseline.map(|dir| {
+        let daemon = dir.join("sandmand").display().to_string();
+        let server = Server::start_bin(
+            &dir.join("sandman"),
+            &baseline_dir.path().join("state"),
+            &["--daemon", &daemon, "--create-rate", "0"],
+        );
+        (dir, server)
+    });
+    let mut sides: Vec<(String, Http)> =
+        vec![("isolated (--isolation full)".into(), http.clone()), ("--isolation none".into(), plain.client())];
+    if let Some((dir, server)) = &baseline {
+        sides.push((format!("baseline {}", dir.display()), server.client()));
+    }
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); sides.len()];
+    for _ in 0..100 {
+        for (i, (_, side)) in sides.iter().enumerate() {
+            let t = Instant::now();
+            let sb = side.create(json!({"image": "host"})).await;
+            times[i].push(t.elapsed());
+            side.release(sb["id"].as_str().unwrap()).await;
+        }
+    }
+    let ms = |v: &[Duration], p: f64| pct(v, p).as_secs_f64() * 1e3;
+    println!();
+    println!("create to ready, process provider, one at a time (100 each, interleaved)");
+    for (i, (name, _)) in sides.iter().enumerate() {
+        times[i].sort();
+        println!(
+            "  {name:<40} p50 {:>6.1} ms   p99 {:>6.1} ms   ({:.2}x isolated p50)",
+            ms(&times[i], 0.5),
+            ms(&times[i], 0.99),
+            ms(&times[i], 0.5) / ms(&times[0], 0.5)
+        );
+    }
+    drop(plain);
+    drop(baseline);
+
     // ---- create to ready: default and eval, interleaved ----
     let eval = json!({"image": "host", "profile": "eval", "resources": {"cpu": 0.5, "memory": "256Mi"}});
     let (mut ready, mut ready_eval, mut record) = (Vec::new(), Vec::new(), Vec::new());
@@ -211,7 +260,6 @@ async fn bench() {
     for v in [&mut ready, &mut ready_eval, &mut record] {
         v.sort();
     }
-    let ms = |v: &[Duration], p: f64| pct(v, p).as_secs_f64() * 1e3;
     println!();
     println!("create to ready, process provider, one at a time (100 each, interleaved)");
     println!("  default                         p50 {:>6.1} ms   p99 {:>6.1} ms", ms(&ready, 0.5), ms(&ready, 0.99));

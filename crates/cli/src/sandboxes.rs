@@ -107,6 +107,9 @@ fn describe(sb: &Sandbox, now: u64) -> String {
         ("provider", sb.provider.clone()),
         ("state", sb.state.to_string()),
     ];
+    if let Some(isolation) = sb.isolation {
+        fields.insert(3, ("isolation", isolation.as_str().to_string()));
+    }
     if let Some(reason) = sb.reason {
         fields.push(("reason", reason.to_string()));
     }
@@ -310,6 +313,7 @@ mod tests {
             idle_expires_at_ms: None,
             ttl_expires_at_ms: None,
             lease_s: 60,
+            isolation: Some(sandman_wire::server::Isolation::UserNamespace),
         }
     }
 
@@ -318,7 +322,7 @@ mod tests {
         let text = describe(&sandbox(), 1_700_000_120_000);
         assert_eq!(
             text,
-            "id:        sb-1\nimage:     host\nprovider:  process\nstate:     gone\nreason:    lease_expired\n\
+            "id:        sb-1\nimage:     host\nprovider:  process\nisolation: user_namespace\nstate:     gone\nreason:    lease_expired\n\
              job:       j\nlabels:    team=rl\nprofile:   eval\nnetwork:   none\nresources: cpu=0.5\n\
              created:   2023-11-14T22:13:20Z (2m ago)\nended:     2023-11-14T22:14:20Z (1m ago)\nlease:     60s\n"
         );

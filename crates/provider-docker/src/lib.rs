@@ -373,6 +373,10 @@ impl Provider for DockerProvider {
         "docker"
     }
 
+    fn isolation(&self) -> sandman_wire::server::Isolation {
+        sandman_wire::server::Isolation::Container
+    }
+
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
         self.refuse(spec).map(|_| ())
     }

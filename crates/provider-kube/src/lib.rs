@@ -321,6 +321,10 @@ impl Provider for KubeProvider {
         "kubernetes"
     }
 
+    fn isolation(&self) -> sandman_wire::server::Isolation {
+        sandman_wire::server::Isolation::Pod
+    }
+
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
         pod::check(spec, &self.config)
     }

@@ -1,6 +1,7 @@
-//! The cgroups of eval sandboxes: `<the server's own cgroup>/sandman-<id>` in one v2 directory or
-//! in each of the v1 cpu, memory and pids controllers, with fixed limits written at create
-//! ([`create`]), read back for `applied` ([`Dirs::read_back`]) and removed at delete. Start at
+//! The cgroups of isolated sandboxes: `<the server's own cgroup>/sandman-<id>` in one v2 directory
+//! or in each of the v1 cpu, memory and pids controllers, with limits written at create
+//! ([`create`]: pids always, cpu and memory when asked, and for eval no swap beyond memory),
+//! read back for `applied` ([`Dirs::read_back`]) and removed at delete. Start at
 //! [`Dirs::own`]. Blocking file I/O throughout; callers run it off the async threads.
 
 use std::io;
@@ -46,20 +47,22 @@ pub struct Dirs {
     pub pids: PathBuf,
 }
 
-/// What an eval sandbox's cgroups hold it to.
+/// What a sandbox's cgroups hold it to.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
-    /// Cores.
-    pub cpu: f64,
-    /// Bytes; swap beyond it is none.
-    pub memory: u64,
+    /// Cores; no limit when `None`.
+    pub cpu: Option<f64>,
+    /// Bytes; no limit when `None`.
+    pub memory: Option<u64>,
+    /// No swap beyond `memory` (eval), refused where it cannot be held.
+    pub no_swap: bool,
     pub pids: u64,
 }
 
 impl Limits {
     /// The CFS quota, in microseconds per [`PERIOD_US`].
-    pub fn quota_us(&self) -> u64 {
-        (self.cpu * PERIOD_US as f64).round() as u64
+    pub fn quota_us(&self) -> Option<u64> {
+        self.cpu.map(|cpu| (cpu * PERIOD_US as f64).round() as u64)
     }
 }
 
@@ -160,27 +163,39 @@ impl Dirs {
     /// Writes the limits into these (existing) directories. `host_swap` is `SwapTotal`: with no
     /// way to limit swap, a host without swap is the only one where none is guaranteed.
     fn write_limits(&self, limits: Limits, host_swap: u64) -> Result<(), ProviderError> {
-        let (quota, memory, pids) = (limits.quota_us(), limits.memory.to_string(), limits.pids.to_string());
+        let pids = limits.pids.to_string();
         match self.version {
             Version::V1 => {
-                write(&self.cpu, "cpu.cfs_period_us", &PERIOD_US.to_string())?;
-                write(&self.cpu, "cpu.cfs_quota_us", &quota.to_string())?;
-                // Memory first: memsw may never be below it.
-                write(&self.memory, "memory.limit_in_bytes", &memory)?;
-                if self.memory.join("memory.memsw.limit_in_bytes").exists() {
-                    write(&self.memory, "memory.memsw.limit_in_bytes", &memory)?;
-                } else if host_swap > 0 {
-                    return Err(no_swap_control(&self.memory));
+                if let Some(quota) = limits.quota_us() {
+                    write(&self.cpu, "cpu.cfs_period_us", &PERIOD_US.to_string())?;
+                    write(&self.cpu, "cpu.cfs_quota_us", &quota.to_string())?;
+                }
+                if let Some(memory) = limits.memory.map(|m| m.to_string()) {
+                    // Memory first: memsw may never be below it.
+                    write(&self.memory, "memory.limit_in_bytes", &memory)?;
+                    if limits.no_swap {
+                        if self.memory.join("memory.memsw.limit_in_bytes").exists() {
+                            write(&self.memory, "memory.memsw.limit_in_bytes", &memory)?;
+                        } else if host_swap > 0 {
+                            return Err(no_swap_control(&self.memory));
+                        }
+                    }
                 }
                 write(&self.pids, "pids.max", &pids)?;
             }
             Version::V2 => {
-                write(&self.cpu, "cpu.max", &format!("{quota} {PERIOD_US}"))?;
-                write(&self.memory, "memory.max", &memory)?;
-                if self.memory.join("memory.swap.max").exists() {
-                    write(&self.memory, "memory.swap.max", "0")?;
-                } else if host_swap > 0 {
-                    return Err(no_swap_control(&self.memory));
+                if let Some(quota) = limits.quota_us() {
+                    write(&self.cpu, "cpu.max", &format!("{quota} {PERIOD_US}"))?;
+                }
+                if let Some(memory) = limits.memory {
+                    write(&self.memory, "memory.max", &memory.to_string())?;
+                    if limits.no_swap {
+                        if self.memory.join("memory.swap.max").exists() {
+                            write(&self.memory, "memory.swap.max", "0")?;
+                        } else if host_swap > 0 {
+                            return Err(no_swap_control(&self.memory));
+                        }
+                    }
                 }
                 write(&self.pids, "pids.max", &pids)?;
             }
@@ -218,6 +233,16 @@ impl Dirs {
                 pids: read(&self.pids, "pids.max").and_then(|v| parse_max(&v)),
             },
         }
+    }
+
+    /// The processes in the sandbox's pids cgroup (every process of it: the daemon joins its
+    /// cgroups before anything else).
+    pub fn members(&self) -> Vec<i32> {
+        std::fs::read_to_string(self.pids.join("cgroup.procs"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
     }
 
     /// SIGKILLs every process still in these cgroups: what a delete does when they do not empty
@@ -358,6 +383,24 @@ fn quoted(names: &[&str]) -> String {
 mod tests {
     use super::*;
 
+    fn eval(cpu: f64, memory: u64, pids: u64) -> Limits {
+        Limits { cpu: Some(cpu), memory: Some(memory), no_swap: true, pids }
+    }
+
+    #[test]
+    fn only_pids_are_written_when_nothing_else_is_asked() {
+        let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let d = root.path().to_path_buf();
+        for (f, v) in [("cpu.max", "max 100000"), ("memory.max", "max"), ("pids.max", "max")] {
+            put(&d, f, v);
+        }
+        let dirs = Dirs { version: Version::V2, cpu: d.clone(), memory: d.clone(), pids: d.clone() };
+        let limits = Limits { cpu: None, memory: None, no_swap: false, pids: 4096 };
+        dirs.write_limits(limits, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+        let back = dirs.read_back(Some(1 << 30));
+        assert_eq!(back, ReadBack { cpu: None, memory: None, swap: None, pids: Some(4096) });
+    }
+
     fn put(root: &Path, file: &str, text: &str) {
         let path = root.join(file);
         std::fs::create_dir_all(path.parent().unwrap_or(root)).unwrap_or_else(|e| panic!("{e}"));
@@ -412,16 +455,18 @@ mod tests {
             put(r, f, v);
         }
         assert_eq!(dirs.read_back(Some(1 << 30)), ReadBack::default());
-        dirs.write_limits(Limits { cpu: 1.5, memory: 64 << 20, pids: 50 }, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+        dirs.write_limits(eval(1.5, 64 << 20, 50), 1 << 30).unwrap_or_else(|e| panic!("{e}"));
         let back = dirs.read_back(Some(1 << 30));
         assert_eq!(back, ReadBack { cpu: Some(1.5), memory: Some(64 << 20), swap: Some(0), pids: Some(50) });
         // Without swap accounting, only a host without swap can be held to none.
         std::fs::remove_file(r.join("memory/memory.memsw.limit_in_bytes")).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(dirs.read_back(Some(1 << 30)).swap, None);
         assert_eq!(dirs.read_back(Some(0)).swap, Some(0));
-        let refused = dirs.write_limits(Limits { cpu: 1.0, memory: 1 << 20, pids: 1 }, 1 << 30);
+        let refused = dirs.write_limits(eval(1.0, 1 << 20, 1), 1 << 30);
         assert!(matches!(&refused, Err(ProviderError::Unsupported(m)) if m.contains("swap")), "{refused:?}");
-        assert!(dirs.write_limits(Limits { cpu: 1.0, memory: 1 << 20, pids: 1 }, 0).is_ok());
+        assert!(dirs.write_limits(eval(1.0, 1 << 20, 1), 0).is_ok());
+        // Outside eval, swap is not held, so its control is not needed.
+        assert!(dirs.write_limits(Limits { no_swap: false, ..eval(1.0, 1 << 20, 1) }, 1 << 30).is_ok());
     }
 
     #[test]
@@ -434,7 +479,7 @@ mod tests {
             put(&d, f, v);
         }
         let dirs = Dirs { version: Version::V2, cpu: d.clone(), memory: d.clone(), pids: d.clone() };
-        dirs.write_limits(Limits { cpu: 0.25, memory: 1 << 30, pids: 1024 }, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+        dirs.write_limits(eval(0.25, 1 << 30, 1024), 1 << 30).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(std::fs::read_to_string(d.join("cpu.max")).ok().as_deref(), Some("25000 100000"));
         let back = dirs.read_back(Some(1 << 30));
         assert_eq!(back, ReadBack { cpu: Some(0.25), memory: Some(1 << 30), swap: Some(0), pids: Some(1024) });

@@ -1,6 +1,7 @@
 //! A sandbox's directory under `<state_dir>/sandboxes/<id>/`: the state of record (`record.json`,
-//! `daemon.pid`, `ended.json`), the daemon's token, socket and log, and the sandbox's `work/` and
-//! `tmp/`. Everything here is blocking file I/O; callers run it off the async threads.
+//! `ids`, `cgroups.json`, `daemon.pid`, `ended.json`), the daemon's token, socket, log and the
+//! commands' environment, and the sandbox's `work/`, `tmp/` and `root/` (where its root is
+//! assembled). Everything here is blocking file I/O; callers run it off the async threads.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
@@ -41,6 +42,22 @@ impl SandboxDir {
     pub fn tmp(&self) -> PathBuf {
         self.root.join("tmp")
     }
+    /// The empty directory where an isolated sandbox's root is assembled (the mounts on it exist
+    /// only in the sandbox's mount namespace).
+    pub fn rootfs(&self) -> PathBuf {
+        self.root.join("root")
+    }
+    /// The commands' environment, a JSON object (0600), which the daemon reads at start.
+    pub fn env_file(&self) -> PathBuf {
+        self.root.join("env.json")
+    }
+    /// The first host id of an isolated sandbox's range (its root), in decimal.
+    pub fn ids(&self) -> PathBuf {
+        self.root.join("ids")
+    }
+    pub fn read_ids(&self) -> Option<u32> {
+        std::fs::read_to_string(self.ids()).ok()?.trim().parse().ok()
+    }
     /// `pid start_time` of the process the provider started (the daemon, or its waiter when
     /// isolated).
     pub fn pid_file(&self) -> PathBuf {
@@ -70,23 +87,34 @@ impl SandboxDir {
         self.root.join("deleting")
     }
 
-    /// Makes the directory (which must not exist) with `work/` and `tmp/`, writes the token and
-    /// the record, and opens the log for the daemon's stderr.
-    pub fn prepare(&self, spec: &SandboxSpec) -> io::Result<File> {
+    /// Makes the directory (which must not exist) with `work/`, `tmp/` and `root/`, writes the
+    /// token, the commands' environment, the id range and the cgroups' names, and last the
+    /// record, then opens the log for the daemon's stderr. A directory without a record is one
+    /// whose create never got this far, which a restarted provider removes.
+    pub fn prepare(&self, spec: &SandboxSpec, extra: &Extra) -> io::Result<File> {
         // Traversable but not listable by the sandbox's other users: commands may run as another
         // uid, with `work/` as their cwd.
         std::fs::DirBuilder::new().mode(0o711).create(&self.root)?;
         std::fs::DirBuilder::new().mode(0o755).create(self.work())?;
         std::fs::DirBuilder::new().mode(0o777).create(self.tmp())?;
+        std::fs::DirBuilder::new().mode(0o700).create(self.rootfs())?;
         // Sticky and world-writable, like any /tmp (set apart from the umask).
         std::fs::set_permissions(self.tmp(), std::fs::Permissions::from_mode(0o1777))?;
         write_atomic(&self.token(), spec.token.as_bytes(), 0o600)?;
+        let env = serde_json::to_vec(&extra.commands_env).map_err(io::Error::other)?;
+        write_atomic(&self.env_file(), &env, 0o600)?;
+        if let Some(ids) = extra.ids {
+            write_atomic(&self.ids(), format!("{ids}\n").as_bytes(), 0o600)?;
+        }
+        if let Some(dirs) = &extra.cgroups {
+            self.write_cgroups(dirs)?;
+        }
         let record = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
         write_atomic(&self.record(), &record, 0o600)?;
         OpenOptions::new().create(true).append(true).mode(0o600).open(self.log())
     }
 
-    /// The eval sandbox's cgroup directories (`cgroup::Dirs` as JSON); absent without cgroups.
+    /// The sandbox's cgroup directories (`cgroup::Dirs` as JSON); absent without cgroups.
     pub fn cgroups(&self) -> PathBuf {
         self.root.join("cgroups.json")
     }
@@ -147,6 +175,22 @@ impl SandboxDir {
             other => other,
         }
     }
+}
+
+/// What a sandbox's directory holds beyond its spec.
+#[derive(Debug, Clone, Default)]
+pub struct Extra {
+    pub commands_env: std::collections::BTreeMap<String, String>,
+    /// The first host id of its range, when isolated.
+    pub ids: Option<u32>,
+    pub cgroups: Option<Dirs>,
+}
+
+/// The id slots the sandboxes under `sandboxes` hold (their `ids` files), for a provider that
+/// starts on a state directory with sandboxes in it.
+pub fn taken_slots(sandboxes: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir(sandboxes) else { return Vec::new() };
+    entries.flatten().filter_map(|e| SandboxDir { root: e.path() }.read_ids()).filter_map(crate::ids::slot_of).collect()
 }
 
 fn last_paragraph(text: &str) -> Option<String> {

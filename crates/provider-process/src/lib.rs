@@ -1,18 +1,19 @@
 //! The process provider, Sandman's embedded default: each sandbox is a `sandmand` process with
-//! its own directory under the server's state directory, reached over a Unix socket, and in its
-//! own namespaces when the server runs as root. Start at [`ProcessProvider`]; the sandbox
-//! directory is described in `docs/process-provider.md`.
+//! its own directory under the server's state directory, reached over a Unix socket. Start at
+//! [`ProcessProvider`]; the sandbox directory is described in `docs/process-provider.md`.
 //!
-//! In the default profile it does not limit cpu (ignored), or pids (rlimits cannot:
-//! `RLIMIT_NPROC` counts per user and root ignores it); `memory` becomes `RLIMIT_AS` and `disk`
-//! `RLIMIT_FSIZE` of every process the daemon starts. The `eval` profile puts each sandbox in
-//! cgroups of its own with fixed cpu, memory, swap and pids limits (`cgroup`), in a network
-//! namespace with only loopback, with a fixed timezone and locale. Namespaces keep sandboxes from
-//! seeing each other's processes, `/tmp`, hostname and (with `network: none` or `eval`) network;
-//! they are not a security boundary: the host's file system stays visible. Use the docker or
-//! kubernetes provider for untrusted code.
+//! Isolated (the default, [`Isolation::Full`], which needs root), every sandbox is a sandbox of
+//! its own: the daemon starts in a cgroup made for it (pids always limited, cpu and memory when
+//! asked), then assembles a private root (an overlay over the host's root with a writable layer
+//! in memory, fresh `/proc`, `/sys` and `/dev`, the state directory and the server's binary
+//! hidden) in new mount, pid, cgroup, ipc and uts namespaces (and net for `network: none` and
+//! `eval`), and becomes root of a user namespace whose ids are an unprivileged host range of
+//! its own ([`ids`]). Where the host cannot do that, the provider refuses to start; only
+//! [`Isolation::None`], asked for by name, runs sandboxes as plain processes of the server's
+//! user (rlimits for memory and file size, nothing else).
 
 mod cgroup;
+mod ids;
 mod layout;
 mod procs;
 mod sys;
@@ -45,6 +46,9 @@ pub const HOST_IMAGE: &str = "host";
 /// PATH of the daemon when the server has none.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
+/// How long a delete waits for a create of the same sandbox to finish.
+const CREATE_WAIT: Duration = Duration::from_secs(30);
+
 /// How long a delete waits for a SIGKILLed daemon to be gone.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
@@ -62,17 +66,30 @@ pub const EVAL_ENV: [(&str, &str); 3] = [("TZ", "UTC"), ("LANG", "C.UTF-8"), ("L
 const CGROUP_TRIES: u32 = 100;
 const CGROUP_KILL_AFTER: u32 = 20;
 
-/// Whether sandboxes get their own namespaces (mount, pid, ipc, uts; net for `network: none`).
+/// How sandboxes are kept apart from the host and from each other.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Isolation {
-    /// When the server runs as root and the state directory is not under `/tmp`.
+    /// A sandbox of its own for each (see the module's documentation); the provider refuses to
+    /// start where the host cannot give it.
     #[default]
-    Auto,
-    /// Never: sandboxes are plain processes of the host.
-    Off,
-    /// Always: the provider refuses to start when it cannot.
-    Required,
+    Full,
+    /// Plain processes of the server's user: no namespaces, no cgroups, the host's file system.
+    /// Only for a trusted laptop or a host without user namespaces, and only when asked by name
+    /// (`sandman serve --isolation none`); `network: none` and `eval` are refused.
+    None,
 }
+
+impl Isolation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isolation::Full => "full",
+            Isolation::None => "none",
+        }
+    }
+}
+
+/// The pids limit of a sandbox (default profile) that asks for none.
+pub const DEFAULT_PIDS: u64 = 4096;
 
 /// What the provider needs to start.
 #[derive(Debug, Clone)]
@@ -84,33 +101,27 @@ pub struct ProcessConfig {
     /// Arguments before the daemon's own, when `daemon_bin` is a binary that embeds the daemon
     /// behind a first argument (`sandman __sandmand …`).
     pub daemon_args: Vec<OsString>,
-    pub isolate: Isolation,
+    pub isolation: Isolation,
+    /// More host paths isolated sandboxes must not see, beyond the state directory and the
+    /// daemon's binary (the server's own binary, its token file when elsewhere).
+    pub hide: Vec<PathBuf>,
 }
 
-/// Whether this provider's sandboxes are isolated, and why not when they are not.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Namespaces {
-    Used,
-    /// `Isolation::Off`.
-    Off,
-    /// The server is not root.
-    NotRoot,
-    /// The state directory is under `/tmp`, which an isolated sandbox replaces with its own.
-    StateUnderTmp,
-}
-
-/// How a daemon is to be started: its arguments, its whole environment, and for eval the cgroups
-/// to make first.
+/// How a daemon is to be started: its arguments, its own environment, the commands' environment
+/// (written to its `env.json`, never the daemon's own), its cgroups and its id range.
 #[derive(Debug)]
 struct Plan {
     args: Vec<OsString>,
     env: BTreeMap<OsString, OsString>,
-    cgroups: Option<Eval>,
+    commands_env: BTreeMap<String, String>,
+    cgroups: Option<Cgroups>,
+    /// The host id of the sandbox's root (isolated only).
+    ids: Option<u32>,
 }
 
-/// An eval sandbox's cgroups (`<own>/sandman-<id>`) and what they hold it to.
+/// A sandbox's cgroups (`<own>/sandman-<id>`) and what they hold it to.
 #[derive(Debug, Clone)]
-struct Eval {
+struct Cgroups {
     dirs: cgroup::Dirs,
     limits: cgroup::Limits,
 }
@@ -132,7 +143,11 @@ struct Watched {
 pub struct ProcessProvider {
     config: ProcessConfig,
     sandboxes: PathBuf,
-    namespaces: Namespaces,
+    /// The server's own cgroups, under which each isolated sandbox gets its own; `None` without
+    /// isolation.
+    cgroups: Option<cgroup::Dirs>,
+    /// The id ranges taken by isolated sandboxes. Locked briefly, never across an await.
+    slots: Mutex<ids::Slots>,
     /// Daemons whose exit a watcher of this instance awaits, by sandbox id. Locked briefly, never
     /// across an await.
     watched: Mutex<HashMap<String, Watched>>,
@@ -148,8 +163,9 @@ pub struct ProcessProvider {
 }
 
 impl ProcessProvider {
-    /// Checks the daemon binary, makes `state_dir/sandboxes/`, and settles whether sandboxes will
-    /// be isolated. `Isolation::Required` fails here when isolation is impossible.
+    /// Checks the daemon binary, makes `state_dir/sandboxes/`, and, isolated, that this host can
+    /// isolate: root, a writable cgroup per controller, and a real trial of the daemon's
+    /// isolation. Fails, naming what is missing, when it cannot.
     pub fn new(config: ProcessConfig) -> Result<Self, ProviderError> {
         if !config.daemon_bin.is_file() {
             return Err(ProviderError::io(
@@ -163,25 +179,42 @@ impl ProcessProvider {
         let sandboxes = config.state_dir.join("sandboxes");
         std::fs::create_dir_all(&sandboxes)
             .map_err(|e| ProviderError::io(format!("cannot create `{}`", sandboxes.display()), e))?;
-        let under_tmp = resolve(&sandboxes).starts_with("/tmp");
-        let namespaces = plan_namespaces(config.isolate, sys::euid() == 0, under_tmp)?;
-        match namespaces {
-            Namespaces::Used => {
-                tracing::info!(state = %config.state_dir.display(), "process provider: sandboxes get their own namespaces")
+        let mut slots = ids::Slots::default();
+        let cgroups = match config.isolation {
+            Isolation::None => {
+                tracing::warn!(
+                    state = %config.state_dir.display(),
+                    "process provider: isolation is off (--isolation none): sandboxes are plain processes of this user, with the host's file system"
+                );
+                None
             }
-            Namespaces::StateUnderTmp => tracing::warn!(
-                state = %config.state_dir.display(),
-                "process provider: the state directory is under /tmp, which an isolated sandbox replaces; sandboxes run without namespaces"
-            ),
-            Namespaces::Off | Namespaces::NotRoot => {
-                tracing::info!(why = ?namespaces, "process provider: sandboxes run without namespaces")
+            Isolation::Full => {
+                let cannot = |why: String| {
+                    ProviderError::Unsupported(format!(
+                        "this host cannot isolate sandboxes: {why}; pass --isolation none to run them as plain processes (trusted code only)"
+                    ))
+                };
+                if sys::euid() != 0 {
+                    return Err(cannot("isolation needs root (user namespaces with a range of host ids, cgroups, mounts), and the server is not root".into()));
+                }
+                let self_cgroup = std::fs::read_to_string("/proc/self/cgroup")
+                    .map_err(|e| ProviderError::io("cannot read /proc/self/cgroup", e))?;
+                let own = cgroup::Dirs::own(&self_cgroup, Path::new(cgroup::MOUNT))
+                    .map_err(|why| cannot(format!("each sandbox needs cgroups of its own: {why}")))?;
+                for slot in layout::taken_slots(&sandboxes) {
+                    slots.mark(slot);
+                }
+                check_isolation(&config).map_err(cannot)?;
+                tracing::info!(state = %config.state_dir.display(), "process provider: every sandbox is isolated (user namespace, private root, cgroups)");
+                Some(own)
             }
-        }
+        };
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
         Ok(ProcessProvider {
             config,
             sandboxes,
-            namespaces,
+            cgroups,
+            slots: Mutex::new(slots),
             watched: Mutex::default(),
             creating: Creating::default(),
             events_tx,
@@ -191,9 +224,9 @@ impl ProcessProvider {
         })
     }
 
-    /// Whether sandboxes get their own namespaces, and why not.
-    pub fn namespaces(&self) -> Namespaces {
-        self.namespaces
+    /// How this provider's sandboxes are isolated.
+    pub fn isolation_mode(&self) -> Isolation {
+        self.config.isolation
     }
 
     /// The directory of sandbox `id`.
@@ -210,8 +243,8 @@ impl ProcessProvider {
     }
 
     /// Checks the spec; touches nothing. Refuses what this provider cannot honour, before anything
-    /// is made; for eval, answers with the cgroups to make.
-    fn refuse(&self, spec: &SandboxSpec) -> Result<Option<Eval>, ProviderError> {
+    /// is made; isolated, answers with the cgroups to make.
+    fn refuse(&self, spec: &SandboxSpec) -> Result<Option<Cgroups>, ProviderError> {
         check_id(&spec.id)?;
         if spec.image != HOST_IMAGE {
             return Err(ProviderError::Unsupported(format!(
@@ -222,29 +255,37 @@ impl ProcessProvider {
         if spec.profile == Profile::Eval {
             return self.refuse_eval(spec).map(Some);
         }
-        let isolated = self.namespaces == Namespaces::Used;
-        if spec.network == Network::None && !isolated {
-            return Err(ProviderError::Unsupported(match self.namespaces {
-                Namespaces::NotRoot => "network: none needs root for a network namespace; the server is not root".into(),
-                Namespaces::Off => "network: none needs a network namespace, and the process provider's isolation is off".into(),
-                _ => "network: none needs a network namespace, and sandboxes are not isolated: the state directory is under /tmp".into(),
-            }));
+        let Some(own) = &self.cgroups else {
+            if spec.network == Network::None {
+                return Err(ProviderError::Unsupported(
+                    "network: none needs a network namespace, and the process provider's isolation is off (--isolation none)"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let cpu = match &spec.resources.cpu {
+            None => None,
+            Some(q) => Some(cores_of(q)?),
+        };
+        let memory = bytes_of("memory", spec.resources.memory.as_ref())?;
+        let pids = spec.resources.pids.unwrap_or(DEFAULT_PIDS);
+        if pids == 0 {
+            return Err(ProviderError::Unsupported("resources.pids must be at least 1".into()));
         }
-        Ok(None)
+        let limits = cgroup::Limits { cpu, memory, no_swap: false, pids };
+        Ok(Some(Cgroups { dirs: own.child(&spec.id), limits }))
     }
 
     /// What eval needs, each refusal naming what is missing: fixed cpu and memory in the spec, the
-    /// fixed environment not overridden, root, the namespaces (for a network namespace with only
-    /// loopback), writable cpu, memory and pids cgroups, and a way to hold swap to nothing.
-    fn refuse_eval(&self, spec: &SandboxSpec) -> Result<Eval, ProviderError> {
+    /// fixed environment not overridden, isolation (for a network namespace with only loopback
+    /// and cgroups), and a way to hold swap to nothing.
+    fn refuse_eval(&self, spec: &SandboxSpec) -> Result<Cgroups, ProviderError> {
         let refuse = |why: String| ProviderError::Unsupported(format!("eval on the process provider {why}"));
         let cpu = match &spec.resources.cpu {
             None => return Err(refuse("needs resources.cpu: eval fixes the cpu a sandbox gets".into())),
-            Some(q) => q.value().map_err(|e| ProviderError::Unsupported(format!("resources.cpu: {e}")))?,
+            Some(q) => cores_of(q)?,
         };
-        if cpu * (cgroup::PERIOD_US as f64) < cgroup::MIN_QUOTA_US as f64 || cpu > 1e6 {
-            return Err(refuse(format!("needs resources.cpu between 0.01 and a million cores, not {cpu}")));
-        }
         let Some(memory) = bytes_of("memory", spec.resources.memory.as_ref())? else {
             return Err(refuse("needs resources.memory: eval fixes the memory a sandbox gets".into()));
         };
@@ -260,33 +301,12 @@ impl ProcessProvider {
         if !overridden.is_empty() {
             return Err(refuse(format!("cannot set {} in env", overridden.join(", "))));
         }
-        if sys::euid() != 0 {
-            return Err(refuse("needs root for its cgroups and namespaces; the server is not root".into()));
-        }
-        match self.namespaces {
-            Namespaces::Used => {}
-            Namespaces::Off => {
-                return Err(refuse(
-                    "needs namespaces (a network namespace with only loopback), and the process provider's isolation is off"
-                        .into(),
-                ));
-            }
-            Namespaces::NotRoot => {
-                return Err(refuse(
-                    "needs namespaces (a network namespace with only loopback), which need root".into(),
-                ));
-            }
-            Namespaces::StateUnderTmp => {
-                return Err(refuse(
-                    "needs namespaces (a network namespace with only loopback), and sandboxes are not isolated: the state directory is under /tmp"
-                        .into(),
-                ));
-            }
-        }
-        let self_cgroup = std::fs::read_to_string("/proc/self/cgroup")
-            .map_err(|e| ProviderError::io("cannot read /proc/self/cgroup", e))?;
-        let own = cgroup::Dirs::own(&self_cgroup, Path::new(cgroup::MOUNT))
-            .map_err(|why| refuse(format!("needs writable cpu, memory and pids cgroups: {why}")))?;
+        let Some(own) = &self.cgroups else {
+            return Err(refuse(
+                "needs isolation (a network namespace with only loopback, cgroups of its own), and the process provider's isolation is off (--isolation none)"
+                    .into(),
+            ));
+        };
         // Unknown counts as swap being there.
         if cgroup::host_swap().is_none_or(|swap| swap > 0) && !own.accounts_swap() {
             return Err(refuse(format!(
@@ -294,13 +314,14 @@ impl ProcessProvider {
                 own.memory.display()
             )));
         }
-        Ok(Eval { dirs: own.child(&spec.id), limits: cgroup::Limits { cpu, memory, pids } })
+        let limits = cgroup::Limits { cpu: Some(cpu), memory: Some(memory), no_swap: true, pids };
+        Ok(Cgroups { dirs: own.child(&spec.id), limits })
     }
 
-    /// Settles the daemon's command line and environment; touches nothing.
-    fn plan(&self, spec: &SandboxSpec, dir: &SandboxDir) -> Result<Plan, ProviderError> {
-        let eval = self.refuse(spec)?;
-        let isolated = self.namespaces == Namespaces::Used;
+    /// Settles the daemon's command line and environments; touches nothing. `ids` is the host
+    /// id of an isolated sandbox's root.
+    fn plan(&self, spec: &SandboxSpec, dir: &SandboxDir, ids: Option<u32>) -> Result<Plan, ProviderError> {
+        let cgroups = self.refuse(spec)?;
         let socket = dir.socket();
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
             return Err(ProviderError::Unsupported(format!(
@@ -320,10 +341,11 @@ impl ProcessProvider {
         arg("--token-file", dir.token().into());
         arg("--workdir", dir.work().into());
         arg("--exit-file", dir.exit_file().into());
+        arg("--env-file", dir.env_file().into());
         if spec.daemon_lease_s > 0 {
             arg("--lease", format!("{}s", spec.daemon_lease_s).into());
         }
-        let rlimits = rlimits_of(spec)?;
+        let rlimits = rlimits_of(spec, self.config.isolation)?;
         if let Some(bytes) = rlimits.address_space {
             arg("--rlimit-as", bytes.to_string().into());
         }
@@ -331,19 +353,36 @@ impl ProcessProvider {
             arg("--rlimit-fsize", bytes.to_string().into());
             arg("--disk-limit", bytes.to_string().into());
         }
-        for cgroup in eval.iter().flat_map(|e| e.dirs.unique()) {
+        for cgroup in cgroups.iter().flat_map(|c| c.dirs.unique()) {
             arg("--cgroup", cgroup.into());
         }
-        if isolated {
+        if let Some(ids) = ids {
+            arg("--isolate-ids", ids.to_string().into());
+            arg("--isolate-root", dir.rootfs().into());
+            arg("--isolate-tmp", dir.tmp().into());
+            if let Some(bytes) = bytes_of("disk", spec.resources.disk.as_ref())? {
+                arg("--isolate-layer-bytes", bytes.to_string().into());
+            }
+            for hidden in self.hidden() {
+                arg("--isolate-hide", hidden.into());
+            }
             args.push("--isolate".into());
-            args.push("--isolate-tmp".into());
-            args.push(dir.tmp().into());
             if own_network(spec) {
                 args.push("--isolate-net".into());
             }
         }
-        let env = daemon_env(spec, dir, isolated)?;
-        Ok(Plan { args, env, cgroups: eval })
+        let env = daemon_env(spec, dir, ids.is_some());
+        let commands_env = commands_env(spec)?;
+        Ok(Plan { args, env, commands_env, cgroups, ids })
+    }
+
+    /// What no isolated sandbox may see: the state directory (every sandbox's token and files,
+    /// the server's token and keys), the daemon's and the server's binaries.
+    fn hidden(&self) -> Vec<PathBuf> {
+        let mut out = vec![resolve(&self.config.state_dir), resolve(&self.config.daemon_bin)];
+        out.extend(self.config.hide.iter().map(|p| resolve(p)));
+        out.dedup();
+        out
     }
 
     /// Starts the daemon of a prepared directory and its watcher.
@@ -439,6 +478,57 @@ impl ProcessProvider {
     fn lock_watched(&self) -> std::sync::MutexGuard<'_, HashMap<String, Watched>> {
         self.watched.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    fn lock_slots(&self) -> std::sync::MutexGuard<'_, ids::Slots> {
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Removes what a killed server left of a sandbox it never finished making: whatever runs in
+    /// its cgroups, the cgroups, the directory, its id range.
+    async fn purge(&self, dir: &SandboxDir) -> Result<(), ProviderError> {
+        let (cgroups, ids) = {
+            let dir = dir.clone();
+            flatten(tokio::task::spawn_blocking(move || Ok((dir.read_cgroups(), dir.read_ids()))).await)
+                .map_err(|e| ProviderError::io("cannot read an unfinished sandbox", e))?
+        };
+        if let Some(dirs) = &cgroups {
+            remove_cgroups(dirs)
+                .await
+                .map_err(|e| ProviderError::io(format!("cannot remove the cgroups of `{}`", dir.root.display()), e))?;
+        }
+        remove_dir(dir).await;
+        if let Some(slot) = ids.and_then(ids::slot_of) {
+            self.lock_slots().free(slot);
+        }
+        Ok(())
+    }
+}
+
+/// An id range taken for a create: given back when the create fails (dropped), kept once it
+/// succeeds.
+struct SlotGuard<'a> {
+    slots: &'a Mutex<ids::Slots>,
+    slot: u32,
+    kept: bool,
+}
+
+impl<'a> SlotGuard<'a> {
+    fn take(slots: &'a Mutex<ids::Slots>) -> Result<Self, ProviderError> {
+        let slot = slots.lock().unwrap_or_else(PoisonError::into_inner).take()?;
+        Ok(SlotGuard { slots, slot, kept: false })
+    }
+
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.slots.lock().unwrap_or_else(PoisonError::into_inner).free(self.slot);
+        }
+    }
 }
 
 impl Drop for ProcessProvider {
@@ -453,6 +543,13 @@ impl Provider for ProcessProvider {
         "process"
     }
 
+    fn isolation(&self) -> sandman_wire::server::Isolation {
+        match self.config.isolation {
+            Isolation::Full => sandman_wire::server::Isolation::UserNamespace,
+            Isolation::None => sandman_wire::server::Isolation::None,
+        }
+    }
+
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
         self.refuse(spec).map(|_| ())
     }
@@ -460,11 +557,24 @@ impl Provider for ProcessProvider {
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
         let dir = SandboxDir::new(&self.sandboxes, &spec.id);
         // Everything refusable is refused before anything is made.
-        let plan = self.plan(spec, &dir)?;
+        self.refuse(spec)?;
         let _creating = self.creating.start(&spec.id)?;
+        let slot = match self.config.isolation {
+            Isolation::Full => Some(SlotGuard::take(&self.slots)?),
+            Isolation::None => None,
+        };
+        let plan = self.plan(spec, &dir, slot.as_ref().map(|s| ids::base_of(s.slot)))?;
+        // Write-ahead: the record, the id range and the cgroups' names are on disk before the
+        // cgroups and the daemon exist, so that a server killed at any moment leaves nothing a
+        // restarted one cannot find (`list`) and remove.
         let prepared = {
             let (dir, spec) = (dir.clone(), spec.clone());
-            tokio::task::spawn_blocking(move || dir.prepare(&spec)).await
+            let extra = layout::Extra {
+                commands_env: plan.commands_env.clone(),
+                ids: plan.ids,
+                cgroups: plan.cgroups.as_ref().map(|c| c.dirs.clone()),
+            };
+            tokio::task::spawn_blocking(move || dir.prepare(&spec, &extra)).await
         };
         let log = match flatten(prepared) {
             Ok(log) => log,
@@ -481,20 +591,23 @@ impl Provider for ProcessProvider {
             }
         };
         let cgroups = plan.cgroups.clone();
-        if let Some(eval) = &cgroups
-            && let Err(e) = make_cgroups(&dir, eval).await
+        if let Some(c) = &cgroups
+            && let Err(e) = make_cgroups(c).await
         {
             remove_dir(&dir).await;
             return Err(e);
         }
         if let Err(e) = self.start(spec, &dir, plan, log).await {
-            if let Some(eval) = &cgroups
-                && let Err(err) = remove_cgroups(&eval.dirs).await
+            if let Some(c) = &cgroups
+                && let Err(err) = remove_cgroups(&c.dirs).await
             {
                 tracing::warn!(sandbox = %spec.id, %err, "cannot remove the cgroups of a sandbox whose daemon did not start");
             }
             remove_dir(&dir).await;
             return Err(e);
+        }
+        if let Some(slot) = slot {
+            slot.keep();
         }
         Ok(Endpoint::Unix(dir.socket()))
     }
@@ -503,6 +616,12 @@ impl Provider for ProcessProvider {
         if check_id(id).is_err() {
             // No such directory can exist.
             return Ok(());
+        }
+        // A create of the same sandbox still under way finishes first (fails or succeeds), so that
+        // nothing it makes after this delete looked is left behind.
+        let started = tokio::time::Instant::now();
+        while self.creating.contains(id) && started.elapsed() < CREATE_WAIT {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let dir = SandboxDir::new(&self.sandboxes, id);
         let watched = self.lock_watched().get(id).cloned();
@@ -516,13 +635,13 @@ impl Provider for ProcessProvider {
                     return None;
                 }
                 let _ = std::fs::write(dir.deleting(), b"");
-                Some((dir.read_pid(), dir.read_cgroups()))
+                Some((dir.read_pid(), dir.read_cgroups(), dir.read_ids()))
             })
             .await
             .ok()
             .flatten()
         };
-        let Some((recorded, cgroups)) = found else {
+        let Some((recorded, cgroups, ids)) = found else {
             self.lock_watched().remove(id);
             return Ok(());
         };
@@ -547,7 +666,8 @@ impl Provider for ProcessProvider {
         }
         self.lock_watched().remove(id);
         // Before the directory: a delete that fails here is retried, and finds the cgroups again
-        // in the directory's `cgroups.json`.
+        // in the directory's `cgroups.json`. Whatever is still in them (a daemon started by a
+        // server killed before it wrote its pid) is killed there.
         if let Some(dirs) = &cgroups
             && let Err(e) = remove_cgroups(dirs).await
         {
@@ -557,21 +677,33 @@ impl Provider for ProcessProvider {
         if dir.root.exists() {
             return Err(ProviderError::Backend(format!("sandbox `{id}`: cannot remove `{}`", dir.root.display())));
         }
+        if let Some(slot) = ids.and_then(ids::slot_of) {
+            self.lock_slots().free(slot);
+        }
         Ok(())
     }
 
     /// Reads every `sandboxes/*/record.json`. The first time it sees a running daemon this instance
     /// did not start (after a server restart), it adopts it: a watcher awaits its pidfd and reports
-    /// its death.
+    /// its death. A daemon a killed server started but never recorded the pid of is found in its
+    /// sandbox's cgroup and adopted too. What a killed server left half made (a directory without
+    /// a record, a record whose daemon never started) is removed, cgroups and all: its create
+    /// never answered, so a retry makes it anew.
     async fn list(&self) -> Result<Vec<Record>, ProviderError> {
         let sandboxes = self.sandboxes.clone();
         let creating = self.creating.snapshot();
-        let found = tokio::task::spawn_blocking(move || scan(&sandboxes, &creating))
+        let scanned = tokio::task::spawn_blocking(move || scan(&sandboxes, &creating))
             .await
             .map_err(|e| ProviderError::io("cannot list sandboxes", std::io::Error::other(e)))?
             .map_err(|e| ProviderError::io(format!("cannot read `{}`", self.sandboxes.display()), e))?;
-        let mut records = Vec::with_capacity(found.len());
-        for (mut record, running) in found {
+        for dir in scanned.unfinished {
+            tracing::info!(path = %dir.root.display(), "removing a sandbox whose create a stopped server left unfinished");
+            if let Err(err) = self.purge(&dir).await {
+                tracing::warn!(path = %dir.root.display(), %err, "cannot remove an unfinished sandbox");
+            }
+        }
+        let mut records = Vec::with_capacity(scanned.found.len());
+        for (mut record, running) in scanned.found {
             let Some(daemon) = running else {
                 records.push(record);
                 continue;
@@ -596,15 +728,15 @@ impl Provider for ProcessProvider {
             return Err(ProviderError::NotFound(id.to_string()));
         }
         let dir = SandboxDir::new(&self.sandboxes, id);
-        let (id, isolated) = (id.to_string(), self.namespaces == Namespaces::Used);
-        tokio::task::spawn_blocking(move || applied_of(&dir, &id, isolated))
+        let (id, isolation) = (id.to_string(), self.config.isolation);
+        tokio::task::spawn_blocking(move || applied_of(&dir, &id, isolation))
             .await
             .map_err(|e| ProviderError::io("cannot read what was applied", std::io::Error::other(e)))?
     }
 }
 
 /// `Provider::applied`, blocking.
-fn applied_of(dir: &SandboxDir, id: &str, isolated: bool) -> Result<Applied, ProviderError> {
+fn applied_of(dir: &SandboxDir, id: &str, isolation: Isolation) -> Result<Applied, ProviderError> {
     let spec = match dir.read_spec() {
         Ok(spec) => spec,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(ProviderError::NotFound(id.to_string())),
@@ -614,17 +746,25 @@ fn applied_of(dir: &SandboxDir, id: &str, isolated: bool) -> Result<Applied, Pro
     let limits = cgroups.as_ref().map(|c| c.read_back(cgroup::host_swap())).unwrap_or_default();
     // Only a running daemon's namespaces can be read; the spec says what it was started with.
     let namespaces = dir.read_pid().filter(ProcId::is_running).map(|d| procs::namespaces_apart(d.pid));
+    let isolated = isolation == Isolation::Full;
     let own_net = match &namespaces {
         Some(ns) => ns.contains(&"net"),
         None => isolated && own_network(&spec),
     };
-    let env = daemon_env(&spec, dir, isolated)?;
+    let env = daemon_env(&spec, dir, isolated);
     let var = |k: &str| env.get(std::ffi::OsStr::new(k)).map(|v| v.to_string_lossy().into_owned());
-    let rlimits = rlimits_of(&spec)?;
+    let rlimits = rlimits_of(&spec, isolation)?;
     let details = BTreeMap::from([
         ("cgroups".to_string(), serde_json::to_value(&cgroups).unwrap_or_default()),
         ("namespaces".to_string(), serde_json::to_value(&namespaces).unwrap_or_default()),
         ("rlimits".to_string(), serde_json::json!({"as": rlimits.address_space, "fsize": rlimits.file_size})),
+        (
+            "isolation".to_string(),
+            serde_json::json!({
+                "mode": isolation.as_str(),
+                "host_ids": dir.read_ids().map(|first| serde_json::json!({"first": first, "count": ids::PER_SANDBOX})),
+            }),
+        ),
     ]);
     Ok(Applied {
         image: Some(HOST_IMAGE.to_string()),
@@ -644,30 +784,28 @@ fn own_network(spec: &SandboxSpec) -> bool {
     spec.network == Network::None || spec.profile == Profile::Eval
 }
 
-/// The limits the daemon sets on each command it starts. Eval's memory is its cgroup's, never
-/// `RLIMIT_AS`, which counts address space and breaks runtimes that reserve more than they use.
+/// The limits the daemon sets on each command it starts. Isolated, memory is the sandbox's
+/// cgroup's, never `RLIMIT_AS`, which counts address space and breaks runtimes that reserve
+/// more than they use; only without isolation (no cgroups) is it the address space.
 #[derive(Debug, Clone, Copy, Default)]
 struct Rlimits {
     address_space: Option<u64>,
     file_size: Option<u64>,
 }
 
-fn rlimits_of(spec: &SandboxSpec) -> Result<Rlimits, ProviderError> {
+fn rlimits_of(spec: &SandboxSpec, isolation: Isolation) -> Result<Rlimits, ProviderError> {
     let memory = bytes_of("memory", spec.resources.memory.as_ref())?;
     Ok(Rlimits {
-        address_space: memory.filter(|_| spec.profile != Profile::Eval),
+        address_space: memory.filter(|_| isolation == Isolation::None && spec.profile != Profile::Eval),
         file_size: bytes_of("disk", spec.resources.disk.as_ref())?,
     })
 }
 
-/// The daemon's whole environment, which every command inherits: never the server's own (its
-/// credentials, its RUST_LOG). Eval takes nothing from the host (not even `PATH`) and fixes
-/// [`EVAL_ENV`].
-fn daemon_env(
-    spec: &SandboxSpec,
-    dir: &SandboxDir,
-    isolated: bool,
-) -> Result<BTreeMap<OsString, OsString>, ProviderError> {
+/// The daemon's own environment: never the server's (its credentials, its RUST_LOG), never the
+/// request's (which goes to the commands through `env.json`, so that nothing a caller sends,
+/// `LD_PRELOAD` say, reaches the daemon). Eval takes nothing from the host (not even `PATH`)
+/// and fixes [`EVAL_ENV`].
+fn daemon_env(spec: &SandboxSpec, dir: &SandboxDir, isolated: bool) -> BTreeMap<OsString, OsString> {
     let eval = spec.profile == Profile::Eval;
     let mut env: BTreeMap<OsString, OsString> = BTreeMap::new();
     let host_path = std::env::var_os("PATH").filter(|_| !eval);
@@ -681,32 +819,32 @@ fn daemon_env(
         // Its own /tmp is a namespace away; TMPDIR is what it can have.
         env.insert("TMPDIR".into(), dir.tmp().into());
     }
+    env
+}
+
+/// The request's environment for the commands, checked; `SANDMAN_*` left out (the daemon hides
+/// them from commands anyway).
+fn commands_env(spec: &SandboxSpec) -> Result<BTreeMap<String, String>, ProviderError> {
+    let mut env = BTreeMap::new();
     for (k, v) in &spec.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(ProviderError::Unsupported(format!("invalid environment variable `{k}`")));
         }
-        // The daemon would take SANDMAN_TOKEN for its token, and hides SANDMAN_* from commands
-        // anyway.
-        if k.starts_with("SANDMAN_") {
-            continue;
+        if !k.starts_with("SANDMAN_") {
+            env.insert(k.clone(), v.clone());
         }
-        env.insert(k.into(), v.into());
     }
     Ok(env)
 }
 
-/// Records an eval sandbox's cgroups in its directory, then makes them: a crash in between
-/// leaves a record that a delete follows, never a cgroup nobody knows of.
-async fn make_cgroups(dir: &SandboxDir, eval: &Eval) -> Result<(), ProviderError> {
-    let (dir, eval) = (dir.clone(), eval.clone());
+/// Makes a sandbox's cgroups (their names are in its `cgroups.json` already) and writes their
+/// limits.
+async fn make_cgroups(c: &Cgroups) -> Result<(), ProviderError> {
+    let c = c.clone();
     let host_swap = cgroup::host_swap().unwrap_or(u64::MAX);
-    tokio::task::spawn_blocking(move || {
-        dir.write_cgroups(&eval.dirs)
-            .map_err(|e| ProviderError::io(format!("cannot write `{}`", dir.cgroups().display()), e))?;
-        cgroup::create(&eval.dirs, eval.limits, host_swap)
-    })
-    .await
-    .map_err(|e| ProviderError::io("cannot make the sandbox's cgroups", std::io::Error::other(e)))?
+    tokio::task::spawn_blocking(move || cgroup::create(&c.dirs, c.limits, host_swap))
+        .await
+        .map_err(|e| ProviderError::io("cannot make the sandbox's cgroups", std::io::Error::other(e)))?
 }
 
 /// Removes a sandbox's cgroups once they are empty: a killed sandbox's pid namespace empties a
@@ -732,14 +870,24 @@ async fn remove_cgroups(dirs: &cgroup::Dirs) -> std::io::Result<()> {
     Err(last)
 }
 
-/// Every record under `sandboxes`, with the daemon when it runs. Blocking.
-fn scan(sandboxes: &Path, creating: &HashSet<String>) -> std::io::Result<Vec<(Record, Option<ProcId>)>> {
+/// What [`scan`] found: records (with the daemon when it runs), and what a killed server left
+/// unfinished.
+#[derive(Debug, Default)]
+struct Scanned {
+    found: Vec<(Record, Option<ProcId>)>,
+    unfinished: Vec<SandboxDir>,
+}
+
+/// Every record under `sandboxes`, with the daemon when it runs. A daemon whose pid was never
+/// written (its server was killed between starting it and writing `daemon.pid`) is found in
+/// its cgroup, and its pid written now. Blocking.
+fn scan(sandboxes: &Path, creating: &HashSet<String>) -> std::io::Result<Scanned> {
     let entries = match std::fs::read_dir(sandboxes) {
         Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Scanned::default()),
         Err(e) => return Err(e),
     };
-    let mut out = Vec::new();
+    let mut out = Scanned::default();
     for entry in entries.flatten() {
         let Some(id) = entry.file_name().to_str().map(str::to_string) else { continue };
         if check_id(&id).is_err() || !entry.file_type().is_ok_and(|t| t.is_dir()) {
@@ -750,23 +898,46 @@ fn scan(sandboxes: &Path, creating: &HashSet<String>) -> std::io::Result<Vec<(Re
             Ok(spec) => spec,
             // Being made this very moment: its record is not written yet.
             Err(_) if creating.contains(&id) => continue,
+            // Killed while its directory was being made, before its record was written.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                out.unfinished.push(dir);
+                continue;
+            }
             Err(err) => {
                 tracing::warn!(sandbox = %id, %err, path = %dir.record().display(), "skipping an unreadable sandbox record");
                 continue;
             }
         };
         let endpoint = Endpoint::Unix(dir.socket());
+        let record = |ended| Record { spec: spec.clone(), endpoint: endpoint.clone(), ended, claim: None };
         if creating.contains(&id) {
-            out.push((Record { spec, endpoint, ended: None, claim: None }, None));
+            out.found.push((record(None), None));
             continue;
         }
         if let Some(ended) = dir.read_ended() {
-            out.push((Record { spec, endpoint, ended: Some(ended), claim: None }, None));
+            out.found.push((record(Some(ended)), None));
             continue;
         }
-        match dir.read_pid().filter(ProcId::is_running) {
-            Some(daemon) => out.push((Record { spec, endpoint, ended: None, claim: None }, Some(daemon))),
-            None => out.push((Record { spec, endpoint, ended: Some(not_running()), claim: None }, None)),
+        if let Some(daemon) = dir.read_pid() {
+            let running = daemon.is_running().then_some(daemon);
+            let ended = running.is_none().then(|| watch::ended_of(&dir, spec.daemon_lease_s));
+            out.found.push((record(ended), running));
+            continue;
+        }
+        // No pid written: either the daemon runs, unrecorded, in its cgroup, or it never started.
+        let found = dir.read_cgroups().and_then(|c| procs::top_of(&c.members()));
+        match found {
+            Some(daemon) => {
+                if let Err(err) = dir.write_pid(daemon) {
+                    tracing::warn!(sandbox = %id, %err, "cannot write the pid of a daemon found in its cgroup");
+                }
+                tracing::info!(sandbox = %id, pid = daemon.pid, "found a daemon whose pid was never written, in its cgroup");
+                out.found.push((record(None), Some(daemon)));
+            }
+            None if dir.exit_code().is_some() => {
+                out.found.push((record(Some(watch::ended_of(&dir, spec.daemon_lease_s))), None));
+            }
+            None => out.unfinished.push(dir),
         }
     }
     Ok(out)
@@ -776,21 +947,43 @@ fn not_running() -> Ended {
     Ended { reason: Reason::ProviderError, message: "daemon is not running".into() }
 }
 
-/// Whether sandboxes get namespaces; an error when `Required` cannot be met.
-fn plan_namespaces(mode: Isolation, root: bool, state_under_tmp: bool) -> Result<Namespaces, ProviderError> {
-    match (mode, root, state_under_tmp) {
-        (Isolation::Off, _, _) => Ok(Namespaces::Off),
-        (Isolation::Auto, false, _) => Ok(Namespaces::NotRoot),
-        (Isolation::Auto, true, true) => Ok(Namespaces::StateUnderTmp),
-        (Isolation::Required, false, _) => Err(ProviderError::Unsupported(
-            "isolation is required, but namespaces need root and the server is not root".into(),
-        )),
-        (Isolation::Required, true, true) => Err(ProviderError::Unsupported(
-            "isolation is required, but the state directory is under /tmp, which an isolated sandbox replaces; move it"
-                .into(),
-        )),
-        (_, true, false) => Ok(Namespaces::Used),
+/// Runs the daemon's isolation once, as a sandbox would get it, and reports why it failed: the
+/// provider starts only where sandboxes can be isolated. Blocking; at start.
+fn check_isolation(config: &ProcessConfig) -> Result<(), String> {
+    let dir = config.state_dir.join("isolation-check");
+    let _ = std::fs::remove_dir_all(&dir);
+    let (root, work, tmp) = (dir.join("root"), dir.join("work"), dir.join("tmp"));
+    for d in [&root, &work, &tmp] {
+        std::fs::create_dir_all(d).map_err(|e| format!("cannot make `{}`: {e}", d.display()))?;
     }
+    let mut cmd = std::process::Command::new(&config.daemon_bin);
+    cmd.args(&config.daemon_args)
+        .arg("--check-isolation")
+        .arg("--isolate")
+        .arg("--isolate-net")
+        .arg("--isolate-ids")
+        .arg(ids::base_of(ids::CHECK_SLOT).to_string())
+        .arg("--isolate-root")
+        .arg(&root)
+        .arg("--isolate-tmp")
+        .arg(&tmp)
+        .arg("--workdir")
+        .arg(&work)
+        .arg("--isolate-hide")
+        .arg(resolve(&config.state_dir))
+        .env_clear()
+        .env("PATH", DEFAULT_PATH)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let out = cmd.output().map_err(|e| format!("cannot run `{}`: {e}", config.daemon_bin.display()))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    if out.status.success() {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(&out.stderr);
+    let words = said.lines().filter(|l| l.starts_with("error:") || l.starts_with("  caused by:")).map(str::trim);
+    Err(words.collect::<Vec<_>>().join(" ").trim_start_matches("error: ").to_string())
 }
 
 /// A sandbox id names a directory: letters, digits, `-`, `_`, `.`; not starting with `.`.
@@ -806,6 +999,17 @@ fn check_id(id: &str) -> Result<(), ProviderError> {
             "sandbox id `{id}` cannot name a directory: use letters, digits, `-`, `_` and `.`"
         )))
     }
+}
+
+/// A cpu quantity in cores, within what a CFS quota can hold.
+fn cores_of(q: &Quantity) -> Result<f64, ProviderError> {
+    let cpu = q.value().map_err(|e| ProviderError::Unsupported(format!("resources.cpu: {e}")))?;
+    if !(cpu * (cgroup::PERIOD_US as f64) >= cgroup::MIN_QUOTA_US as f64 && cpu <= 1e6) {
+        return Err(ProviderError::Unsupported(format!(
+            "resources.cpu must be between 0.01 and a million cores, not {cpu}"
+        )));
+    }
+    Ok(cpu)
 }
 
 /// A memory or disk quantity in bytes.
@@ -865,17 +1069,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn namespaces_need_root_and_a_state_dir_outside_tmp() {
-        assert_eq!(plan_namespaces(Isolation::Auto, true, false).ok(), Some(Namespaces::Used));
-        assert_eq!(plan_namespaces(Isolation::Auto, false, false).ok(), Some(Namespaces::NotRoot));
-        assert_eq!(plan_namespaces(Isolation::Auto, true, true).ok(), Some(Namespaces::StateUnderTmp));
-        assert_eq!(plan_namespaces(Isolation::Off, true, false).ok(), Some(Namespaces::Off));
-        assert!(plan_namespaces(Isolation::Required, false, false).is_err());
-        assert!(plan_namespaces(Isolation::Required, true, true).is_err());
-        assert_eq!(plan_namespaces(Isolation::Required, true, false).ok(), Some(Namespaces::Used));
-    }
-
-    #[test]
     fn ids_are_single_path_components() {
         assert!(check_id("sb-42_x.1").is_ok());
         for bad in ["", ".", "..", "../x", "a/b", ".hidden", "a b"] {
@@ -887,29 +1080,53 @@ mod tests {
     fn eval_fixes_the_environment_and_takes_no_path_from_the_host() {
         let dir = SandboxDir::new(Path::new("/var/lib/sandman/sandboxes"), "e1");
         let mut spec = sandman_provider::conformance::spec("e1", HOST_IMAGE);
-        spec.env.insert("SANDMAN_TOKEN".into(), "hijack".into());
-        let plain = daemon_env(&spec, &dir, true).unwrap_or_else(|e| panic!("{e}"));
+        let plain = daemon_env(&spec, &dir, true);
         assert_eq!(plain.get(std::ffi::OsStr::new("PATH")), std::env::var_os("PATH").as_ref());
         assert!(!plain.contains_key(std::ffi::OsStr::new("TZ")) && !plain.contains_key(std::ffi::OsStr::new("LC_ALL")));
         spec.profile = Profile::Eval;
-        let eval = daemon_env(&spec, &dir, true).unwrap_or_else(|e| panic!("{e}"));
+        let eval = daemon_env(&spec, &dir, true);
         let get = |k: &str| eval.get(std::ffi::OsStr::new(k)).and_then(|v| v.to_str());
         assert_eq!(get("PATH"), Some(DEFAULT_PATH));
         for (k, v) in EVAL_ENV {
             assert_eq!(get(k), Some(v), "{k}");
         }
-        assert_eq!(get("CONFORMANCE"), Some("yes"));
-        assert_eq!(get("SANDMAN_TOKEN"), None);
         assert_eq!(get("HOME"), Some("/var/lib/sandman/sandboxes/e1/work"));
     }
 
     #[test]
-    fn eval_memory_is_never_an_address_space_rlimit() {
+    fn a_requests_environment_never_becomes_the_daemons_own() {
+        let dir = SandboxDir::new(Path::new("/var/lib/sandman/sandboxes"), "e2");
+        let mut spec = sandman_provider::conformance::spec("e2", HOST_IMAGE);
+        spec.env.insert("LD_PRELOAD".into(), "/tmp/evil.so".into());
+        spec.env.insert("SANDMAN_TOKEN".into(), "hijack".into());
+        let daemon = daemon_env(&spec, &dir, true);
+        assert!(!daemon.contains_key(std::ffi::OsStr::new("LD_PRELOAD")), "{daemon:?}");
+        assert!(!daemon.contains_key(std::ffi::OsStr::new("CONFORMANCE")), "{daemon:?}");
+        let commands = commands_env(&spec).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(commands.get("LD_PRELOAD").map(String::as_str), Some("/tmp/evil.so"));
+        assert_eq!(commands.get("CONFORMANCE").map(String::as_str), Some("yes"));
+        assert!(!commands.contains_key("SANDMAN_TOKEN"));
+        spec.env.insert("A=B".into(), "x".into());
+        assert!(commands_env(&spec).is_err());
+    }
+
+    #[test]
+    fn memory_is_an_address_space_rlimit_only_without_isolation() {
         let mut spec = sandman_provider::conformance::spec("r1", HOST_IMAGE);
         spec.resources.memory = Some(Quantity::Text("1Gi".into()));
-        assert_eq!(rlimits_of(&spec).ok().and_then(|r| r.address_space), Some(1 << 30));
+        let r = |spec: &SandboxSpec, i| rlimits_of(spec, i).ok().and_then(|r| r.address_space);
+        assert_eq!(r(&spec, Isolation::None), Some(1 << 30));
+        assert_eq!(r(&spec, Isolation::Full), None);
         spec.profile = Profile::Eval;
-        assert_eq!(rlimits_of(&spec).ok().map(|r| r.address_space), Some(None));
+        assert_eq!(r(&spec, Isolation::None), None);
+    }
+
+    #[test]
+    fn cpu_quantities_must_fit_a_cfs_quota() {
+        assert_eq!(cores_of(&Quantity::Text("500m".into())).ok(), Some(0.5));
+        for bad in ["1m", "2000000", "NaN"] {
+            assert!(cores_of(&Quantity::Text(bad.into())).is_err(), "{bad}");
+        }
     }
 
     #[test]

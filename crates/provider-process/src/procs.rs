@@ -66,14 +66,17 @@ fn is_isolated(pid: i32) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|arg| arg == b"--isolate"))
 }
 
-/// The namespaces `pid` has apart from this process, by name (`mount`, `pid`, `ipc`, `uts`,
-/// `net`). For a daemon's waiter, `pid` is the namespace of its children: the waiter stays
-/// outside the sandbox's pid namespace, and everything it starts is inside.
-pub fn namespaces_apart(pid: i32) -> Vec<&'static str> {
+/// The namespaces a sandbox has apart from this process, by name (`user`, `mount`, `pid`,
+/// `cgroup`, `ipc`, `uts`, `net`), given its daemon's pid. An isolated daemon's waiter stays in
+/// the host's namespaces: its one child, the sandbox's init, is the one to read.
+pub fn namespaces_apart(daemon: i32) -> Vec<&'static str> {
+    let pid = if is_isolated(daemon) { children_of(daemon).first().copied().unwrap_or(daemon) } else { daemon };
     let ns = |p: &str, file: &str| std::fs::read_link(format!("/proc/{p}/ns/{file}")).ok();
     [
+        ("user", "user", "user"),
         ("mount", "mnt", "mnt"),
-        ("pid", "pid_for_children", "pid"),
+        ("pid", "pid", "pid"),
+        ("cgroup", "cgroup", "cgroup"),
         ("ipc", "ipc", "ipc"),
         ("uts", "uts", "uts"),
         ("net", "net", "net"),
@@ -85,6 +88,19 @@ pub fn namespaces_apart(pid: i32) -> Vec<&'static str> {
     })
     .map(|(name, _, _)| name)
     .collect()
+}
+
+/// Of `pids` (the members of one sandbox's cgroup), the one at the top: whose parent is not
+/// among them (the daemon a provider started; everything else descends from it). The earliest
+/// started, should there be several.
+pub fn top_of(pids: &[i32]) -> Option<ProcId> {
+    let set: HashSet<i32> = pids.iter().copied().collect();
+    pids.iter()
+        .filter_map(|&pid| {
+            let stat = parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?;
+            (!set.contains(&stat.ppid) && stat.state != 'Z').then_some(ProcId { pid, start_time: stat.start_time })
+        })
+        .min_by_key(|p| p.start_time)
 }
 
 /// The direct children of `pid`, from `/proc/PID/task/PID/children` (one small file).

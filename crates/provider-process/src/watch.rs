@@ -102,6 +102,18 @@ impl Watch {
     }
 }
 
+/// How a daemon that is no longer running ended, from what it left in its directory (its exit
+/// code, its last log line): for one found dead at start.
+pub fn ended_of(dir: &SandboxDir, lease_s: u64) -> Ended {
+    use std::os::unix::process::ExitStatusExt;
+    let exit = dir.exit_code().map_or(Exit::Unknown, |code| Exit::Status(ExitStatus::from_raw((code & 0xff) << 8)));
+    let mut ended = ended(&exit, lease_s, dir.last_words());
+    if matches!(exit, Exit::Unknown) {
+        ended.message = format!("daemon is not running{}", ended.message.strip_prefix("daemon exited").unwrap_or(""));
+    }
+    ended
+}
+
 fn ended(exit: &Exit, lease_s: u64, last_words: Option<String>) -> Ended {
     use std::os::unix::process::ExitStatusExt;
     let tail = last_words.map(|w| format!(": {w}")).unwrap_or_default();

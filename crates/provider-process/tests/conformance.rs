@@ -1,5 +1,5 @@
 //! The provider conformance suite against the real process provider and the real `sandmand`,
-//! with namespaces (root, as CI runs) and without.
+//! isolated (root, as CI runs) and not.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -9,7 +9,7 @@ use std::process::Command;
 use common::{check_daemon, dir_of, provider, require_root, state_dir};
 use sandman_provider::Endpoint;
 use sandman_provider::conformance::{self, spec};
-use sandman_provider_process::{HOST_IMAGE, Isolation, Namespaces};
+use sandman_provider_process::{HOST_IMAGE, Isolation};
 
 async fn suite(isolate: Isolation, tag: &str) {
     let state = state_dir();
@@ -35,14 +35,14 @@ async fn kill_daemon(endpoint: Endpoint) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_process_provider_passes_the_suite_with_namespaces() {
+async fn the_process_provider_passes_the_suite_isolated() {
     require_root();
     let state = state_dir();
-    assert_eq!(provider(state.path(), Isolation::Required).namespaces(), Namespaces::Used);
-    suite(Isolation::Required, "ns").await;
+    assert_eq!(provider(state.path(), Isolation::Full).isolation_mode(), Isolation::Full);
+    suite(Isolation::Full, "iso").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_process_provider_passes_the_suite_without_namespaces() {
-    suite(Isolation::Off, "plain").await;
+async fn the_process_provider_passes_the_suite_without_isolation() {
+    suite(Isolation::None, "plain").await;
 }

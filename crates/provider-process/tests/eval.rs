@@ -57,7 +57,7 @@ fn counter(dir: &Path, files: &[&str], key: &str) -> u64 {
 async fn an_eval_sandbox_gets_what_it_asked_for_and_its_daemon_observes_the_same() {
     require_root();
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Required);
+    let p = provider(state.path(), Isolation::Full);
     let s = eval_spec("eval-limits", 0.5, "256Mi", Some(100));
     let ep = ready(&p, &s).await;
     let socket = socket_of(&ep);
@@ -77,7 +77,8 @@ async fn an_eval_sandbox_gets_what_it_asked_for_and_its_daemon_observes_the_same
     assert_eq!(env.get("LANG"), Some(&"C.UTF-8"), "{env:?}");
     assert_eq!(env.get("PATH"), Some(&"/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), "{env:?}");
     assert!(!text.contains(&host_var) && !env.contains_key("CARGO_MANIFEST_DIR"), "the host leaked in: {env:?}");
-    assert!(cgroups.contains(&format!("sandman-{}", s.id)), "commands run outside the sandbox's cgroups: {cgroups}");
+    // In a cgroup namespace of its own: the sandbox's cgroup is its root.
+    assert!(cgroups.lines().all(|l| l.ends_with(":/")), "commands see the host's cgroups: {cgroups}");
 
     let applied = p.applied(&s.id).await.unwrap();
     assert_eq!(applied.image.as_deref(), Some(HOST_IMAGE));
@@ -95,6 +96,11 @@ async fn an_eval_sandbox_gets_what_it_asked_for_and_its_daemon_observes_the_same
     assert_eq!(applied.details["rlimits"]["as"], Value::Null, "eval's memory is the cgroup's, not RLIMIT_AS");
     let dirs = cgroup_dirs(&applied);
     assert!(dirs.iter().all(|d| d.is_dir() && d.ends_with(format!("sandman-{}", s.id))), "{dirs:?}");
+    // Seen from the host, the daemon and what it runs are in them.
+    for d in &dirs {
+        let members = std::fs::read_to_string(d.join("cgroup.procs")).unwrap();
+        assert!(members.split_whitespace().count() >= 2, "{}: {members}", d.display());
+    }
 
     let observed: Observed =
         serde_json::from_value(call(&socket, "GET", "/v1/conditions", Some(&s.token), None).await.unwrap().json())
@@ -126,7 +132,7 @@ async fn an_eval_sandbox_gets_what_it_asked_for_and_its_daemon_observes_the_same
     // A restarted server finds the sandbox, reads back the same, and its delete removes the
     // cgroups with the directory.
     drop(p);
-    let second = provider(state.path(), Isolation::Required);
+    let second = provider(state.path(), Isolation::Full);
     let listed = second.list().await.unwrap();
     assert_eq!(listed.iter().filter(|r| r.spec.id == s.id && r.ended.is_none()).count(), 1, "{listed:?}");
     assert_eq!(second.applied(&s.id).await.unwrap(), applied);
@@ -140,7 +146,7 @@ async fn an_eval_sandbox_gets_what_it_asked_for_and_its_daemon_observes_the_same
 async fn the_pids_limit_bounds_a_fork_bomb() {
     require_root();
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Required);
+    let p = provider(state.path(), Isolation::Full);
     let s = eval_spec("eval-pids", 1.0, "256Mi", Some(40));
     let ep = ready(&p, &s).await;
     let applied = p.applied(&s.id).await.unwrap();
@@ -168,7 +174,7 @@ async fn the_pids_limit_bounds_a_fork_bomb() {
 #[tokio::test]
 async fn eval_without_cpu_or_memory_or_with_another_locale_is_refused_by_name() {
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Auto);
+    let p = provider(state.path(), Isolation::Full);
     let mut s = eval_spec("eval-refused", 1.0, "256Mi", None);
     s.resources.memory = None;
     let msg = unsupported(p.create(&s).await);
@@ -188,7 +194,7 @@ async fn eval_without_cpu_or_memory_or_with_another_locale_is_refused_by_name() 
 #[tokio::test]
 async fn eval_without_namespaces_is_refused_naming_why() {
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Off);
+    let p = provider(state.path(), Isolation::None);
     let s = eval_spec("eval-no-ns", 1.0, "256Mi", None);
     let msg = unsupported(p.create(&s).await);
     // Root or not, the reason is named: isolation off (root), or no root.
@@ -201,7 +207,7 @@ async fn eval_without_namespaces_is_refused_naming_why() {
 async fn a_leftover_cgroup_of_a_forgotten_sandbox_breaks_nothing() {
     require_root();
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Required);
+    let p = provider(state.path(), Isolation::Full);
     let s = eval_spec("eval-leftover", 1.0, "128Mi", None);
     ready(&p, &s).await;
     let applied = p.applied(&s.id).await.unwrap();
@@ -222,20 +228,36 @@ async fn a_leftover_cgroup_of_a_forgotten_sandbox_breaks_nothing() {
 }
 
 #[tokio::test]
-async fn a_default_sandbox_reports_rlimits_and_no_cgroup_limits() {
+async fn a_default_sandbox_reports_its_cgroup_limits_and_no_address_space_rlimit() {
+    require_root();
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Auto);
+    let p = provider(state.path(), Isolation::Full);
     let mut s = spec(&format!("plain-applied-{}", std::process::id()), HOST_IMAGE);
     s.resources.memory = Some(Quantity::Text("256Mi".into()));
     ready(&p, &s).await;
     let applied = p.applied(&s.id).await.unwrap();
-    assert_eq!((applied.cpu, applied.memory, applied.swap, applied.pids), (None, None, None, None), "{applied:?}");
+    assert_eq!((applied.cpu, applied.memory, applied.pids), (None, Some(256 << 20), Some(4096)), "{applied:?}");
     assert_eq!(applied.network.as_deref(), Some("egress"));
     assert_eq!(applied.locale.as_deref(), Some("C.UTF-8"));
     assert_eq!(applied.timezone, None);
-    assert_eq!(applied.details["rlimits"]["as"], 256 << 20);
-    assert_eq!(applied.details["cgroups"], Value::Null);
+    assert_eq!(applied.details["rlimits"]["as"], Value::Null);
+    assert!(applied.details["cgroups"].is_object(), "{applied:?}");
     p.delete(&s.id).await.unwrap();
     assert!(matches!(p.applied(&s.id).await, Err(ProviderError::NotFound(_))));
     assert!(matches!(p.applied("../etc").await, Err(ProviderError::NotFound(_))));
+}
+
+#[tokio::test]
+async fn without_isolation_a_sandbox_reports_rlimits_and_no_cgroup_limits() {
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::None);
+    let mut s = spec(&format!("none-applied-{}", std::process::id()), HOST_IMAGE);
+    s.resources.memory = Some(Quantity::Text("256Mi".into()));
+    ready(&p, &s).await;
+    let applied = p.applied(&s.id).await.unwrap();
+    assert_eq!((applied.cpu, applied.memory, applied.swap, applied.pids), (None, None, None, None), "{applied:?}");
+    assert_eq!(applied.details["rlimits"]["as"], 256 << 20);
+    assert_eq!(applied.details["cgroups"], Value::Null);
+    assert_eq!(applied.details["isolation"]["mode"], "none");
+    p.delete(&s.id).await.unwrap();
 }

@@ -1,5 +1,6 @@
-//! The process provider beyond the conformance suite: refusals, resources as rlimits, the daemon's
-//! environment, isolation (root), deletes that leave nothing, and deaths seen after a restart.
+//! The process provider beyond the conformance suite: refusals, resources (cgroups isolated,
+//! rlimits not), the daemon's environment, isolation (root), deletes that leave nothing, and
+//! deaths seen after a restart.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 mod common;
@@ -23,7 +24,7 @@ use serde_json::json;
 #[tokio::test]
 async fn refusals_name_the_way_out_and_leave_nothing() {
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Off);
+    let p = provider(state.path(), Isolation::None);
     let msg = unsupported(p.create(&spec("img", "python:3.12")).await);
     assert!(msg.contains("`python:3.12`") && msg.contains("docker") && msg.contains("kubernetes"), "{msg}");
     // Eval needs fixed resources first of all, and then namespaces, which are off here.
@@ -32,7 +33,7 @@ async fn refusals_name_the_way_out_and_leave_nothing() {
     eval.resources.cpu = Some(Quantity::Number(1.0));
     eval.resources.memory = Some(Quantity::Text("64Mi".into()));
     let msg = unsupported(p.create(&eval).await);
-    assert!(msg.contains("eval") && (msg.contains("isolation is off") || msg.contains("not root")), "{msg}");
+    assert!(msg.contains("eval") && msg.contains("isolation is off"), "{msg}");
     let offline = SandboxSpec { network: Network::None, ..spec("net", HOST_IMAGE) };
     assert!(unsupported(p.create(&offline).await).contains("network namespace"));
     assert!(unsupported(p.create(&spec("../escape", HOST_IMAGE)).await).contains("cannot name a directory"));
@@ -47,7 +48,7 @@ async fn refusals_name_the_way_out_and_leave_nothing() {
 #[tokio::test]
 async fn the_daemon_gets_a_clean_environment_and_its_own_work_dir() {
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Auto);
+    let p = provider(state.path(), Isolation::Full);
     let mut s = spec("env1", HOST_IMAGE);
     s.env = BTreeMap::from([("FROM_SPEC".into(), "1".into()), ("SANDMAN_TOKEN".into(), "hijack".into())]);
     let ep = ready(&p, &s).await;
@@ -67,9 +68,9 @@ async fn the_daemon_gets_a_clean_environment_and_its_own_work_dir() {
 }
 
 #[tokio::test]
-async fn memory_and_disk_become_rlimits_of_every_command() {
+async fn without_isolation_memory_and_disk_become_rlimits_of_every_command() {
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Auto);
+    let p = provider(state.path(), Isolation::None);
     let mut s = spec("limits", HOST_IMAGE);
     s.resources.memory = Some(Quantity::Text("256Mi".into()));
     s.resources.disk = Some(Quantity::Text("1Mi".into()));
@@ -82,6 +83,38 @@ async fn memory_and_disk_become_rlimits_of_every_command() {
     assert!(matches!(lines.get(1).copied(), Some("2048" | "1024")), "{limits}");
     let big = sh(&ep, &s.token, "head -c 2M /dev/zero > big").await;
     assert!(big["exit_code"] != 0 || big["signal"] == 25, "{big}");
+    p.delete(&s.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn isolated_memory_cpu_and_pids_are_the_sandboxs_cgroup_limits() {
+    require_root();
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Full);
+    let mut s = spec("cg-limits", HOST_IMAGE);
+    s.resources.memory = Some(Quantity::Text("256Mi".into()));
+    s.resources.cpu = Some(Quantity::Number(0.5));
+    s.resources.disk = Some(Quantity::Text("1Mi".into()));
+    let ep = ready(&p, &s).await;
+    // Seen from inside, through the sandbox's own cgroup namespace (v1 or v2).
+    let script = "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null; \
+                  cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null; ulimit -v; ulimit -f";
+    let seen = out(&sh(&ep, &s.token, script).await);
+    let lines: Vec<&str> = seen.lines().collect();
+    assert_eq!(lines.first().copied(), Some("268435456"), "{seen}");
+    assert_eq!(lines.get(1).copied(), Some("4096"), "the default pids limit: {seen}");
+    // No address-space limit: the memory is the cgroup's.
+    assert_eq!(lines.get(2).copied(), Some("unlimited"), "{seen}");
+    assert!(matches!(lines.get(3).copied(), Some("2048" | "1024")), "{seen}");
+    let applied = p.applied(&s.id).await.unwrap();
+    assert_eq!((applied.memory, applied.cpu, applied.pids), (Some(256 << 20), Some(0.5), Some(4096)));
+    // A fork bomb stops at the limit; the sandbox stays usable.
+    let mut small = spec("cg-pids", HOST_IMAGE);
+    small.resources.pids = Some(20);
+    let ep2 = ready(&p, &small).await;
+    let bomb = sh(&ep2, &small.token, "for i in $(seq 40); do sleep 30 & done 2>&1; wait").await;
+    assert!(out(&bomb).contains("fork") || bomb["stderr"].as_str().unwrap_or("").contains("fork"), "{bomb}");
+    p.delete(&small.id).await.unwrap();
     p.delete(&s.id).await.unwrap();
 }
 
@@ -118,21 +151,21 @@ async fn nothing_left_after_delete(isolate: Isolation, id: &str, secs: &str) {
 }
 
 #[tokio::test]
-async fn nothing_is_left_after_delete_without_namespaces() {
-    nothing_left_after_delete(Isolation::Off, "left-plain", "4242.25").await;
+async fn nothing_is_left_after_delete_without_isolation() {
+    nothing_left_after_delete(Isolation::None, "left-plain", "4242.25").await;
 }
 
 #[tokio::test]
-async fn nothing_is_left_after_delete_with_namespaces() {
+async fn nothing_is_left_after_delete_isolated() {
     require_root();
-    nothing_left_after_delete(Isolation::Required, "left-ns", "4343.25").await;
+    nothing_left_after_delete(Isolation::Full, "left-ns", "4343.25").await;
 }
 
 #[tokio::test]
-async fn isolated_sandbox_has_its_own_tmp_pid_1_and_hostname() {
+async fn isolated_sandbox_has_its_own_tmp_pid_1_and_namespaces() {
     require_root();
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Required);
+    let p = provider(state.path(), Isolation::Full);
     let s = spec("iso1", HOST_IMAGE);
     let ep = ready(&p, &s).await;
     let dir = dir_of(&ep);
@@ -143,10 +176,12 @@ async fn isolated_sandbox_has_its_own_tmp_pid_1_and_hostname() {
     assert_eq!(wrote["exit_code"], 0, "{wrote}");
     assert!(dir.join("tmp").join(&name).exists(), "not in the sandbox's tmp/");
     assert!(!Path::new("/tmp").join(&name).exists(), "reached the host's /tmp");
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
-    let named = sh(&ep, &s.token, "hostname iso-sandbox && hostname").await;
-    assert_eq!(out(&named).trim(), "iso-sandbox", "{named}");
-    assert_eq!(std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(), host);
+    let applied = p.applied(&s.id).await.unwrap();
+    let apart = applied.details["namespaces"].as_array().cloned().unwrap_or_default();
+    for ns in ["mount", "pid", "ipc", "uts"] {
+        assert!(apart.contains(&json!(ns)), "{ns} is shared with the host: {apart:?}");
+    }
+    assert_eq!(applied.details["isolation"]["mode"], "full", "{:?}", applied.details);
     p.delete(&s.id).await.unwrap();
 }
 
@@ -154,7 +189,7 @@ async fn isolated_sandbox_has_its_own_tmp_pid_1_and_hostname() {
 async fn network_none_leaves_only_loopback() {
     require_root();
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Auto);
+    let p = provider(state.path(), Isolation::Full);
     let s = SandboxSpec { network: Network::None, ..spec("offline", HOST_IMAGE) };
     let ep = ready(&p, &s).await;
     let dev = out(&exec(&socket_of(&ep), &s.token, &["cat", "/proc/net/dev"]).await.unwrap());
@@ -166,7 +201,7 @@ async fn network_none_leaves_only_loopback() {
 #[tokio::test]
 async fn a_lapsed_daemon_lease_is_reported_as_lease_expired() {
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Auto);
+    let p = provider(state.path(), Isolation::Full);
     let mut events = p.events().unwrap();
     assert!(p.events().is_none(), "events are handed out once");
     let s = SandboxSpec { daemon_lease_s: 1, ..spec("lease", HOST_IMAGE) };
@@ -193,7 +228,8 @@ async fn a_daemon_that_cannot_start_is_reported_with_its_last_words() {
         state_dir: state.path().to_path_buf(),
         daemon_bin: fake,
         daemon_args: Vec::new(),
-        isolate: Isolation::Off,
+        isolation: Isolation::None,
+        hide: Vec::new(),
     })
     .unwrap();
     let mut events = p.events().unwrap();
@@ -211,12 +247,12 @@ async fn a_daemon_that_cannot_start_is_reported_with_its_last_words() {
 #[tokio::test]
 async fn a_restarted_server_learns_of_deaths_through_pidfds() {
     let state = state_dir();
-    let first = provider(state.path(), Isolation::Auto);
+    let first = provider(state.path(), Isolation::Full);
     let s = spec("adopted", HOST_IMAGE);
     let ep = ready(&first, &s).await;
     // The first server goes away; its daemon runs on.
     drop(first);
-    let second = provider(state.path(), Isolation::Auto);
+    let second = provider(state.path(), Isolation::Full);
     let mut events = second.events().unwrap();
     let listed = second.list().await.unwrap();
     assert_eq!(listed.len(), 1);
@@ -236,12 +272,12 @@ async fn a_restarted_server_learns_of_deaths_through_pidfds() {
 #[tokio::test]
 async fn a_restarted_server_learns_a_lapsed_lease_from_the_exit_file() {
     let state = state_dir();
-    let first = provider(state.path(), Isolation::Auto);
+    let first = provider(state.path(), Isolation::Full);
     let s = SandboxSpec { daemon_lease_s: 2, ..spec("adopted-lease", HOST_IMAGE) };
     let ep = ready(&first, &s).await;
     drop(first);
     // The daemon is not the second provider's child: its status comes from the file it leaves.
-    let second = provider(state.path(), Isolation::Auto);
+    let second = provider(state.path(), Isolation::Full);
     let mut events = second.events().unwrap();
     assert_eq!(second.list().await.unwrap()[0].ended, None);
     let event = next_event(&mut events, &s.id).await;
@@ -253,7 +289,7 @@ async fn a_restarted_server_learns_a_lapsed_lease_from_the_exit_file() {
 #[tokio::test]
 async fn an_unreadable_record_is_skipped() {
     let state = state_dir();
-    let p = provider(state.path(), Isolation::Off);
+    let p = provider(state.path(), Isolation::None);
     let broken = state.path().join("sandboxes").join("broken");
     std::fs::create_dir_all(&broken).unwrap();
     std::fs::write(broken.join("record.json"), "{not json").unwrap();

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Mutex, PoisonError};
 
-use sandman_wire::server::{Applied, Network, Profile, Reason, Resources};
+use sandman_wire::server::{Applied, Isolation, Network, Profile, Reason, Resources};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -59,6 +59,11 @@ impl Creating {
             return Err(ProviderError::Backend(format!("sandbox `{id}` is being created already")));
         }
         Ok(CreatingGuard { set: self, id: id.to_string() })
+    }
+
+    /// Whether `id` is being made now.
+    pub fn contains(&self, id: &str) -> bool {
+        self.lock().contains(id)
     }
 
     /// The ids being made now.
@@ -227,6 +232,12 @@ impl ProviderError {
 /// optionally, the progress of slow creates).
 pub trait Provider: Send + Sync {
     fn name(&self) -> &'static str;
+
+    /// How this provider keeps its sandboxes apart from the host and each other. The default
+    /// claims nothing.
+    fn isolation(&self) -> Isolation {
+        Isolation::None
+    }
 
     /// Refuses at once, creating nothing, a spec this provider cannot honour (an image it cannot
     /// run, a network mode it cannot give). `create` may still fail later for reasons found only

@@ -1,6 +1,7 @@
 //! The daemon's command line: flags, isolation before the runtime starts, then [`crate::run`].
 //! The `sandmand` binary is [`main_with`]; `sandman` embeds the same entry point.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -63,15 +64,42 @@ struct Args {
     /// Log filter (also RUST_LOG), e.g. `info` or `sandmand=debug`.
     #[arg(long, default_value = "info")]
     log: String,
-    /// Run as PID 1 of new mount, pid, ipc and uts namespaces, with a fresh /proc (needs root).
-    #[arg(long)]
+    /// Run as PID 1 of a sandbox of its own (needs root): new user, mount, pid, cgroup, ipc and
+    /// uts namespaces; an overlay over the host's root with a writable layer in memory; fresh
+    /// /proc, /sys and /dev; the sandbox's root mapped to unprivileged host ids; no capability
+    /// a container runtime withholds, no_new_privs, Landlock scopes.
+    #[arg(long, requires_all = ["isolate_ids", "isolate_root"])]
     isolate: bool,
+    /// With --isolate: the host uid and gid the sandbox's root is (65536 ids from there).
+    #[arg(long, requires = "isolate", value_name = "ID")]
+    isolate_ids: Option<u32>,
+    /// With --isolate: an empty directory where the sandbox's root is assembled.
+    #[arg(long, requires = "isolate", value_name = "DIR")]
+    isolate_root: Option<PathBuf>,
     /// With --isolate, a network namespace too: only `lo`, brought up.
     #[arg(long, requires = "isolate")]
     isolate_net: bool,
-    /// With --isolate, bind-mount this directory onto /tmp.
-    #[arg(long, requires = "isolate")]
+    /// With --isolate, bind-mount this directory onto /tmp (made the sandbox root's, sticky).
+    #[arg(long, requires = "isolate", value_name = "DIR")]
     isolate_tmp: Option<PathBuf>,
+    /// With --isolate: the most the sandbox may write outside its work directory and /tmp.
+    #[arg(long, requires = "isolate", value_name = "BYTES")]
+    isolate_layer_bytes: Option<u64>,
+    /// With --isolate: a host path the sandbox must not see (empty in its place); repeatable.
+    #[arg(long = "isolate-hide", requires = "isolate", value_name = "PATH")]
+    isolate_hide: Vec<PathBuf>,
+    /// With --isolate: a host directory the sandbox keeps, writable, at the same path (made the
+    /// sandbox root's); repeatable. The work directory is kept without asking.
+    #[arg(long = "isolate-keep", requires = "isolate", value_name = "DIR")]
+    isolate_keep: Vec<PathBuf>,
+    /// Set up what --isolate asks for, then exit: 0 when this host can isolate a sandbox, else
+    /// the reason. A provider runs it once at start.
+    #[arg(long, requires = "isolate", hide = true)]
+    check_isolation: bool,
+    /// The commands' environment, a JSON object of strings, over the daemon's own (a request's
+    /// `env` overrides both). Read before isolating; the daemon's own environment never takes it.
+    #[arg(long, value_name = "PATH")]
+    env_file: Option<PathBuf>,
     /// RLIMIT_AS (bytes of address space) of every process the daemon starts.
     #[arg(long, value_name = "BYTES")]
     rlimit_as: Option<u64>,
@@ -126,25 +154,55 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
+    if args.check_isolation {
+        let isolation = isolation_of(&args);
+        return match isolate::hand_over(&isolation).and_then(|()| isolate::enter(&isolation)) {
+            Ok(Role::Daemon) => ExitCode::SUCCESS,
+            Ok(Role::Waiter(waiter)) => ExitCode::from(waiter.wait().clamp(0, 255) as u8),
+            Err(e) => fail(&e),
+        };
+    }
     let token = match crate::load_token(std::env::var("SANDMAN_TOKEN").ok(), args.token_file.as_deref()) {
         Ok(t) => t,
         Err(e) => return fail(&e),
     };
-    // Namespaces before the runtime: forking needs a single-threaded process, and the token is
-    // read first because its file may not be visible afterwards.
+    let env = match args.env_file.as_deref().map(read_env_file).transpose() {
+        Ok(env) => env.unwrap_or_default(),
+        Err(e) => return fail(&e),
+    };
+    // Namespaces before the runtime: forking needs a single-threaded process, and the token, the
+    // environment and the listening socket are taken first because the sandbox cannot see them.
+    let mut unix_listener = None;
     if args.isolate {
-        let isolation = Isolation { net: args.isolate_net, tmp: args.isolate_tmp.clone() };
-        let mut keep_visible: Vec<&Path> = args.workdir.iter().map(PathBuf::as_path).collect();
-        if let Listen::Unix(socket) = &args.listen {
-            keep_visible.push(socket);
+        if let Listen::Unix(path) = &args.listen {
+            match bind_unix(path) {
+                Ok(l) => unix_listener = Some(l),
+                Err(e) => return fail(&e),
+            }
         }
-        match isolate::enter(&isolation, &keep_visible) {
-            Ok(Role::Daemon) => tracing::info!(net = args.isolate_net, "isolated: PID 1 of new namespaces"),
-            Ok(Role::Waiter(waiter)) => return ExitCode::from(waiter.wait().clamp(0, 255) as u8),
+        let isolation = isolation_of(&args);
+        if let Err(e) = isolate::hand_over(&isolation) {
+            return fail(&e);
+        }
+        match isolate::enter(&isolation) {
+            Ok(Role::Daemon) => tracing::info!(net = args.isolate_net, "isolated: PID 1 of a sandbox of its own"),
+            Ok(Role::Waiter(waiter)) => {
+                // The sandbox has its own; this side's copy would keep the socket answering
+                // after the daemon is gone.
+                drop(unix_listener);
+                let code = waiter.wait().clamp(0, 255) as u8;
+                if let Some(path) = &args.exit_file
+                    && let Err(e) = write_exit_file(path, code)
+                {
+                    eprintln!("warning: cannot write the exit code to `{}`: {e}", path.display());
+                }
+                return ExitCode::from(code);
+            }
             Err(e) => return fail(&e),
         }
     }
     let exit_file = args.exit_file.clone();
+    let args_isolated = args.isolate;
     let settings = Settings {
         listen: args.listen,
         token,
@@ -162,6 +220,8 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
         },
         shutdown_grace: args.shutdown_grace,
         drop_env: args.drop_env,
+        env,
+        unix_listener,
         rlimits: Rlimits {
             address_space: args.rlimit_as,
             file_size: args.rlimit_fsize,
@@ -182,12 +242,65 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
         Ok(Ending::LeaseExpired) => crate::EXIT_LEASE_EXPIRED as u8,
         Err(e) => fail_code(&e),
     };
-    if let Some(path) = &exit_file
+    // Isolated, the waiter outside writes it: the sandbox cannot see the path.
+    if let Some(path) = exit_file.as_ref().filter(|_| !args_isolated)
         && let Err(e) = write_exit_file(path, code)
     {
         eprintln!("warning: cannot write the exit code to `{}`: {e}", path.display());
     }
     ExitCode::from(code)
+}
+
+/// Why the environment file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvFileError {
+    #[error("cannot read the environment file `{}`", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the environment file `{}` is not a JSON object of strings", path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("the environment file `{}` has an invalid variable `{name}`", path.display())]
+    Invalid { path: PathBuf, name: String },
+}
+
+/// The commands' environment from `--env-file`.
+fn read_env_file(path: &Path) -> Result<BTreeMap<String, String>, EnvFileError> {
+    let bytes = std::fs::read(path).map_err(|source| EnvFileError::Read { path: path.to_path_buf(), source })?;
+    let env: BTreeMap<String, String> =
+        serde_json::from_slice(&bytes).map_err(|source| EnvFileError::Parse { path: path.to_path_buf(), source })?;
+    if let Some((k, _)) =
+        env.iter().find(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0'))
+    {
+        return Err(EnvFileError::Invalid { path: path.to_path_buf(), name: k.clone() });
+    }
+    Ok(env)
+}
+
+/// Binds the daemon's Unix socket (replacing one an earlier run left).
+fn bind_unix(path: &Path) -> Result<std::os::unix::net::UnixListener, crate::StartError> {
+    let _ = std::fs::remove_file(path);
+    std::os::unix::net::UnixListener::bind(path)
+        .map_err(|source| crate::StartError::Listen { addr: format!("unix:{}", path.display()), source })
+}
+
+/// What `--isolate` and its flags ask for.
+fn isolation_of(args: &Args) -> Isolation {
+    Isolation {
+        ids: args.isolate_ids.unwrap_or_default(),
+        root: args.isolate_root.clone().unwrap_or_default(),
+        net: args.isolate_net,
+        tmp: args.isolate_tmp.clone(),
+        layer_bytes: args.isolate_layer_bytes,
+        hide: args.isolate_hide.clone(),
+        keep: args.workdir.iter().chain(&args.isolate_keep).cloned().collect(),
+    }
 }
 
 /// Writes `code` to `path` whole or not at all (a temporary file renamed over it).

@@ -1,55 +1,121 @@
-//! `--isolate`: moves the daemon into new namespaces before its runtime starts, forking so that
-//! the daemon is PID 1 of its own pid namespace while a tiny single-threaded waiter stays outside
-//! to forward signals and report its exit code. Start at [`enter`].
+//! `--isolate`: makes the sandbox before the daemon's runtime starts. The daemon forks into new
+//! mount, pid, cgroup (and, with `--isolate-net`, network) namespaces, so that it is PID 1 of its
+//! own pid namespace, while a tiny single-threaded waiter stays outside to forward signals and
+//! report its exit code. The child, still the host's root, assembles the sandbox's root (an
+//! overlay over the host's root with a writable layer of its own, fresh `/proc`, `/sys`, `/dev`,
+//! the sandbox's `/tmp` and work directory, and empty mounts over what must stay hidden),
+//! switches to it, then joins a user namespace where it is root but the host sees an
+//! unprivileged id, and confines itself (capabilities, `no_new_privs`, Landlock scopes) before it
+//! serves. Start at [`enter`]; `docs/sandmand.md#isolation` has the picture.
 
-use std::io::{PipeReader, PipeWriter};
-use std::os::fd::AsFd;
+use std::io::{PipeReader, PipeWriter, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::sys;
+use crate::sys::{self, ns};
+
+/// How many ids (uids and gids alike) a sandbox has: its root is the first, mapped to
+/// [`Isolation::ids`] on the host.
+pub const IDS_PER_SANDBOX: u32 = 65536;
+
+/// The capabilities a sandbox's root keeps (inside its own user namespace, over its own files):
+/// the set container runtimes give by default. Every other one leaves the bounding set.
+const KEPT_CAPS: [u32; 14] = [
+    ns::cap::CHOWN,
+    ns::cap::DAC_OVERRIDE,
+    ns::cap::FOWNER,
+    ns::cap::FSETID,
+    ns::cap::KILL,
+    ns::cap::SETGID,
+    ns::cap::SETUID,
+    ns::cap::SETPCAP,
+    ns::cap::NET_BIND_SERVICE,
+    ns::cap::NET_RAW,
+    ns::cap::SYS_CHROOT,
+    ns::cap::MKNOD,
+    ns::cap::AUDIT_WRITE,
+    ns::cap::SETFCAP,
+];
+
+/// The device nodes a sandbox's `/dev` gets from the host (all harmless, world-usable).
+const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
 
 /// What `--isolate` asks for.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Isolation {
+    /// The host uid and gid the sandbox's root is (`--isolate-ids`); the sandbox has
+    /// [`IDS_PER_SANDBOX`] ids from there. Never 0.
+    pub ids: u32,
+    /// An empty directory where the sandbox's root is assembled (`--isolate-root`); the mounts
+    /// on it exist only in the sandbox's mount namespace.
+    pub root: PathBuf,
     /// A network namespace too (`--isolate-net`), with only `lo`, brought up.
     pub net: bool,
     /// Bind-mounted onto `/tmp` (`--isolate-tmp`), so the sandbox's `/tmp` is its own.
     pub tmp: Option<PathBuf>,
+    /// The most the sandbox may write outside its work directory and `/tmp` (the writable
+    /// layer, in memory), in bytes; the kernel's default (half the memory) when `None`.
+    pub layer_bytes: Option<u64>,
+    /// Host paths the sandbox must not see (`--isolate-hide`): a directory becomes an empty,
+    /// read-only one, a file an empty one. The state directory, the server's binary.
+    pub hide: Vec<PathBuf>,
+    /// Host directories the sandbox keeps at the same path, writable (`--isolate-keep`): its
+    /// work directory. Mounted after `hide`, so they may lie under a hidden one.
+    pub keep: Vec<PathBuf>,
 }
 
 /// Why isolation could not be set up. The daemon does not start without it.
 #[derive(Debug, thiserror::Error)]
 pub enum IsolateError {
-    #[error("cannot create the sandbox's namespaces (unshare needs root or CAP_SYS_ADMIN)")]
-    Unshare(#[source] std::io::Error),
+    #[error("--isolate-ids must be a host id above 0 with {IDS_PER_SANDBOX} ids free after it, not {0}")]
+    Ids(u32),
+    #[error("isolation needs root: the daemon runs as uid {0}")]
+    NotRoot(u32),
+    #[error("cannot create the sandbox's user namespace (needs root and user namespaces enabled)")]
+    UserNamespace(#[source] std::io::Error),
+    #[error("cannot map the sandbox's ids onto host ids {first}..{last}")]
+    IdMap {
+        first: u32,
+        last: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot create the sandbox's namespaces (needs root)")]
+    Namespaces(#[source] std::io::Error),
     #[error("cannot block signals for the waiter")]
     Signals(#[source] std::io::Error),
-    #[error("cannot fork the sandbox's init")]
-    Fork(#[source] std::io::Error),
     #[error("cannot set the parent-death signal")]
     DeathSignal(#[source] std::io::Error),
     #[error("the waiting parent exited before the daemon started")]
     ParentGone,
-    #[error("cannot make the mount tree private")]
-    PrivateMounts(#[source] std::io::Error),
-    #[error("cannot mount a fresh /proc for the new pid namespace")]
-    Proc(#[source] std::io::Error),
-    #[error("cannot bind-mount `{path}` onto /tmp")]
-    Tmp {
+    #[error("cannot {what} at `{}`", path.display())]
+    Mount {
+        what: &'static str,
         path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot switch to the sandbox's root")]
+    PivotRoot(#[source] std::io::Error),
+    #[error("cannot join the sandbox's user namespace")]
+    JoinUser(#[source] std::io::Error),
+    #[error("cannot become root of the sandbox's user namespace")]
+    BecomeRoot(#[source] std::io::Error),
+    #[error("cannot confine the daemon: {what}")]
+    Confine {
+        what: &'static str,
         #[source]
         source: std::io::Error,
     },
     #[error("cannot bring the loopback interface up")]
     Loopback(#[source] std::io::Error),
-    #[error("`{path}` is under /tmp, which --isolate-tmp replaces; keep the daemon's socket and workdir elsewhere")]
-    UnderTmp { path: PathBuf },
 }
 
 /// Which side of the fork this process is on.
 #[derive(Debug)]
 pub enum Role {
-    /// PID 1 of the new pid namespace, with its mounts in place: go on and serve.
+    /// PID 1 of the new pid namespace, inside the sandbox's root, confined: go on and serve.
     Daemon,
     /// Outside: wait for the daemon with [`Waiter::wait`] and exit with its code.
     Waiter(Waiter),
@@ -68,58 +134,352 @@ pub struct Waiter {
 /// Signals the waiter handles: the two it forwards, and SIGCHLD for the daemon's exit.
 const WAITED: [i32; 3] = [sys::SIGTERM, sys::SIGINT, sys::SIGCHLD];
 
-/// Unshares the namespaces and forks. Must be called while the process is single-threaded
-/// (before the async runtime starts). `keep_visible` are paths the daemon uses after isolating
-/// (its socket, its workdir): they must not lie under `/tmp` when `/tmp` is replaced.
-pub fn enter(iso: &Isolation, keep_visible: &[&Path]) -> Result<Role, IsolateError> {
-    if iso.tmp.is_some() {
-        for path in keep_visible {
-            let resolved = resolve(path);
-            if resolved.starts_with("/tmp") {
-                return Err(IsolateError::UnderTmp { path: resolved });
-            }
-        }
+/// Makes the sandbox and forks into it. Must be called while the process is single-threaded
+/// (before the async runtime starts), after everything the daemon needs from the host's view
+/// (its token, its listening socket, its environment file) has been read or opened.
+pub fn enter(iso: &Isolation) -> Result<Role, IsolateError> {
+    if iso.ids == 0 || iso.ids.checked_add(IDS_PER_SANDBOX - 1).is_none() {
+        return Err(IsolateError::Ids(iso.ids));
     }
-    let mut flags = sys::NS_MOUNT | sys::NS_PID | sys::NS_IPC | sys::NS_UTS;
+    let userns = user_namespace(iso.ids)?;
+    let mut flags = sys::NS_MOUNT | sys::NS_PID | ns::NS_CGROUP;
     if iso.net {
         flags |= sys::NS_NET;
     }
-    sys::unshare(flags).map_err(IsolateError::Unshare)?;
     // Blocked before the fork so that a signal arriving before the waiter waits is kept pending,
     // not lost; the child unblocks them at once.
     sys::mask_signals(&WAITED, true).map_err(IsolateError::Signals)?;
-    let (reader, writer) = std::io::pipe().map_err(IsolateError::Fork)?;
-    match sys::fork().map_err(IsolateError::Fork)? {
+    let (reader, writer) = std::io::pipe().map_err(IsolateError::Namespaces)?;
+    match ns::clone_into(flags).map_err(IsolateError::Namespaces)? {
         Some(child) => {
             drop(reader);
             Ok(Role::Waiter(Waiter { child, _lifeline: writer }))
         }
         None => {
             drop(writer);
-            become_init(iso, reader)?;
+            become_init(iso, reader, userns)?;
             Ok(Role::Daemon)
         }
     }
 }
 
-/// The child's half: die with the waiter, then mount the sandbox's view of the system.
-fn become_init(iso: &Isolation, lifeline: PipeReader) -> Result<(), IsolateError> {
+/// A user namespace whose ids `0..IDS_PER_SANDBOX` are the host's `ids..`: made by a child that
+/// unshares it and waits while this process (the host's root) writes its maps, then exits; the
+/// namespace lives on in the descriptor.
+fn user_namespace(ids: u32) -> Result<OwnedFd, IsolateError> {
+    let (mut ready_r, mut ready_w) = std::io::pipe().map_err(IsolateError::UserNamespace)?;
+    let (mut go_r, go_w) = std::io::pipe().map_err(IsolateError::UserNamespace)?;
+    let Some(pid) = sys::fork().map_err(IsolateError::UserNamespace)? else {
+        drop((ready_r, go_w));
+        let ok = sys::unshare(ns::NS_USER).is_ok();
+        let _ = ready_w.write_all(&[u8::from(ok)]);
+        drop(ready_w);
+        // Until the parent has the namespace and closes its end.
+        let _ = go_r.read(&mut [0u8]);
+        ns::exit_now(0)
+    };
+    drop((ready_w, go_r));
+    let made = (|| {
+        let mut ok = [0u8];
+        ready_r.read_exact(&mut ok).map_err(IsolateError::UserNamespace)?;
+        if ok[0] != 1 {
+            // The child's own unshare failed; ask the kernel why, here.
+            return Err(IsolateError::UserNamespace(
+                std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+                    .ok()
+                    .filter(|n| n.trim() == "0")
+                    .map(|_| std::io::Error::other("user.max_user_namespaces is 0"))
+                    .unwrap_or_else(|| std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
+            ));
+        }
+        let map = format!("0 {ids} {IDS_PER_SANDBOX}\n");
+        let id_map = |source| IsolateError::IdMap { first: ids, last: ids + (IDS_PER_SANDBOX - 1), source };
+        std::fs::write(format!("/proc/{pid}/uid_map"), &map).map_err(id_map)?;
+        std::fs::write(format!("/proc/{pid}/gid_map"), &map).map_err(id_map)?;
+        std::fs::File::open(format!("/proc/{pid}/ns/user")).map(OwnedFd::from).map_err(IsolateError::UserNamespace)
+    })();
+    drop(go_w);
+    let _ = ns::wait_pid(pid);
+    made
+}
+
+/// The child's half: die with the waiter, assemble the root, switch to it, become the
+/// sandbox's root and confine itself.
+fn become_init(iso: &Isolation, lifeline: PipeReader, userns: OwnedFd) -> Result<(), IsolateError> {
     sys::mask_signals(&WAITED, false).map_err(IsolateError::Signals)?;
     sys::set_parent_death_signal(sys::SIGKILL).map_err(IsolateError::DeathSignal)?;
     // The waiter may have died between the fork and the line above, when no signal was set.
     if sys::is_hung_up(lifeline.as_fd()).map_err(IsolateError::DeathSignal)? {
         return Err(IsolateError::ParentGone);
     }
-    drop(lifeline);
-    sys::make_mounts_private().map_err(IsolateError::PrivateMounts)?;
-    sys::mount_proc().map_err(IsolateError::Proc)?;
-    if let Some(tmp) = &iso.tmp {
-        sys::bind_mount(tmp, Path::new("/tmp")).map_err(|source| IsolateError::Tmp { path: tmp.clone(), source })?;
-    }
+    let merged = assemble(iso)?;
     if iso.net {
         sys::loopback_up().map_err(IsolateError::Loopback)?;
     }
+    switch_root(&merged)?;
+    ns::setns(userns.as_fd(), ns::NS_USER).map_err(IsolateError::JoinUser)?;
+    drop(userns);
+    // Owned by the sandbox's user namespace, so that its root may name its host and use its IPC.
+    sys::unshare(sys::NS_UTS | sys::NS_IPC).map_err(IsolateError::Namespaces)?;
+    ns::become_root().map_err(IsolateError::BecomeRoot)?;
+    // A change of credentials clears the parent-death signal: set it again, and look once more.
+    sys::set_parent_death_signal(sys::SIGKILL).map_err(IsolateError::DeathSignal)?;
+    if sys::is_hung_up(lifeline.as_fd()).map_err(IsolateError::DeathSignal)? {
+        return Err(IsolateError::ParentGone);
+    }
+    drop(lifeline);
+    confine()
+}
+
+/// Builds the sandbox's root under `iso.root` and answers where it is: a tmpfs holding the
+/// writable layer, an overlay of it over the host's root, and the sandbox's own mounts in it.
+fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
+    let mount = |what, source: Option<&Path>, target: &Path, fstype: Option<&str>, flags, data: Option<&str>| {
+        ns::mount(source, target, fstype, flags, data).map_err(|source| IsolateError::Mount {
+            what,
+            path: target.to_path_buf(),
+            source,
+        })
+    };
+    let prep = |what, path: &Path, r: std::io::Result<()>| {
+        r.map_err(|source| IsolateError::Mount { what, path: path.to_path_buf(), source })
+    };
+    let no_dev = ns::MS_NOSUID | ns::MS_NODEV;
+    let no_exec = no_dev | ns::MS_NOEXEC;
+    mount("make the mounts private", None, Path::new("/"), None, ns::MS_REC | ns::MS_PRIVATE, None)?;
+
+    let root = &iso.root;
+    let size = iso.layer_bytes.map(|b| format!(",size={b}")).unwrap_or_default();
+    mount(
+        "mount the writable layer",
+        Some(Path::new("tmpfs")),
+        root,
+        Some("tmpfs"),
+        no_dev,
+        Some(&format!("mode=0755{size}")),
+    )?;
+    let (upper, work, merged) = (root.join("upper"), root.join("work"), root.join("merged"));
+    for dir in [&upper, &work, &merged] {
+        prep("make the layer's directories", dir, std::fs::create_dir(dir))?;
+    }
+    prep("own the writable layer", &upper, ns::lchown(&upper, iso.ids, iso.ids))?;
+    // Relative to `root`, so that no path needs escaping in the options.
+    prep("enter the layer", root, std::env::set_current_dir(root))?;
+    mount(
+        "overlay the host's root",
+        Some(Path::new("overlay")),
+        &merged,
+        Some("overlay"),
+        0,
+        Some("lowerdir=/,upperdir=upper,workdir=work"),
+    )?;
+    let at = |p: &str| merged.join(p.trim_start_matches('/'));
+
+    if let Some(tmp) = &iso.tmp {
+        mount("bind the sandbox's /tmp", Some(tmp), &at("/tmp"), None, ns::MS_BIND, None)?;
+    }
+    // Sockets and state of the host's services live in /run and /var/tmp: the sandbox gets
+    // empty ones of its own.
+    let own = format!("mode=0755,uid={0},gid={0},size=64m", iso.ids);
+    mount("mount an empty /run", Some(Path::new("tmpfs")), &at("/run"), Some("tmpfs"), no_dev, Some(&own))?;
+    if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        let sticky = "mode=1777,size=64m";
+        mount(
+            "mount an empty /var/tmp",
+            Some(Path::new("tmpfs")),
+            &at("/var/tmp"),
+            Some("tmpfs"),
+            no_dev,
+            Some(sticky),
+        )?;
+    }
+    // What a hidden file becomes: an empty file, read-only, the host root's.
+    let empty = root.join("empty");
+    prep("make an empty file", &empty, std::fs::File::create(&empty).map(drop))?;
+    prep("make an empty file", &empty, std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o444)))?;
+    let mut hidden = Vec::new();
+    for path in &iso.hide {
+        let target = merged.join(path.strip_prefix("/").unwrap_or(path));
+        match target.symlink_metadata() {
+            // Not in the lower layer (another file system, or nothing there): already unseen.
+            Err(_) => continue,
+            Ok(m) if m.is_dir() => {
+                mount(
+                    "hide a directory",
+                    Some(Path::new("tmpfs")),
+                    &target,
+                    Some("tmpfs"),
+                    no_exec,
+                    Some("mode=0755,size=1m"),
+                )?;
+                hidden.push(target);
+            }
+            Ok(_) => {
+                mount("hide a file", Some(&empty), &target, None, ns::MS_BIND, None)?;
+                hidden.push(target);
+            }
+        }
+    }
+    for path in &iso.keep {
+        let target = merged.join(path.strip_prefix("/").unwrap_or(path));
+        prep("make a kept directory's mount point", &target, std::fs::create_dir_all(&target))?;
+        mount("bind a kept directory", Some(path), &target, None, ns::MS_BIND, None)?;
+    }
+    for target in hidden {
+        // A bind remount changes the flags of that one mount.
+        let ro = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
+        mount("make a hidden path read-only", None, &target, None, ro, None)?;
+    }
+
+    mount("mount /proc", Some(Path::new("proc")), &at("/proc"), Some("proc"), no_exec, None)?;
+    mount("mount /sys", Some(Path::new("sysfs")), &at("/sys"), Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
+    mount_cgroups(&at("/sys/fs/cgroup"))?;
+
+    let dev = at("/dev");
+    mount(
+        "mount /dev",
+        Some(Path::new("tmpfs")),
+        &dev,
+        Some("tmpfs"),
+        ns::MS_NOSUID | ns::MS_NOEXEC,
+        Some("mode=0755,size=64k"),
+    )?;
+    for name in DEVICES {
+        let node = dev.join(name);
+        prep("make a device's mount point", &node, std::fs::File::create(&node).map(drop))?;
+        mount("bind a device", Some(&Path::new("/dev").join(name)), &node, None, ns::MS_BIND, None)?;
+    }
+    for (link, to) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        prep("link a device", &dev.join(link), std::os::unix::fs::symlink(to, dev.join(link)))?;
+    }
+    let (pts, shm) = (dev.join("pts"), dev.join("shm"));
+    prep("make /dev/pts", &pts, std::fs::create_dir(&pts))?;
+    prep("make /dev/shm", &shm, std::fs::create_dir(&shm))?;
+    // gid 5 is `tty` inside.
+    let pts_opts = format!("newinstance,ptmxmode=0666,mode=0620,gid={}", iso.ids + 5);
+    mount(
+        "mount /dev/pts",
+        Some(Path::new("devpts")),
+        &pts,
+        Some("devpts"),
+        ns::MS_NOSUID | ns::MS_NOEXEC,
+        Some(&pts_opts),
+    )?;
+    mount("mount /dev/shm", Some(Path::new("tmpfs")), &shm, Some("tmpfs"), no_dev, Some("mode=1777,size=64m"))?;
+    mount(
+        "make /dev read-only",
+        None,
+        &dev,
+        None,
+        ns::MS_REMOUNT | ns::MS_RDONLY | ns::MS_NOSUID | ns::MS_NOEXEC,
+        None,
+    )?;
+    Ok(merged)
+}
+
+/// Mounts, read-only under `at`, each cgroup hierarchy the host mounts under `/sys/fs/cgroup`.
+/// The child is in a cgroup namespace of its own, so each shows the sandbox's cgroup as its
+/// root: what the daemon's observer reads for `GET /v1/conditions`.
+fn mount_cgroups(at: &Path) -> Result<(), IsolateError> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let hierarchies = cgroup_mounts(&mountinfo);
+    if hierarchies.is_empty() {
+        return Ok(());
+    }
+    let fail = |what, source| IsolateError::Mount { what, path: at.to_path_buf(), source };
+    let ro = ns::MS_RDONLY | ns::MS_NOSUID | ns::MS_NODEV | ns::MS_NOEXEC;
+    ns::mount(
+        Some(Path::new("tmpfs")),
+        at,
+        Some("tmpfs"),
+        ns::MS_NOSUID | ns::MS_NODEV | ns::MS_NOEXEC,
+        Some("mode=0755,size=16k"),
+    )
+    .map_err(|e| fail("mount a tmpfs for the cgroups", e))?;
+    for h in &hierarchies {
+        let target = if h.rel.as_os_str().is_empty() { at.to_path_buf() } else { at.join(&h.rel) };
+        if target != at {
+            std::fs::create_dir_all(&target).map_err(|e| fail("make a cgroup mount point", e))?;
+        }
+        ns::mount(Some(Path::new("cgroup")), &target, Some(h.fstype), ro, h.options.as_deref())
+            .map_err(|e| fail("mount a cgroup hierarchy", e))?;
+    }
+    if !hierarchies.iter().any(|h| h.rel.as_os_str().is_empty()) {
+        ns::mount(None, at, None, ns::MS_REMOUNT | ro, None)
+            .map_err(|e| fail("make the cgroups' tmpfs read-only", e))?;
+    }
     Ok(())
+}
+
+/// One cgroup hierarchy the host mounts under `/sys/fs/cgroup`.
+#[derive(Debug, PartialEq, Eq)]
+struct CgroupMount {
+    /// Below `/sys/fs/cgroup` (empty for the unified hierarchy mounted there).
+    rel: PathBuf,
+    fstype: &'static str,
+    /// v1: its controllers (or `name=…`); v2: none.
+    options: Option<String>,
+}
+
+/// The cgroup hierarchies in `/proc/self/mountinfo`, once each.
+fn cgroup_mounts(mountinfo: &str) -> Vec<CgroupMount> {
+    let mut out: Vec<CgroupMount> = Vec::new();
+    for line in mountinfo.lines() {
+        // `id parent maj:min root mountpoint options [optional...] - fstype source superoptions`
+        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let Some(point) = left.split(' ').nth(4) else { continue };
+        let Ok(rel) = Path::new(point).strip_prefix("/sys/fs/cgroup") else { continue };
+        let mut right = right.split(' ');
+        let (Some(fstype), _, Some(superopts)) = (right.next(), right.next(), right.next()) else { continue };
+        let (fstype, options) = match fstype {
+            "cgroup2" => ("cgroup2", None),
+            "cgroup" => {
+                let keep: Vec<&str> = superopts.split(',').filter(|o| !matches!(*o, "rw" | "ro")).collect();
+                ("cgroup", Some(keep.join(",")))
+            }
+            _ => continue,
+        };
+        if out.iter().all(|m| m.rel != rel) {
+            out.push(CgroupMount { rel: rel.to_path_buf(), fstype, options });
+        }
+    }
+    out
+}
+
+/// Makes `merged` this mount namespace's root and detaches the host's (`pivot_root(".", ".")`).
+fn switch_root(merged: &Path) -> Result<(), IsolateError> {
+    std::env::set_current_dir(merged).map_err(IsolateError::PivotRoot)?;
+    ns::pivot_root(Path::new("."), Path::new(".")).map_err(IsolateError::PivotRoot)?;
+    ns::umount_detach(Path::new(".")).map_err(IsolateError::PivotRoot)?;
+    std::env::set_current_dir("/").map_err(IsolateError::PivotRoot)
+}
+
+/// The last steps, as the sandbox's root: nothing started from here may gain privileges,
+/// hold the capabilities a container runtime withholds, signal or reach an abstract socket
+/// outside the sandbox, or read the daemon's memory.
+fn confine() -> Result<(), IsolateError> {
+    let fail = |what| move |source| IsolateError::Confine { what, source };
+    // Nested user namespaces would give a sandbox's process every capability over namespaces of
+    // its own, and the kernel surface that comes with it.
+    std::fs::write("/proc/sys/user/max_user_namespaces", "0").map_err(fail("no nested user namespaces"))?;
+    ns::drop_bounding_caps(&KEPT_CAPS).map_err(fail("drop capabilities"))?;
+    ns::no_new_privs().map_err(fail("set no_new_privs"))?;
+    if ns::landlock_abi().is_some_and(|v| v >= 6) {
+        ns::landlock_scope().map_err(fail("scope abstract sockets and signals with Landlock"))?;
+    }
+    ns::not_dumpable().map_err(fail("make the daemon undumpable"))
+}
+
+/// Whether this kernel confines abstract Unix sockets and signals to the sandbox (Landlock ABI
+/// 6); reported in the sandbox's conditions.
+pub fn scopes_abstract_sockets() -> bool {
+    ns::landlock_abi().is_some_and(|v| v >= 6)
 }
 
 impl Waiter {
@@ -150,15 +510,30 @@ impl Waiter {
     }
 }
 
-/// `path` with symlinks resolved as far as it exists (a socket path does not exist yet).
-fn resolve(path: &Path) -> PathBuf {
-    if let Ok(p) = std::fs::canonicalize(path) {
-        return p;
+/// Gives the sandbox's root what it keeps: its `/tmp` (sticky and world-writable, as any) and
+/// the kept directories become its own (the directories themselves, not what they hold). Run
+/// before [`enter`], as the host's root; checks that the root's directory is there.
+pub fn hand_over(iso: &Isolation) -> Result<(), IsolateError> {
+    let fail = |what, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| IsolateError::Mount { what, path, source }
+    };
+    if sys::euid() != 0 {
+        return Err(IsolateError::NotRoot(sys::euid()));
     }
-    match (path.parent(), path.file_name()) {
-        (Some(parent), Some(name)) => resolve(parent).join(name),
-        _ => std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
+    if !iso.root.is_dir() {
+        let missing = std::io::Error::from(std::io::ErrorKind::NotFound);
+        return Err(fail("assemble the sandbox's root (no such directory)", &iso.root)(missing));
     }
+    if let Some(tmp) = &iso.tmp {
+        ns::lchown(tmp, iso.ids, iso.ids).map_err(fail("hand the sandbox its /tmp", tmp))?;
+        std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o1777))
+            .map_err(fail("hand the sandbox its /tmp", tmp))?;
+    }
+    for dir in &iso.keep {
+        ns::lchown(dir, iso.ids, iso.ids).map_err(fail("hand the sandbox a kept directory", dir))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -166,14 +541,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn paths_under_tmp_are_refused_when_tmp_is_replaced() {
-        let iso = Isolation { net: false, tmp: Some(PathBuf::from("/var/empty")) };
-        let err = enter(&iso, &[Path::new("/tmp/sandbox/d.sock")]).err();
-        assert!(matches!(err, Some(IsolateError::UnderTmp { .. })), "{err:?}");
+    fn cgroup_hierarchies_are_read_from_mountinfo() {
+        let info = "\
+30 25 0:26 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+31 30 0:27 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+32 30 0:28 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+33 30 0:29 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+34 30 0:30 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,xattr,name=systemd
+40 25 0:40 / /proc rw - proc proc rw";
+        let m = cgroup_mounts(info);
+        assert_eq!(m.len(), 4, "{m:?}");
+        assert_eq!(m[0], CgroupMount { rel: "cpu".into(), fstype: "cgroup", options: Some("cpu".into()) });
+        assert_eq!(m[2], CgroupMount { rel: "unified".into(), fstype: "cgroup2", options: None });
+        assert_eq!(m[3].options.as_deref(), Some("xattr,name=systemd"));
+        let v2 = cgroup_mounts("28 1 0:25 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate");
+        assert_eq!(v2, vec![CgroupMount { rel: "".into(), fstype: "cgroup2", options: None }]);
     }
 
     #[test]
-    fn resolve_keeps_missing_tails() {
-        assert_eq!(resolve(Path::new("/proc/self/../no/such")), PathBuf::from("/proc/no/such"));
+    fn ids_must_leave_room_for_a_whole_range() {
+        let iso = Isolation { ids: u32::MAX - 10, ..Default::default() };
+        assert!(matches!(enter(&iso), Err(IsolateError::Ids(_))));
+        let iso = Isolation { ids: 0, ..Default::default() };
+        assert!(matches!(enter(&iso), Err(IsolateError::Ids(0))));
     }
 }

@@ -93,7 +93,7 @@ impl std::fmt::Display for Listen {
 }
 
 /// Everything `run` needs, parsed by the binary.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Settings {
     pub listen: Listen,
     pub token: String,
@@ -107,6 +107,11 @@ pub struct Settings {
     pub drop_env: Vec<String>,
     /// Limits set on every process the daemon starts (not on the daemon).
     pub rlimits: sys::Rlimits,
+    /// The commands' environment over the daemon's own (`--env-file`).
+    pub env: std::collections::BTreeMap<String, String>,
+    /// The Unix socket, bound before isolating (whose path the sandbox cannot see); `None`
+    /// binds `listen` here.
+    pub unix_listener: Option<std::os::unix::net::UnixListener>,
 }
 
 /// What the daemon holds and writes on a caller's behalf, and how it serves connections.
@@ -139,6 +144,9 @@ impl Default for Limits {
         }
     }
 }
+
+/// The daemon holds at most this fraction (1/n) of its cgroup's memory as buffered output.
+const BUFFERED_SHARE_OF_MEMORY: u64 = 4;
 
 /// `--max-expansion-ratio` by default.
 pub const DEFAULT_EXPANSION_RATIO: u64 = 100;
@@ -173,7 +181,7 @@ pub enum Ending {
 }
 
 /// Serves until asked to stop or until the lease lapses, then ends every child.
-pub async fn run(settings: Settings) -> Result<Ending, StartError> {
+pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
     let cancel = CancellationToken::new();
     let children = Children::new();
     if std::process::id() != 1
@@ -189,11 +197,25 @@ pub async fn run(settings: Settings) -> Result<Ending, StartError> {
 
     let mut defaults = Defaults::from_process(settings.shell.clone(), settings.workdir.clone());
     defaults.rlimits = settings.rlimits;
+    defaults.env.extend(std::mem::take(&mut settings.env));
     defaults.env.retain(|k, _| !settings.drop_env.iter().any(|p| k.starts_with(p.as_str())));
+    // Output held for callers counts against the sandbox's memory where the daemon shares its
+    // cgroup: a quarter of it at most, so that no caller can have the daemon OOM-killed.
+    let mut limits = settings.limits;
+    if let Some(memory) = observe::own_memory_limit()
+        && memory / BUFFERED_SHARE_OF_MEMORY < limits.max_buffered_output
+    {
+        limits.max_buffered_output = memory / BUFFERED_SHARE_OF_MEMORY;
+        tracing::info!(
+            memory,
+            max_buffered_output = limits.max_buffered_output,
+            "buffered output held to a quarter of the cgroup's memory"
+        );
+    }
     let config = Config {
         token: settings.token.clone(),
         max_upload_bytes: settings.max_upload_bytes,
-        limits: settings.limits,
+        limits,
         shutdown_grace: settings.shutdown_grace,
         listen: settings.listen.to_string(),
         workdir: settings.workdir.clone(),
@@ -219,13 +241,21 @@ pub async fn run(settings: Settings) -> Result<Ending, StartError> {
             tokio::spawn(sandman_http::serve::serve(listener, app, edge, serve_stop.cancelled_owned()))
         }
         Listen::Unix(path) => {
-            // A socket left by an earlier run would make bind fail.
-            let _ = std::fs::remove_file(path);
-            if let Some(parent) = path.parent() {
-                let _ = std::fs::create_dir_all(parent);
-            }
-            let listener = tokio::net::UnixListener::bind(path)
-                .map_err(|source| StartError::Listen { addr: settings.listen.to_string(), source })?;
+            let listen_error = |source| StartError::Listen { addr: settings.listen.to_string(), source };
+            let listener = match settings.unix_listener.take() {
+                Some(bound) => {
+                    bound.set_nonblocking(true).map_err(listen_error)?;
+                    tokio::net::UnixListener::from_std(bound).map_err(listen_error)?
+                }
+                None => {
+                    // A socket left by an earlier run would make bind fail.
+                    let _ = std::fs::remove_file(path);
+                    if let Some(parent) = path.parent() {
+                        let _ = std::fs::create_dir_all(parent);
+                    }
+                    tokio::net::UnixListener::bind(path).map_err(listen_error)?
+                }
+            };
             tracing::info!(listen = %settings.listen, pid = std::process::id(), "sandmand serving");
             tokio::spawn(sandman_http::serve::serve(listener, app, edge, serve_stop.cancelled_owned()))
         }

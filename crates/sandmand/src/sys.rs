@@ -3,6 +3,8 @@
 //! namespaces and mounts for `--isolate`).
 #![allow(unsafe_code)]
 
+pub mod ns;
+
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -248,14 +250,19 @@ fn thread_count() -> io::Result<usize> {
     Ok(std::fs::read_dir("/proc/self/task")?.count())
 }
 
+/// Fails unless this process has one thread, as a fork needs.
+fn single_threaded() -> io::Result<()> {
+    match thread_count()? {
+        1 => Ok(()),
+        n => Err(io::Error::other(format!("cannot fork: the process has {n} threads, not 1"))),
+    }
+}
+
 /// Forks. `Ok(None)` in the child, `Ok(Some(pid))` in the parent. Refuses unless the process is
 /// single-threaded: a fork of a threaded process may inherit a lock held by a thread that does
 /// not exist in the child.
 pub fn fork() -> io::Result<Option<i32>> {
-    let threads = thread_count()?;
-    if threads != 1 {
-        return Err(io::Error::other(format!("cannot fork: the process has {threads} threads, not 1")));
-    }
+    single_threaded()?;
     // SAFETY: the process is single-threaded (checked above), so the child inherits no lock held
     // by another thread and may go on running ordinary Rust code.
     match unsafe { libc::fork() } {

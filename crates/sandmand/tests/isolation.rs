@@ -1,5 +1,6 @@
-//! `--isolate` (namespaces, a private /tmp, loopback-only network) and `--rlimit-*` (limits on
-//! every child), against the real daemon binary. The isolation tests need root, as CI has.
+//! `--isolate` (a user namespace, a private root, namespaces, a private /tmp, loopback-only
+//! network, confinement) and `--rlimit-*` (limits on every child), against the real daemon
+//! binary. The isolation tests need root, as CI has.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -10,6 +11,9 @@ use std::time::Duration;
 
 use common::{Daemon, alive, eventually};
 use serde_json::json;
+
+/// The host id the tests' sandboxes' root is: apart from the process provider's ranges.
+const IDS: u32 = 0x1f00_0000;
 
 /// A directory outside /tmp, which `--isolate-tmp` replaces.
 fn base() -> PathBuf {
@@ -22,14 +26,38 @@ fn require_root() {
     assert_eq!(sandmand::sys::euid(), 0, "this test needs root for namespaces (CI and scripts/test run as root)");
 }
 
-/// A fresh directory for the sandbox's /tmp, and the daemon started with it.
-async fn isolated(extra: &[&str]) -> (Daemon, tempfile::TempDir) {
+/// A sandbox's directories: its `/tmp`, where its root is assembled, its work directory.
+struct Dirs {
+    tmp: tempfile::TempDir,
+    root: tempfile::TempDir,
+    work: tempfile::TempDir,
+}
+
+/// The daemon started isolated, with fresh directories.
+async fn isolated(extra: &[&str]) -> (Daemon, Dirs) {
     require_root();
-    let tmp = tempfile::tempdir_in(base()).unwrap();
-    let tmp_arg = tmp.path().display().to_string();
-    let mut args = vec!["--isolate", "--isolate-tmp", &tmp_arg];
+    let dirs = Dirs {
+        tmp: tempfile::tempdir_in(base()).unwrap(),
+        root: tempfile::tempdir_in(base()).unwrap(),
+        work: tempfile::tempdir_in(base()).unwrap(),
+    };
+    let (tmp, root, work) = (path(&dirs.tmp), path(&dirs.root), path(&dirs.work));
+    let ids = IDS.to_string();
+    let mut args =
+        vec!["--isolate", "--isolate-ids", &ids, "--isolate-root", &root, "--isolate-tmp", &tmp, "--workdir", &work];
     args.extend_from_slice(extra);
-    (Daemon::start_in(&base(), &args).await, tmp)
+    (Daemon::start_in(&base(), &args).await, dirs)
+}
+
+fn path(d: &tempfile::TempDir) -> String {
+    d.path().display().to_string()
+}
+
+/// The sandbox's init: the waiter's one child.
+fn init_of(d: &Daemon) -> i32 {
+    let waiter = d.pid();
+    let children = std::fs::read_to_string(format!("/proc/{waiter}/task/{waiter}/children")).unwrap();
+    children.split_whitespace().next().unwrap().parse().unwrap()
 }
 
 async fn sh(d: &Daemon, script: &str) -> serde_json::Value {
@@ -42,7 +70,7 @@ fn stdout(v: &serde_json::Value) -> String {
 
 #[tokio::test]
 async fn isolated_daemon_is_pid_1_and_sees_only_its_own_processes() {
-    let (d, _tmp) = isolated(&[]).await;
+    let (d, _dirs) = isolated(&[]).await;
     let info = d.get("/v1/info").await.json();
     assert_eq!(info["pid"], 1, "{info}");
     // The host runs dozens of processes; the sandbox's /proc shows the daemon, the shell and ls.
@@ -55,26 +83,114 @@ async fn isolated_daemon_is_pid_1_and_sees_only_its_own_processes() {
 
 #[tokio::test]
 async fn isolated_tmp_is_the_given_directory() {
-    let (d, tmp) = isolated(&[]).await;
+    let (d, dirs) = isolated(&[]).await;
     let name = format!("isolation-marker-{}", std::process::id());
     let out = sh(&d, &format!("echo inside > /tmp/{name}")).await;
     assert_eq!(out["exit_code"], 0, "{out}");
-    assert_eq!(std::fs::read_to_string(tmp.path().join(&name)).unwrap(), "inside\n");
+    assert_eq!(std::fs::read_to_string(dirs.tmp.path().join(&name)).unwrap(), "inside\n");
     assert!(!Path::new("/tmp").join(&name).exists(), "the file reached the host's /tmp");
 }
 
 #[tokio::test]
-async fn isolated_hostname_is_its_own() {
-    let (d, _tmp) = isolated(&[]).await;
-    let host_before = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
-    let out = sh(&d, "hostname sandbox-uts-test && cat /proc/sys/kernel/hostname").await;
-    assert_eq!(stdout(&out).trim(), "sandbox-uts-test", "{out}");
-    assert_eq!(std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(), host_before);
+async fn isolated_daemon_has_namespaces_of_its_own() {
+    let (d, _dirs) = isolated(&[]).await;
+    let init = init_of(&d);
+    for ns in ["user", "mnt", "pid", "cgroup", "ipc", "uts"] {
+        let theirs = std::fs::read_link(format!("/proc/{init}/ns/{ns}")).unwrap();
+        let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+        assert_ne!(theirs, ours, "the sandbox shares the host's {ns} namespace");
+    }
+    // Without --isolate-net the network is the host's.
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{init}/ns/net")).unwrap(),
+        std::fs::read_link("/proc/self/ns/net").unwrap()
+    );
+}
+
+#[tokio::test]
+async fn the_sandboxs_root_is_an_unprivileged_host_id() {
+    let (d, dirs) = isolated(&[]).await;
+    let me = sh(&d, "id -u; id -g; cat /proc/self/uid_map").await;
+    let text = stdout(&me);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(&lines[..2], ["0", "0"], "{me}");
+    assert_eq!(lines[2].split_whitespace().collect::<Vec<_>>(), ["0", &IDS.to_string(), "65536"], "{me}");
+    // Seen from the host, the sandbox's init and what it writes belong to that id.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", init_of(&d))).unwrap();
+    let uid = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    assert!(uid.split_whitespace().skip(1).all(|u| u == IDS.to_string()), "{uid}");
+    let wrote = sh(&d, "echo mine > owned").await;
+    assert_eq!(wrote["exit_code"], 0, "{wrote}");
+    let meta = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(dirs.work.path().join("owned")).unwrap());
+    assert_eq!(meta, IDS);
+}
+
+#[tokio::test]
+async fn the_hosts_root_is_read_only_below_and_writes_stay_in_the_sandbox() {
+    let (d, _dirs) = isolated(&[]).await;
+    let name = format!("/isolation-layer-{}", std::process::id());
+    let out = sh(
+        &d,
+        &format!("mkdir {name} && echo x > {name}/f && cat {name}/f; touch /usr/bin/planted; echo usr=$?; rm -f /etc/hostname; echo etc=$?"),
+    )
+    .await;
+    let text = stdout(&out);
+    assert!(text.starts_with("x\n"), "{out}");
+    assert!(text.contains("usr=1") && text.contains("etc=1"), "the host's files are writable: {out}");
+    assert!(!Path::new(&name).exists(), "a write reached the host's root");
+    assert!(!Path::new("/usr/bin/planted").exists());
+    assert!(Path::new("/etc/hostname").exists() || !Path::new("/etc").join("hostname").exists());
+}
+
+#[tokio::test]
+async fn hidden_paths_are_empty_and_kept_ones_are_shared() {
+    require_root();
+    let secret_dir = tempfile::tempdir_in(base()).unwrap();
+    std::fs::write(secret_dir.path().join("key"), "secret").unwrap();
+    let secret_file = secret_dir.path().join("file");
+    std::fs::write(&secret_file, "secret").unwrap();
+    let (hide_dir, hide_file) = (path(&secret_dir), secret_file.display().to_string());
+    let (d, dirs) = isolated(&["--isolate-hide", &hide_dir, "--isolate-hide", &hide_file]).await;
+    let out = sh(&d, &format!("ls -A {hide_dir}; cat {hide_file}; echo; touch {hide_dir}/x; echo w=$?")).await;
+    let text = stdout(&out);
+    assert!(!text.contains("key") && !text.contains("secret"), "{out}");
+    assert!(text.contains("w=1"), "{out}");
+    // The work directory is the host's, both ways.
+    std::fs::write(dirs.work.path().join("from-host"), "h").unwrap();
+    let out = sh(&d, "cat from-host; echo s > from-sandbox; pwd").await;
+    assert!(stdout(&out).starts_with("h"), "{out}");
+    assert!(stdout(&out).trim_end().ends_with(&path(&dirs.work)), "{out}");
+    assert_eq!(std::fs::read_to_string(dirs.work.path().join("from-sandbox")).unwrap(), "s\n");
+}
+
+#[tokio::test]
+async fn commands_are_confined_no_new_privileges_and_no_admin_capabilities() {
+    let (d, _dirs) = isolated(&[]).await;
+    let out = sh(&d, "grep -E '^(NoNewPrivs|CapBnd|CapEff)' /proc/self/status").await;
+    let text = stdout(&out);
+    assert!(text.contains("NoNewPrivs:\t1"), "{out}");
+    let bnd = text.lines().find(|l| l.starts_with("CapBnd")).unwrap().split_whitespace().nth(1).unwrap();
+    let caps = u64::from_str_radix(bnd, 16).unwrap();
+    // CAP_SYS_ADMIN (21), CAP_SYS_PTRACE (19), CAP_SYS_MODULE (16), CAP_NET_ADMIN (12) are gone.
+    for cap in [21, 19, 16, 12] {
+        assert_eq!(caps & (1 << cap), 0, "capability {cap} is in the bounding set: {bnd}");
+    }
+    let out = sh(
+        &d,
+        "mount -t tmpfs x /mnt; echo mount=$?; unshare -U true; echo userns=$?; \
+         cat /proc/1/environ > /dev/null; echo environ=$?; echo $$ > /sys/fs/cgroup/pids/cgroup.procs; echo cg=$?",
+    )
+    .await;
+    let text = stdout(&out);
+    for refused in ["mount=", "userns=", "environ=", "cg="] {
+        let code = text.split(refused).nth(1).and_then(|r| r.lines().next()).unwrap();
+        assert_ne!(code, "0", "{refused} was allowed: {out}");
+    }
 }
 
 #[tokio::test]
 async fn isolate_net_leaves_only_loopback_and_brings_it_up() {
-    let (d, _tmp) = isolated(&["--isolate-net"]).await;
+    let (d, _dirs) = isolated(&["--isolate-net"]).await;
     let dev = stdout(&d.exec(json!({"argv": ["cat", "/proc/net/dev"]})).await);
     // Two header lines, then one line per interface.
     let ifaces: Vec<&str> = dev.lines().skip(2).filter_map(|l| l.split(':').next()).map(str::trim).collect();
@@ -88,7 +204,7 @@ async fn isolate_net_leaves_only_loopback_and_brings_it_up() {
 
 #[tokio::test]
 async fn sigterm_to_the_waiter_stops_the_isolated_daemon_cleanly() {
-    let (mut d, _tmp) = isolated(&[]).await;
+    let (mut d, _dirs) = isolated(&[]).await;
     let r = d.json("POST", "/v1/processes", json!({"argv": ["sleep", "1000"], "tag": "sleeper"})).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let _ = Command::new("kill").args(["-TERM", &d.pid().to_string()]).status().unwrap();
@@ -98,10 +214,9 @@ async fn sigterm_to_the_waiter_stops_the_isolated_daemon_cleanly() {
 
 #[tokio::test]
 async fn killing_the_waiter_kills_the_sandbox() {
-    let (mut d, _tmp) = isolated(&[]).await;
+    let (mut d, _dirs) = isolated(&[]).await;
     let waiter = d.pid();
-    let children = std::fs::read_to_string(format!("/proc/{waiter}/task/{waiter}/children")).unwrap();
-    let init: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let init = init_of(&d);
     assert!(alive(init));
     let _ = Command::new("kill").args(["-KILL", &waiter.to_string()]).status().unwrap();
     d.wait_exit(Duration::from_secs(5)).expect("the waiter survived SIGKILL");
@@ -115,7 +230,7 @@ async fn killing_the_waiter_kills_the_sandbox() {
 async fn isolate_without_privileges_fails_clearly() {
     require_root();
     let dir = tempfile::tempdir_in(base()).unwrap();
-    // Opened to everyone so that the unprivileged daemon gets as far as unshare.
+    // Opened to everyone so that the unprivileged daemon gets as far as isolating.
     let mut perms = std::fs::metadata(dir.path()).unwrap().permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o777);
     std::fs::set_permissions(dir.path(), perms).unwrap();
@@ -124,14 +239,15 @@ async fn isolate_without_privileges_fails_clearly() {
         .arg(common::daemon_bin())
         .arg("--listen")
         .arg(format!("unix:{}/d.sock", dir.path().display()))
-        .arg("--isolate")
+        .args(["--isolate", "--isolate-ids", &IDS.to_string(), "--isolate-root"])
+        .arg(dir.path())
         .env("SANDMAN_TOKEN", "t")
         .stdin(Stdio::null())
         .output()
         .expect("setpriv (util-linux) is needed");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("unshare needs root"), "{err}");
+    assert!(err.contains("isolation needs root"), "{err}");
 }
 
 #[tokio::test]
@@ -170,7 +286,7 @@ async fn rlimit_nofile_is_set_on_children() {
 
 #[tokio::test]
 async fn conditions_report_what_the_sandbox_sees() {
-    let (d, _tmp) = isolated(&["--isolate-net", "--rlimit-as", "268435456", "--rlimit-nofile", "64"]).await;
+    let (d, _dirs) = isolated(&["--isolate-net", "--rlimit-as", "268435456", "--rlimit-nofile", "64"]).await;
     let c = d.get("/v1/conditions").await.json();
     assert_eq!(c["network_interfaces"], json!(["lo"]), "{c}");
     assert_eq!(c["pid1"], true);
@@ -252,14 +368,17 @@ async fn the_daemon_joins_its_cgroups_first_and_observes_their_limits() {
     pids.write("pids.max", "77");
     let (memory_arg, pids_arg) = (memory.0.display().to_string(), pids.0.display().to_string());
     {
-        let (d, _tmp) = isolated(&["--isolate-net", "--cgroup", &memory_arg, "--cgroup", &pids_arg]).await;
+        let (d, _dirs) = isolated(&["--isolate-net", "--cgroup", &memory_arg, "--cgroup", &pids_arg]).await;
         // The waiter outside and every command inside are in both.
         let outside = std::fs::read_to_string(format!("/proc/{}/cgroup", d.pid())).unwrap();
-        let inside = stdout(&sh(&d, "cat /proc/self/cgroup").await);
+        let init = std::fs::read_to_string(format!("/proc/{}/cgroup", init_of(&d))).unwrap();
         for cg in [&memory.0, &pids.0] {
             let name = cg.file_name().unwrap().to_str().unwrap();
-            assert!(outside.contains(name) && inside.contains(name), "not in {name}: {outside} / {inside}");
+            assert!(outside.contains(name) && init.contains(name), "not in {name}: {outside} / {init}");
         }
+        // Inside, a cgroup namespace of its own: its cgroup is the root.
+        let inside = stdout(&sh(&d, "cat /proc/self/cgroup").await);
+        assert!(inside.lines().all(|l| l.ends_with(":/")), "{inside}");
         let c = d.get("/v1/conditions").await.json();
         assert_eq!(c["cgroup_memory_limit"], 134217728, "{c}");
         assert_eq!(c["cgroup_pids_limit"], 77, "{c}");

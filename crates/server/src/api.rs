@@ -126,7 +126,12 @@ async fn authorize(State(service): State<Arc<Service>>, req: Request, next: Next
 }
 
 async fn healthz(State(service): State<Arc<Service>>) -> Json<ServerHealth> {
-    Json(ServerHealth { status: "ok".into(), version: VERSION.into(), provider: service.provider.name().into() })
+    Json(ServerHealth {
+        status: "ok".into(),
+        version: VERSION.into(),
+        provider: service.provider.name().into(),
+        isolation: Some(service.provider.isolation()),
+    })
 }
 
 async fn metrics(State(service): State<Arc<Service>>) -> Response {

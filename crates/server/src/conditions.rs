@@ -185,6 +185,7 @@ mod tests {
             sandbox: "sb-1".into(),
             job: Some("j".into()),
             provider: "process".into(),
+            isolation: None,
             server_version: "0.1.0".into(),
             recorded_ms: 1,
             asked: Asked {

@@ -26,6 +26,11 @@ pub struct ServeArgs {
     /// mounts into containers (default: next to `sandman`, else on PATH).
     #[arg(long, env = "SANDMAN_DAEMON")]
     pub daemon: Option<PathBuf>,
+    /// How the process provider isolates sandboxes: `full` (the default: a user namespace, a
+    /// private root, cgroups; needs root, and the server refuses to start where the host cannot
+    /// give it) or `none` (plain processes of this user, for trusted code only).
+    #[arg(long, default_value = "full", value_parser = ["full", "none"])]
+    pub isolation: String,
     /// Lease of a sandbox that asks for none, in seconds.
     #[arg(long, default_value_t = 600, value_parser = seconds(1, bounds::LEASE_S.max))]
     pub default_lease_s: u64,

@@ -11,6 +11,7 @@ pub mod config;
 pub mod daemon;
 pub mod error;
 pub mod events;
+pub mod journal;
 pub mod metrics;
 pub mod pool;
 pub mod prepare;
@@ -88,8 +89,10 @@ pub async fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Re
                 }
             };
             tracing::info!(daemon = %daemon_bin.display(), embedded = !daemon_args.is_empty(), "process provider");
-            let config =
-                ProcessConfig { state_dir: state_dir.to_path_buf(), daemon_bin, daemon_args, isolate: Isolation::Auto };
+            let isolation = if args.isolation == "none" { Isolation::None } else { Isolation::Full };
+            // The server's own binary is nothing a sandbox should read, or find out where it is.
+            let hide = std::env::current_exe().into_iter().collect();
+            let config = ProcessConfig { state_dir: state_dir.to_path_buf(), daemon_bin, daemon_args, isolation, hide };
             ProcessProvider::new(config)
                 .map(AnyProvider::Process)
                 .map_err(|source| ServeError::Provider { name: "process".into(), source })

@@ -6,15 +6,15 @@
 //! (claim, refill, release) is in `service.rs`, starting at `Service::put_pool`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 pub use sandman_provider::Claim;
 use sandman_provider::SandboxSpec;
 use sandman_wire::server::{CreateSandbox, PoolSpec};
+
+use crate::journal::Journal;
 use tokio::time::Instant;
 
 /// The label that marks a pool's sandboxes (in the provider's records too, for recovery).
@@ -311,39 +311,26 @@ pub fn save_specs(state_dir: &Path, specs: &BTreeMap<String, PoolSpec>) {
 /// fast), read back and compacted to the live claims at start.
 #[derive(Debug)]
 pub struct ClaimJournal {
-    path: PathBuf,
-    /// The open file, appended to under this lock, never across `.await`.
-    file: Mutex<Option<File>>,
+    journal: Journal,
     /// What the file held at start, until recovery takes it.
     found: Mutex<HashMap<String, Claim>>,
 }
 
 impl ClaimJournal {
     pub fn open(state_dir: &Path) -> Self {
-        let path = state_dir.join(CLAIMS_FILE);
-        let mut found = HashMap::new();
-        if let Ok(f) = File::open(&path) {
-            for line in BufReader::new(f).lines().map_while(Result::ok) {
-                if let Ok(c) = serde_json::from_str::<Claim>(&line) {
-                    found.insert(c.spec.id.clone(), c);
-                }
-            }
-        }
-        let file = OpenOptions::new().create(true).append(true).open(&path).ok();
-        if file.is_none() {
-            tracing::error!(path = %path.display(), "cannot open the pool claims file; claims will not survive a restart");
-        }
-        ClaimJournal { path, file: Mutex::new(file), found: Mutex::new(found) }
+        let (journal, lines) = Journal::open(state_dir.join(CLAIMS_FILE));
+        let found = lines
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|line| serde_json::from_str::<Claim>(line).ok())
+            .map(|c| (c.spec.id.clone(), c))
+            .collect();
+        ClaimJournal { journal, found: Mutex::new(found) }
     }
 
     pub fn append(&self, claim: &Claim) {
-        let Ok(mut line) = serde_json::to_string(claim) else { return };
-        line.push('\n');
-        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(f) = file.as_mut()
-            && let Err(e) = f.write_all(line.as_bytes())
-        {
-            tracing::error!(path = %self.path.display(), error = %e, "cannot record a pool claim");
+        if let Ok(line) = serde_json::to_string(claim) {
+            self.journal.append(&line);
         }
     }
 
@@ -354,20 +341,8 @@ impl ClaimJournal {
 
     /// Rewrites the file with only `live`, the claims of sandboxes that still exist.
     pub fn compact(&self, live: &[Claim]) {
-        let tmp = self.path.with_extension("jsonl.tmp");
-        let mut text = String::new();
-        for c in live {
-            if let Ok(line) = serde_json::to_string(c) {
-                text.push_str(&line);
-                text.push('\n');
-            }
-        }
-        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
-        let result = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &self.path));
-        match result {
-            Ok(()) => *file = OpenOptions::new().append(true).open(&self.path).ok(),
-            Err(e) => tracing::error!(path = %self.path.display(), error = %e, "cannot compact the pool claims file"),
-        }
+        let lines: Vec<String> = live.iter().filter_map(|c| serde_json::to_string(c).ok()).collect();
+        self.journal.rewrite(lines.iter().map(String::as_str));
     }
 }
 

@@ -8,7 +8,7 @@ use sandman_provider::{
 use sandman_provider_docker::DockerProvider;
 use sandman_provider_kube::KubeProvider;
 use sandman_provider_process::ProcessProvider;
-use sandman_wire::server::Applied;
+use sandman_wire::server::{Applied, Isolation};
 use tokio::sync::mpsc;
 
 #[derive(Debug)]
@@ -30,6 +30,15 @@ impl Provider for AnyProvider {
             AnyProvider::Docker(p) => p.name(),
             AnyProvider::Kube(p) => p.name(),
             AnyProvider::Fake(p) => p.name(),
+        }
+    }
+
+    fn isolation(&self) -> Isolation {
+        match self {
+            AnyProvider::Process(p) => p.isolation(),
+            AnyProvider::Docker(p) => p.isolation(),
+            AnyProvider::Kube(p) => p.isolation(),
+            AnyProvider::Fake(p) => p.isolation(),
         }
     }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sandman_provider::{Endpoint, SandboxSpec};
-use sandman_wire::server::{Reason, Sandbox as WireSandbox, SandboxState, SignedConditions};
+use sandman_wire::server::{Isolation, Reason, Sandbox as WireSandbox, SandboxState, SignedConditions};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -124,7 +124,7 @@ pub struct Inner {
 #[derive(Debug)]
 pub struct Sandbox {
     pub spec: SandboxSpec,
-    pub provider: &'static str,
+    pub provider: Backend,
     /// Shell commands run through the daemon before it is reported ready.
     pub setup: Vec<String>,
     /// The claimer's environment, merged into the `env` of its exec, process and session calls
@@ -144,7 +144,7 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
-    pub fn new(spec: SandboxSpec, provider: &'static str, state: SandboxState, timers: Timers) -> Self {
+    pub fn new(spec: SandboxSpec, provider: Backend, state: SandboxState, timers: Timers) -> Self {
         let now = timers.created;
         Sandbox {
             spec,
@@ -249,7 +249,7 @@ impl Sandbox {
         WireSandbox {
             id: self.spec.id.clone(),
             image: self.spec.image.clone(),
-            provider: self.provider.to_string(),
+            provider: self.provider.name.to_string(),
             state: inner.state,
             reason: inner.reason,
             message: inner.message.clone(),
@@ -265,8 +265,16 @@ impl Sandbox {
             idle_expires_at_ms: if live { inner.timers.idle_expires().map(wall_ms) } else { None },
             ttl_expires_at_ms: if live { inner.timers.ttl_expires().map(wall_ms) } else { None },
             lease_s: inner.timers.lease.as_secs(),
+            isolation: Some(self.provider.isolation),
         }
     }
+}
+
+/// Which provider holds a sandbox, and how it isolates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backend {
+    pub name: &'static str,
+    pub isolation: Isolation,
 }
 
 #[cfg(test)]

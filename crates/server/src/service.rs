@@ -28,11 +28,12 @@ use crate::conditions::{self, KEY_FILE, Signer};
 use crate::daemon::{self, DaemonClient};
 use crate::error::{ServerError, ServerResult};
 use crate::events::Events;
+use crate::journal::ReadyJournal;
 use crate::metrics::{Metrics, PoolLabel, ProviderLabel};
 use crate::pool::{self, Claim, ClaimJournal, POOL_LABEL, Pools, Put};
 use crate::prepare::{self, Gates};
 use crate::provider::AnyProvider;
-use crate::sandbox::{Sandbox, Timers, now_ms};
+use crate::sandbox::{Backend, Sandbox, Timers, now_ms};
 
 /// The server's settings, from `ServeArgs`.
 #[derive(Debug, Clone)]
@@ -178,6 +179,8 @@ pub struct Service {
     /// Creates admitted over the last seconds, for the achieved-rate gauge.
     meter: Mutex<RateMeter>,
     claims: ClaimJournal,
+    /// Sandboxes that became ready, for a restarted server to tell them from interrupted creates.
+    ready_journal: ReadyJournal,
     pub accounting: Accounting,
     pub events: Events,
     /// Signs conditions records; why not, when the key could not be read or made.
@@ -214,6 +217,7 @@ impl Service {
         metrics.create_rate_allowed.set(admission.rate().unwrap_or(0.0));
         let pools = Pools::new(pool::load_specs(&settings.state_dir));
         let claims = ClaimJournal::open(&settings.state_dir);
+        let ready_journal = ReadyJournal::open(&settings.state_dir);
         let accounting = Accounting::open(&settings.state_dir);
         Arc::new(Service {
             provider,
@@ -225,6 +229,7 @@ impl Service {
             admission_wake: Notify::new(),
             meter: Mutex::new(RateMeter::new(now)),
             claims,
+            ready_journal,
             accounting,
             events: Events::default(),
             signer: Signer::open(&settings.state_dir).map_err(|e| {
@@ -241,6 +246,11 @@ impl Service {
             bodies: Arc::new(Semaphore::new(BODY_BUDGET_KIB)),
             settings,
         })
+    }
+
+    /// The provider's name and isolation, as every sandbox reports them.
+    pub fn backend(&self) -> Backend {
+        Backend { name: self.provider.name(), isolation: self.provider.isolation() }
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -516,7 +526,7 @@ impl Service {
                                 }
                             };
                             let timers = Timers::new(Instant::now(), parsed.lease, parsed.idle, parsed.ttl);
-                            let mut sb = Sandbox::new(parsed.spec, self.provider.name(), state, timers);
+                            let mut sb = Sandbox::new(parsed.spec, self.backend(), state, timers);
                             sb.setup = cold_setup;
                             let sb = Arc::new(sb);
                             table.insert(&sb);
@@ -731,6 +741,8 @@ impl Service {
         let started = Instant::now();
         let endpoint = match self.provider.create(&sb.spec).await {
             Ok(e) => e,
+            // Released while the provider was making it: the release removes it and says why.
+            Err(_) if sb.state() == SandboxState::Releasing => return,
             Err(e) => {
                 tracing::warn!(sandbox = sb.id(), error = %e, "create failed");
                 self.fail(&sb, e.reason(), e.to_string()).await;
@@ -778,6 +790,8 @@ impl Service {
                 }
             }
         }
+        // Before it is ready: a server killed from here on finds it ready at its next start.
+        self.journal_ready(sb.id());
         match sb.transition(SandboxState::Ready, None, None) {
             Ok(prev) => {
                 {
@@ -844,6 +858,24 @@ impl Service {
         }
     }
 
+    /// Records that sandbox `id` is ready, and keeps the journal a few times the live sandboxes
+    /// at most.
+    fn journal_ready(&self, id: &str) {
+        self.ready_journal.ready(id);
+        let table = self.table();
+        let ready = || {
+            let mut ids: Vec<&str> = table
+                .by_id
+                .values()
+                .filter(|sb| matches!(sb.state(), SandboxState::Ready | SandboxState::Releasing))
+                .map(|sb| sb.id())
+                .collect();
+            ids.push(id);
+            ids
+        };
+        self.ready_journal.compact_if_grown(ready, table.by_id.len());
+    }
+
     /// After a sandbox's move to `gone` or `failed` from `prev`: the gauges and counters, the
     /// event, the accounting record, its pool's bookkeeping, and its retention.
     fn ended(self: &Arc<Self>, sb: &Arc<Sandbox>, prev: SandboxState, usage: Option<Usage>) {
@@ -864,7 +896,7 @@ impl Service {
             sandbox: sb.id().to_string(),
             job: sb.spec.job.clone(),
             image: sb.spec.image.clone(),
-            provider: sb.provider.to_string(),
+            provider: sb.provider.name.to_string(),
             pool: sb.pool().map(str::to_string),
             claimed_ms: sb.claimed_ms,
             created_ms: sb.spec.created_at_ms,
@@ -1313,7 +1345,7 @@ impl Service {
                         return;
                     }
                 };
-                let mut sb = Sandbox::new(spec, self.provider.name(), state, Timers::new(now, lease, None, None));
+                let mut sb = Sandbox::new(spec, self.backend(), state, Timers::new(now, lease, None, None));
                 sb.setup = setup.clone();
                 let sb = Arc::new(sb);
                 table.insert(&sb);
@@ -1383,12 +1415,8 @@ impl Service {
             };
             let has_setup = !setup.is_empty();
             let state = if has_setup { SandboxState::Creating } else { SandboxState::Ready };
-            let mut sb = Sandbox::new(
-                spec,
-                self.provider.name(),
-                state,
-                Timers::new(now, parsed.lease, parsed.idle, parsed.ttl),
-            );
+            let mut sb =
+                Sandbox::new(spec, self.backend(), state, Timers::new(now, parsed.lease, parsed.idle, parsed.ttl));
             sb.setup = setup;
             sb.env_overlay = Arc::new(req.env.clone());
             sb.claimed_ms = Some(claimed_ms);
@@ -1515,6 +1543,7 @@ impl Service {
             sandbox: sb.id().to_string(),
             job: sb.spec.job.clone(),
             provider: self.provider.name().to_string(),
+            isolation: Some(self.provider.isolation()),
             server_version: crate::api::VERSION.to_string(),
             recorded_ms: now_ms(),
             asked: Asked {
@@ -1553,6 +1582,9 @@ impl Service {
     pub async fn recover(self: &Arc<Self>) -> ServerResult<(usize, usize)> {
         let records = self.provider.list().await.map_err(ServerError::Provider)?;
         let mut claims = self.claims.take_found();
+        // Without a journal (a first start) every running sandbox counts as ready.
+        let journal = self.ready_journal.take_found();
+        let mut ready_ids = Vec::new();
         let mut live_claims = Vec::new();
         let mut orphans = Vec::new();
         let (mut live, mut dead) = (0, 0);
@@ -1572,7 +1604,7 @@ impl Service {
                 spec.server.ttl_s.map(Duration::from_secs),
             );
             timers.created = now.checked_sub(age).unwrap_or(now);
-            let mut sb = Sandbox::new(spec.clone(), self.provider.name(), SandboxState::Creating, timers);
+            let mut sb = Sandbox::new(spec.clone(), self.backend(), SandboxState::Creating, timers);
             if let Some(c) = &claim {
                 sb.env_overlay = Arc::new(c.env.clone());
                 sb.claimed_ms = Some(c.claimed_ms);
@@ -1588,6 +1620,24 @@ impl Service {
                 table.insert(&sb);
             }
             self.metrics.moved(None, SandboxState::Creating);
+            // A claimed sandbox was ready as a member of its pool.
+            let was_ready = claim.is_some() || journal.as_ref().is_none_or(|j| j.contains(&spec.id));
+            if !was_ready {
+                dead += 1;
+                // Its create never answered: a retry under its key makes a new one.
+                sb.abandoned.store(true, std::sync::atomic::Ordering::Relaxed);
+                let message = "the server stopped while creating it, before it was ready; create it again".to_string();
+                if let Ok(prev) = sb.transition(SandboxState::Failed, Some(Reason::CreateInterrupted), Some(message)) {
+                    self.ended(&sb, prev, None);
+                }
+                let me = self.clone();
+                self.tasks.spawn(async move {
+                    if let Err(e) = me.provider.delete(sb.id()).await {
+                        tracing::warn!(sandbox = sb.id(), error = %e, "cannot remove a sandbox whose create was interrupted");
+                    }
+                });
+                continue;
+            }
             match record.ended.or_else(|| unrecoverable(&spec)) {
                 Some(ended) => {
                     dead += 1;
@@ -1598,6 +1648,7 @@ impl Service {
                     live += 1;
                     if sb.transition(SandboxState::Ready, None, Some("recovered after a server restart".into())).is_ok()
                     {
+                        ready_ids.push(spec.id.clone());
                         self.metrics.moved(Some(SandboxState::Creating), SandboxState::Ready);
                         self.events.emit(
                             sb.id(),
@@ -1622,6 +1673,7 @@ impl Service {
             }
         }
         self.claims.compact(&live_claims);
+        self.ready_journal.compact(ready_ids.iter().map(String::as_str));
         self.release_in_background(orphans, "its pool is gone or full".into());
         self.refill_all();
         Ok((live, dead))

@@ -99,10 +99,13 @@ pub enum Reason {
     /// An `eval` sandbox whose daemon observed other limits, network, timezone or locale than
     /// the provider applied; the message names each difference. Nothing runs in it.
     ConditionsMismatch,
+    /// The server stopped while it was creating the sandbox, before it was ready; the restarted
+    /// server removed it. A retry of the create (same idempotency key) makes a new one.
+    CreateInterrupted,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 16] = [
+    pub const ALL: [Reason; 17] = [
         Reason::Released,
         Reason::LeaseExpired,
         Reason::IdleExpired,
@@ -119,6 +122,7 @@ impl Reason {
         Reason::SetupFailed,
         Reason::QueueTimeout,
         Reason::ConditionsMismatch,
+        Reason::CreateInterrupted,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -139,6 +143,7 @@ impl Reason {
             Reason::SetupFailed => "setup_failed",
             Reason::QueueTimeout => "queue_timeout",
             Reason::ConditionsMismatch => "conditions_mismatch",
+            Reason::CreateInterrupted => "create_interrupted",
         }
     }
 }
@@ -157,6 +162,38 @@ pub enum Profile {
     #[default]
     Default,
     Eval,
+}
+
+/// How a provider keeps a sandbox apart from the host and from other sandboxes; reported in
+/// `/healthz`, in each sandbox's info and in its conditions record.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// Nothing: plain processes of the server's user (the process provider with
+    /// `--isolation none`, or a test's fake provider).
+    #[default]
+    None,
+    /// The process provider's: a user namespace whose root is an unprivileged host id range of
+    /// its own, a private root over the host's (read-only below, a writable layer of its own),
+    /// its own mount, pid, cgroup, ipc, uts (and, for `network: none`, net) namespaces, cgroups,
+    /// no admin capabilities, `no_new_privs`.
+    UserNamespace,
+    /// A container of the docker engine.
+    Container,
+    /// A Kubernetes pod: its runtime class and the cluster's policies decide the rest.
+    Pod,
+}
+
+impl Isolation {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Isolation::None => "none",
+            Isolation::UserNamespace => "user_namespace",
+            Isolation::Container => "container",
+            Isolation::Pod => "pod",
+        }
+    }
 }
 
 /// `egress` (the provider's default network) or `none` (loopback only).
@@ -324,6 +361,9 @@ pub struct Sandbox {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_expires_at_ms: Option<u64>,
     pub lease_s: u64,
+    /// How the provider isolates it (absent from servers that predate the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
 }
 
 /// `GET /v1/sandboxes`.
@@ -735,6 +775,9 @@ pub struct ConditionsRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
     pub provider: String,
+    /// How the provider isolated the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
     pub server_version: String,
     /// Milliseconds since the Unix epoch.
     pub recorded_ms: u64,
@@ -773,6 +816,9 @@ pub struct ServerHealth {
     pub status: String,
     pub version: String,
     pub provider: String,
+    /// How the provider isolates sandboxes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
 }
 
 #[cfg(test)]

@@ -2,6 +2,8 @@
 //! temporary state directory and talks plain HTTP to it.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod docker;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -43,12 +43,13 @@ pub fn state_dir() -> tempfile::TempDir {
     tempfile::Builder::new().prefix("pp").tempdir_in(base).unwrap()
 }
 
-pub fn provider(state: &Path, isolate: Isolation) -> ProcessProvider {
+pub fn provider(state: &Path, isolation: Isolation) -> ProcessProvider {
     ProcessProvider::new(ProcessConfig {
         state_dir: state.to_path_buf(),
         daemon_bin: daemon_bin(),
         daemon_args: Vec::new(),
-        isolate,
+        isolation,
+        hide: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("cannot make the provider: {e}"))
 }
