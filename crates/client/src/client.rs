@@ -26,6 +26,8 @@ use crate::env;
 use crate::error::ClientError;
 
 /// How long a connect may take before the call fails.
+/// How long an idle connection is kept for reuse: under the server's header-read timeout.
+const POOL_IDLE: Duration = Duration::from_secs(20);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most of an error answer read, to show it; error bodies are small.
 const MAX_ERROR_BODY: usize = 64 * 1024;
@@ -69,7 +71,9 @@ impl Client {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
         connector.set_nodelay(true);
-        let http = HyperClient::builder(TokioExecutor::new()).build(connector);
+        // Idle connections are dropped before the server's header-read timeout (30 s by
+        // default) closes them, so that a request never goes out on one being closed.
+        let http = HyperClient::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE).build(connector);
         Ok(Client { http, base, auth })
     }
 

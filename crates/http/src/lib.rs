@@ -1,9 +1,11 @@
 //! HTTP pieces the daemon and the server share: [`extract`] parses bodies and query strings into
 //! typed requests and answers bad input with the wire error body; [`ndjson`] streams events;
+//! [`serve`] serves a router with the edge limits (header-read timeout, connection limit);
 //! [`constant_time_eq`] checks tokens.
 
 pub mod extract;
 pub mod ndjson;
+pub mod serve;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};

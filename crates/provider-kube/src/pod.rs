@@ -399,6 +399,11 @@ fn task_container(spec: &SandboxSpec, config: &KubeConfig) -> Result<Container, 
     if spec.daemon_lease_s > 0 {
         args.extend(["--lease".into(), format!("{}s", spec.daemon_lease_s)]);
     }
+    // The daemon stops uploads and archive extraction at the pod's ephemeral storage, before
+    // the kubelet evicts the pod for it.
+    if let Some(bytes) = spec.resources.disk.as_ref().and_then(|q| q.value().ok()) {
+        args.extend(["--disk-limit".into(), format!("{}", bytes.ceil() as u64)]);
+    }
     // Within the pod's grace period: the kubelet's SIGKILL should not beat the daemon's own.
     let grace_ms = u64::from(config.termination_grace_s).saturating_mul(1000).saturating_sub(500).max(500);
     args.extend(["--shutdown-grace".into(), format!("{grace_ms}ms")]);

@@ -351,6 +351,7 @@ impl ProcessProvider {
         }
         if let Some(bytes) = rlimits.file_size {
             arg("--rlimit-fsize", bytes.to_string().into());
+            arg("--disk-limit", bytes.to_string().into());
         }
         for cgroup in cgroups.iter().flat_map(|c| c.dirs.unique()) {
             arg("--cgroup", cgroup.into());

@@ -149,6 +149,7 @@ mod tests {
         let config = crate::state::Config {
             token: "t".into(),
             max_upload_bytes: 0,
+            limits: crate::Limits::default(),
             shutdown_grace: std::time::Duration::from_secs(1),
             listen: "test".into(),
             workdir: None,

@@ -6,7 +6,7 @@ use std::io::{self, BufReader, Read};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::Json;
 use axum::body::{Body, HttpBody};
@@ -15,12 +15,13 @@ use axum::http::{HeaderValue, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use sandman_wire::bounds;
 use sandman_wire::daemon::{ExtractResult, PathQuery};
 use tokio::io::DuplexStream;
 use tokio_util::io::{ReaderStream, StreamReader, SyncIoBridge};
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::extract::{ApiQuery, is_length_limit};
+use crate::extract::{ApiQuery, BodyStalled, is_length_limit, is_stalled, unstalled};
 use crate::files::{DEFAULT_DIR_MODE, absolute, blocking, shown, sorted_names};
 use crate::state::Daemon;
 
@@ -41,12 +42,111 @@ pub async fn extract(
     body: Body,
 ) -> DaemonResult<Json<ExtractResult>> {
     let target = absolute(&q.path)?;
-    extract_into(target, body, daemon.config.max_upload_bytes).await.map(Json)
+    let limits = Unpacking::of(&daemon.config.limits);
+    extract_into(target, body, daemon.config.max_upload_bytes, limits).await.map(Json)
+}
+
+/// What an extraction may write.
+#[derive(Debug, Clone, Copy, Default)]
+struct Unpacking {
+    /// The sandbox's disk: entries (contents plus [`ENTRY_COST`] each) past it stop the
+    /// extraction (0 = no limit).
+    disk: u64,
+    /// A gzipped upload may unpack to this many times the compressed bytes read so far (plus
+    /// [`EXPANSION_SLACK`]); 0 = no limit.
+    ratio: u64,
+}
+
+impl Unpacking {
+    fn of(limits: &crate::Limits) -> Self {
+        Unpacking { disk: limits.disk_bytes, ratio: limits.expansion_ratio }
+    }
+}
+
+/// What each entry counts against the disk limit besides its contents: its header's block, as a
+/// directory or a symlink takes room too.
+const ENTRY_COST: u64 = 512;
+/// Unpacked bytes allowed beyond the expansion ratio, so that a small archive of a highly
+/// compressible file (a megabyte of zeros) is not refused.
+const EXPANSION_SLACK: u64 = 1 << 20;
+
+/// Why a read of the archive stopped it, beyond what tar itself refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Expansion {
+        ratio: u64,
+    },
+    /// The client went away: the request was dropped.
+    Abandoned,
+}
+
+/// The extraction's counters, shared by the readers on the unpacking thread and the request.
+#[derive(Debug, Default)]
+struct Progress {
+    /// Bytes of the upload read (compressed, for a gzipped one).
+    raw: AtomicU64,
+    /// Bytes of the tar stream read.
+    tar: AtomicU64,
+    abandoned: AtomicBool,
+    stop: std::sync::Mutex<Option<Stop>>,
+}
+
+impl Progress {
+    fn stop(&self, why: Stop) -> io::Error {
+        *self.stop.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+        io::Error::other(format!("extraction stopped: {why:?}"))
+    }
+
+    fn stopped(&self) -> Option<Stop> {
+        *self.stop.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Counts what passes through a reader of the upload (`raw`) or of the tar stream, and stops the
+/// tar stream past the expansion ratio or once the request is dropped.
+struct Counting<R> {
+    inner: R,
+    progress: Arc<Progress>,
+    tar: bool,
+    /// The expansion ratio, for the tar stream of a gzipped upload.
+    ratio: Option<u64>,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let p = &self.progress;
+        if p.abandoned.load(Ordering::Relaxed) {
+            return Err(p.stop(Stop::Abandoned));
+        }
+        let n = self.inner.read(buf)?;
+        if !self.tar {
+            p.raw.fetch_add(n as u64, Ordering::Relaxed);
+            return Ok(n);
+        }
+        let unpacked = p.tar.fetch_add(n as u64, Ordering::Relaxed).saturating_add(n as u64);
+        if let Some(ratio) = self.ratio {
+            let allowed = p.raw.load(Ordering::Relaxed).saturating_mul(ratio).saturating_add(EXPANSION_SLACK);
+            if unpacked > allowed {
+                return Err(p.stop(Stop::Expansion { ratio }));
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// Marks the extraction abandoned when the request's future is dropped before it ends: the
+/// unpacking thread stops at its next read instead of working on for nobody.
+struct AbandonOnDrop(Arc<Progress>);
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        self.0.abandoned.store(true, Ordering::Relaxed);
+    }
 }
 
 /// The work of [`extract`]: `body` unpacked into `target`, at most `limit` bytes read from it
-/// (0 = no limit).
-async fn extract_into(target: PathBuf, body: Body, limit: u64) -> DaemonResult<ExtractResult> {
+/// (0 = no limit), within `limits`.
+async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking) -> DaemonResult<ExtractResult> {
     if limit > 0 && body.size_hint().lower() > limit {
         return Err(DaemonError::TooLarge { limit });
     }
@@ -61,10 +161,20 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64) -> DaemonResult<E
     let over_limit = Arc::new(AtomicBool::new(false));
     let upload = SyncIoBridge::new(StreamReader::new(counted(body, limit, Arc::clone(&over_limit))));
     let dst = target.clone();
-    let unpacked = blocking(move || Ok(unpack(BufReader::with_capacity(READ_AHEAD, upload), &dst))).await?;
+    let progress = Arc::new(Progress::default());
+    let _abandon = AbandonOnDrop(Arc::clone(&progress));
+    let shared = Arc::clone(&progress);
+    let unpacked = blocking(move || {
+        let raw = Counting { inner: upload, progress: Arc::clone(&shared), tar: false, ratio: None };
+        Ok(unpack(BufReader::with_capacity(READ_AHEAD, raw), &dst, limits, &shared))
+    })
+    .await?;
     match unpacked {
         Ok(counts) => Ok(ExtractResult { path: shown(&target), entries: counts.entries, bytes: counts.bytes }),
         Err(_) if over_limit.load(Ordering::Relaxed) => Err(DaemonError::TooLarge { limit }),
+        Err(refused) if refused.is_stall() => {
+            Err(DaemonError::Stalled(format!("{}; the extraction into `{}` was stopped", BodyStalled, shown(&target))))
+        }
         Err(refused) => Err(refused.into_error(&target)),
     }
 }
@@ -73,7 +183,7 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64) -> DaemonResult<E
 /// (0 = no limit); `over_limit` records why, since tar wraps the error it gets.
 fn counted(body: Body, limit: u64, over_limit: Arc<AtomicBool>) -> impl Stream<Item = io::Result<Bytes>> {
     let mut seen = 0u64;
-    body.into_data_stream().map(move |chunk| match chunk {
+    unstalled(body).map(move |chunk| match chunk {
         Ok(bytes) => {
             seen = seen.saturating_add(bytes.len() as u64);
             if limit > 0 && seen > limit {
@@ -86,6 +196,10 @@ fn counted(body: Body, limit: u64, over_limit: Arc<AtomicBool>) -> impl Stream<I
         Err(err) => {
             if is_length_limit(&err) {
                 over_limit.store(true, Ordering::Relaxed);
+            }
+            // A stall is kept whole so that it can be told apart from a bad archive.
+            if is_stalled(&err) {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, err));
             }
             Err(io::Error::other(err))
         }
@@ -109,9 +223,31 @@ enum Refusal {
     Read(io::Error),
     /// One entry could not be written.
     Unpack { entry: PathBuf, source: io::Error },
+    /// An entry's path, or its link's, is deeper than the bound.
+    TooDeep { entry: String, depth: usize },
+    /// The entries would write past the sandbox's disk limit.
+    Disk { entry: String, limit: u64 },
+    /// A read of the archive stopped it.
+    Stopped(Stop),
 }
 
 impl Refusal {
+    /// Whether the upload stalled (see [`unstalled`]): tar wraps the error it read.
+    fn is_stall(&self) -> bool {
+        let err = match self {
+            Refusal::Read(err) | Refusal::Unpack { source: err, .. } => err,
+            _ => return false,
+        };
+        let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+        while let Some(e) = cur {
+            if is_stalled(e) {
+                return true;
+            }
+            cur = e.source();
+        }
+        err.kind() == io::ErrorKind::TimedOut
+    }
+
     fn into_error(self, target: &Path) -> DaemonError {
         let target = shown(target);
         match self {
@@ -122,6 +258,18 @@ impl Refusal {
                 "tar entry `{entry}` is a hard link to `{link}`, which would land outside `{target}`"
             )),
             Refusal::Read(err) => DaemonError::InvalidArgument(format!("cannot read the tar archive: {err}")),
+            Refusal::TooDeep { entry, depth } => DaemonError::InvalidArgument(format!(
+                "tar entry `{}` is {depth} levels deep, over the limit of {} levels",
+                short(&entry),
+                bounds::PATH_DEPTH.max
+            )),
+            Refusal::Disk { entry, limit } => {
+                DaemonError::DiskLimit { limit, what: format!("the archive, at entry `{}`,", short(&entry)) }
+            }
+            Refusal::Stopped(Stop::Expansion { ratio }) => DaemonError::Expansion { ratio },
+            Refusal::Stopped(Stop::Abandoned) => {
+                DaemonError::InvalidArgument("the client went away; the extraction was stopped".into())
+            }
             // What tar refuses itself (a write through a symlink leading outside the target, a
             // link without a name) comes as `Other`; a truncated archive as `UnexpectedEof`.
             Refusal::Unpack { entry, source } => match source.kind() {
@@ -138,8 +286,9 @@ impl Refusal {
     }
 }
 
-/// Unpacks a tar stream into `dst`, gunzipping it first when it starts with the gzip magic.
-fn unpack(mut upload: impl Read, dst: &Path) -> Result<Counts, Refusal> {
+/// Unpacks a tar stream into `dst`, gunzipping it first when it starts with the gzip magic,
+/// within `limits`; `progress` counts and can stop it.
+fn unpack(mut upload: impl Read, dst: &Path, limits: Unpacking, progress: &Arc<Progress>) -> Result<Counts, Refusal> {
     let mut magic = [0u8; 2];
     let mut seen = 0;
     while seen < magic.len() {
@@ -151,29 +300,55 @@ fn unpack(mut upload: impl Read, dst: &Path) -> Result<Counts, Refusal> {
         }
     }
     let whole = (&magic[..seen]).chain(upload);
-    if magic == GZIP_MAGIC { unpack_tar(flate2::read::MultiGzDecoder::new(whole), dst) } else { unpack_tar(whole, dst) }
+    let counted = |inner, ratio| Counting { inner, progress: Arc::clone(progress), tar: true, ratio };
+    let unpacked = if magic == GZIP_MAGIC {
+        let ratio = (limits.ratio > 0).then_some(limits.ratio);
+        unpack_tar(counted(Box::new(flate2::read::MultiGzDecoder::new(whole)) as Box<dyn Read>, ratio), dst, limits)
+    } else {
+        unpack_tar(counted(Box::new(whole) as Box<dyn Read>, None), dst, limits)
+    };
+    // tar wraps the error of a read that stopped the extraction; the progress says why.
+    unpacked.map_err(|refused| progress.stopped().map_or(refused, Refusal::Stopped))
 }
 
-fn unpack_tar(source: impl Read, dst: &Path) -> Result<Counts, Refusal> {
+fn unpack_tar(source: impl Read, dst: &Path, limits: Unpacking) -> Result<Counts, Refusal> {
     let mut archive = tar::Archive::new(source);
     archive.set_preserve_permissions(true);
     archive.set_preserve_mtime(true);
     archive.set_overwrite(true);
     archive.set_unpack_xattrs(false);
     let mut counts = Counts::default();
+    // Contents plus a header's block for each entry: what the disk limit is held against.
+    let mut cost = 0u64;
     for entry in archive.entries().map_err(Refusal::Read)? {
         let mut entry = entry.map_err(Refusal::Read)?;
         let name = entry.path().map_err(Refusal::Read)?.into_owned();
         let escapes = |link: Option<&Path>| Refusal::Escapes { entry: shown(&name), link: link.map(shown) };
+        let too_deep = |path: &Path| {
+            let depth = path.components().count();
+            (depth as u64 > bounds::PATH_DEPTH.max).then(|| Refusal::TooDeep { entry: shown(&name), depth })
+        };
+        if let Some(refusal) = too_deep(&name) {
+            return Err(refusal);
+        }
         if !stays_inside(&name) {
             return Err(escapes(None));
         }
         let kind = entry.header().entry_type();
+        if let Some(link) = entry.link_name().map_err(Refusal::Read)?
+            && let Some(refusal) = too_deep(&link)
+        {
+            return Err(refusal);
+        }
         if kind.is_hard_link()
             && let Some(link) = entry.link_name().map_err(Refusal::Read)?
             && !stays_inside(&link)
         {
             return Err(escapes(Some(&link)));
+        }
+        cost = cost.saturating_add(entry.size()).saturating_add(ENTRY_COST);
+        if limits.disk > 0 && cost > limits.disk {
+            return Err(Refusal::Disk { entry: shown(&name), limit: limits.disk });
         }
         // `unpack_in` also refuses to write through a symlink that leads outside `dst`.
         match entry.unpack_in(dst) {
@@ -190,6 +365,14 @@ fn unpack_tar(source: impl Read, dst: &Path) -> Result<Counts, Refusal> {
         }
     }
     Ok(counts)
+}
+
+/// A name for a message: at most 200 characters of it.
+fn short(name: &str) -> String {
+    match name.char_indices().nth(200) {
+        Some((at, _)) => format!("{}…", &name[..at]),
+        None => name.to_string(),
+    }
 }
 
 /// Whether an archive path stays below the directory it is unpacked in: relative, and with no
@@ -337,7 +520,7 @@ mod tests {
     }
 
     fn refusal_message(archive: &[u8], dst: &Path) -> String {
-        match unpack(archive, dst) {
+        match unpack(archive, dst, Unpacking::default(), &Arc::default()) {
             Ok(counts) => format!("unpacked {counts:?}"),
             Err(refusal) => refusal.into_error(dst).to_string(),
         }
@@ -419,7 +602,8 @@ mod tests {
             .collect::<io::Result<_>>()?;
         assert_eq!(names, ["d", "d/e", "d/e/f", "l", "x"]);
         let dst = tempfile::tempdir()?;
-        let counts = unpack(&tar[..], dst.path()).map_err(|r| io::Error::other(format!("{r:?}")))?;
+        let counts = unpack(&tar[..], dst.path(), Unpacking::default(), &Arc::default())
+            .map_err(|r| io::Error::other(format!("{r:?}")))?;
         assert_eq!(counts, Counts { entries: 5, bytes: 8 });
         assert_eq!(fs::read(dst.path().join("d/e/f"))?, b"deep");
         assert_eq!(fs::metadata(dst.path().join("x"))?.permissions().mode() & 0o777, 0o755);
@@ -436,16 +620,95 @@ mod tests {
         let gz = gz.finish()?;
         assert_eq!(gz[..2], GZIP_MAGIC);
         let dst = tempfile::tempdir()?;
-        let counts = unpack(&gz[..], dst.path()).map_err(|r| io::Error::other(format!("{r:?}")))?;
+        let counts = unpack(&gz[..], dst.path(), Unpacking::default(), &Arc::default())
+            .map_err(|r| io::Error::other(format!("{r:?}")))?;
         assert_eq!(counts.entries, 5);
         assert_eq!(fs::read(dst.path().join("x"))?, b"exec");
+        Ok(())
+    }
+
+    /// A tar of one file of `len` zero bytes, gzipped.
+    fn zeros_gz(len: usize) -> io::Result<Vec<u8>> {
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(len as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder.append_data(&mut header, "zeros", io::repeat(0).take(len as u64))?;
+        let tar = builder.into_inner()?;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        io::Write::write_all(&mut gz, &tar)?;
+        gz.finish()
+    }
+
+    #[test]
+    fn a_gzip_bomb_stops_at_the_disk_limit() -> io::Result<()> {
+        let bomb = zeros_gz(16 << 20)?;
+        assert!(bomb.len() < 64 << 10, "{}", bomb.len());
+        let dst = tempfile::tempdir()?;
+        let limits = Unpacking { disk: 1 << 20, ratio: 0 };
+        let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
+        let msg = refused.map(|r| r.into_error(dst.path()).to_string()).unwrap_or_default();
+        assert!(msg.contains("disk limit of 1048576 bytes") && msg.contains("`zeros`"), "{msg}");
+        // Refused before a byte of it was written.
+        assert!(!dst.path().join("zeros").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn a_gzip_bomb_stops_at_the_expansion_ratio() -> io::Result<()> {
+        let bomb = zeros_gz(32 << 20)?;
+        let dst = tempfile::tempdir()?;
+        let limits = Unpacking { disk: 0, ratio: 100 };
+        let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
+        let err = refused.map(|r| r.into_error(dst.path()));
+        assert!(matches!(err, Some(DaemonError::Expansion { ratio: 100 })), "{err:?}");
+        assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::TooLarge));
+        let written = fs::metadata(dst.path().join("zeros")).map(|m| m.len()).unwrap_or(0);
+        assert!(written <= 100 * bomb.len() as u64 + EXPANSION_SLACK, "{written} bytes written");
+        // Within the ratio, the same archive unpacks whole.
+        let dst = tempfile::tempdir()?;
+        let small = zeros_gz(64 << 10)?;
+        assert!(unpack(&small[..], dst.path(), limits, &Arc::default()).is_ok());
+        Ok(())
+    }
+
+    #[test]
+    fn a_2000_deep_path_is_refused_before_anything_is_made() -> io::Result<()> {
+        let deep = "d/".repeat(2000) + "f";
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(1);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder.append_data(&mut header, &deep, &b"x"[..])?;
+        let tar = builder.into_inner()?;
+        assert!(tar.len() < 16 << 10);
+        let dst = tempfile::tempdir()?;
+        let msg = refusal_message(&tar, dst.path());
+        assert!(msg.contains("is 2001 levels deep, over the limit of 256 levels"), "{msg}");
+        assert!(msg.len() < 400, "the whole name was put in the message: {}", msg.len());
+        assert!(!dst.path().join("d").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn an_abandoned_extraction_stops_at_its_next_read() -> io::Result<()> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        let progress = Arc::new(Progress::default());
+        drop(AbandonOnDrop(Arc::clone(&progress)));
+        let dst = tempfile::tempdir()?;
+        let refused = unpack(&tar[..], dst.path(), Unpacking::default(), &progress).err();
+        assert_eq!(progress.stopped(), Some(Stop::Abandoned), "{refused:?}");
+        assert!(fs::read_dir(dst.path())?.next().is_none(), "something was unpacked for nobody");
         Ok(())
     }
 
     #[test]
     fn an_empty_upload_unpacks_nothing() {
         let dst = Path::new("/nonexistent-sandman-test");
-        assert_eq!(unpack(&[][..], dst).ok(), Some(Counts::default()));
+        assert_eq!(unpack(&[][..], dst, Unpacking::default(), &Arc::default()).ok(), Some(Counts::default()));
     }
 
     #[test]
@@ -465,7 +728,7 @@ mod tests {
         let tar = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
         let dst = tempfile::tempdir()?;
         let target = dst.path().join("new/dir");
-        let result = extract_into(target.clone(), Body::from(tar), 0).await?;
+        let result = extract_into(target.clone(), Body::from(tar), 0, Unpacking::default()).await?;
         assert_eq!((result.path, result.entries, result.bytes), (shown(&target), 5, 8));
         assert_eq!(fs::read(target.join("d/e/f"))?, b"deep");
         Ok(())
@@ -489,6 +752,15 @@ mod tests {
         assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::NotFound));
     }
 
+    #[test]
+    fn a_stalled_upload_is_told_apart_from_a_bad_archive() {
+        let stalled = io::Error::new(io::ErrorKind::TimedOut, axum::Error::new(BodyStalled));
+        // tar wraps what it read in an error of its own.
+        let wrapped = io::Error::other(stalled);
+        assert!(Refusal::Read(wrapped).is_stall());
+        assert!(!Refusal::Read(io::Error::other("bad header")).is_stall());
+    }
+
     #[tokio::test]
     async fn extract_over_the_limit_is_too_large() -> Result<(), Box<dyn std::error::Error>> {
         let src = sample_tree()?;
@@ -496,7 +768,7 @@ mod tests {
         let chunks: Vec<io::Result<Bytes>> = tar.chunks(512).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
         let dst = tempfile::tempdir()?;
         let body = Body::from_stream(futures_util::stream::iter(chunks));
-        let err = extract_into(dst.path().to_path_buf(), body, 1024).await.err();
+        let err = extract_into(dst.path().to_path_buf(), body, 1024, Unpacking::default()).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 1024 })), "{err:?}");
         Ok(())
     }

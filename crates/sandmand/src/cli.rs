@@ -34,6 +34,30 @@ struct Args {
     /// Largest file or archive upload in bytes (0 = no limit).
     #[arg(long, default_value_t = 0)]
     max_upload_bytes: u64,
+    /// The sandbox's disk, in bytes: a file upload or an archive extraction that would write
+    /// more is stopped with 413 (0 = no limit).
+    #[arg(long, value_name = "BYTES", default_value_t = 0)]
+    disk_limit: u64,
+    /// A gzipped archive may unpack to at most this many times its compressed size.
+    #[arg(long, value_name = "N", default_value_t = crate::DEFAULT_EXPANSION_RATIO,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_expansion_ratio: u64,
+    /// The largest `max_output_bytes` of `/v1/exec` and session runs, whose output is held
+    /// until the command ends.
+    #[arg(long, value_name = "BYTES", default_value_t = sandman_wire::bounds::MAX_OUTPUT_BYTES.max,
+          value_parser = clap::value_parser!(u64).range(0..=sandman_wire::bounds::MAX_OUTPUT_BYTES.max))]
+    max_output_bytes: u64,
+    /// Command output held in memory at once, over every exec and background process.
+    #[arg(long, value_name = "BYTES", default_value_t = crate::budget::DEFAULT_MAX_BUFFERED_OUTPUT)]
+    max_buffered_output: u64,
+    /// Connections served at once; past it, new ones wait until one closes.
+    #[arg(long, value_name = "N", default_value_t = crate::DEFAULT_MAX_CONNECTIONS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=65_536))]
+    max_connections: usize,
+    /// A connection that sends no whole request head this long (after it opens, or after its
+    /// last answer) is closed.
+    #[arg(long, value_parser = crate::parse_duration, default_value = "60s")]
+    header_read_timeout: Duration,
     /// Time children get between SIGTERM and SIGKILL when the daemon is asked to stop.
     #[arg(long, value_parser = crate::parse_duration, default_value = "5s")]
     shutdown_grace: Duration,
@@ -186,6 +210,14 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
         shell: args.shell,
         workdir: args.workdir,
         max_upload_bytes: args.max_upload_bytes,
+        limits: crate::Limits {
+            disk_bytes: args.disk_limit,
+            expansion_ratio: args.max_expansion_ratio,
+            max_output_bytes: args.max_output_bytes,
+            max_buffered_output: args.max_buffered_output,
+            max_connections: args.max_connections,
+            header_read_timeout: args.header_read_timeout.max(Duration::from_millis(1)),
+        },
         shutdown_grace: args.shutdown_grace,
         drop_env: args.drop_env,
         env,

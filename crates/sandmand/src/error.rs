@@ -18,6 +18,14 @@ pub enum DaemonError {
     Conflict(String),
     #[error("request body is larger than the limit of {limit} bytes")]
     TooLarge { limit: u64 },
+    /// An upload or extraction would write past the sandbox's disk (`--disk-limit`).
+    #[error("{what} would write more than the sandbox's disk limit of {limit} bytes; nothing past it was written")]
+    DiskLimit { limit: u64, what: String },
+    /// A compressed upload unpacks to more than `--max-expansion-ratio` times its size.
+    #[error(
+        "the archive unpacks to more than {ratio} times its compressed size (the daemon's --max-expansion-ratio); the extraction was stopped"
+    )]
+    Expansion { ratio: u64 },
     #[error("cannot start `{program}`: {source}")]
     Spawn {
         program: String,
@@ -31,6 +39,9 @@ pub enum DaemonError {
         #[source]
         source: io::Error,
     },
+    /// The request body stopped coming midway.
+    #[error("{0}")]
+    Stalled(String),
     #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]
@@ -51,9 +62,12 @@ impl DaemonError {
             DaemonError::Unauthorized => ErrorCode::Unauthorized,
             DaemonError::NotFound(_) => ErrorCode::NotFound,
             DaemonError::Conflict(_) => ErrorCode::Conflict,
-            DaemonError::TooLarge { .. } => ErrorCode::TooLarge,
+            DaemonError::TooLarge { .. } | DaemonError::DiskLimit { .. } | DaemonError::Expansion { .. } => {
+                ErrorCode::TooLarge
+            }
             DaemonError::Spawn { source, .. } => io_code(source, ErrorCode::InvalidArgument),
             DaemonError::Io { source, .. } => io_code(source, ErrorCode::Internal),
+            DaemonError::Stalled(_) => ErrorCode::Timeout,
             DaemonError::Unavailable(_) => ErrorCode::Unavailable,
             DaemonError::Internal(_) => ErrorCode::Internal,
         }

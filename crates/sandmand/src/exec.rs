@@ -11,14 +11,16 @@ use sandman_wire::daemon::{ExecEvent, ExecRequest, ExecResult, StreamName};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
-use crate::error::DaemonResult;
+use crate::budget::OutputBudget;
+use crate::error::{DaemonError, DaemonResult};
 use crate::extract::ApiJson;
 use crate::run::{self, Io, OutputSink, Started, Utf8Chunks};
 use crate::spawn::{Launch, LaunchRequest};
 use crate::state::Daemon;
 use crate::stream;
 
-/// Output kept per stream when the request sets no `max_output_bytes`.
+/// Output kept per stream when the request sets no `max_output_bytes` (the daemon's ceiling,
+/// `--max-output-bytes`, when that is lower).
 pub const DEFAULT_MAX_OUTPUT: u64 = 10 << 20;
 
 /// Events buffered between a streamed exec and its slow client before the process is throttled
@@ -33,7 +35,10 @@ struct Parsed {
     merge: bool,
 }
 
-fn parse(daemon: &Daemon, req: ExecRequest) -> DaemonResult<Parsed> {
+/// Checks the request's numbers (`max_output_bytes` up to `output_ceiling` when the output is
+/// held), then its command.
+fn parse(daemon: &Daemon, req: ExecRequest, output_ceiling: Option<u64>) -> DaemonResult<Parsed> {
+    req.check_bounds(output_ceiling).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
     let launch = Launch::parse(
         &daemon.defaults,
         LaunchRequest { argv: req.argv, command: req.command, env: req.env, cwd: req.cwd, user: req.user },
@@ -42,7 +47,7 @@ fn parse(daemon: &Daemon, req: ExecRequest) -> DaemonResult<Parsed> {
         launch,
         stdin: req.stdin,
         timeout: req.timeout_ms.map(Duration::from_millis),
-        cap: req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT),
+        cap: req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT.min(output_ceiling.unwrap_or(u64::MAX))),
         merge: req.merge_output,
     })
 }
@@ -61,14 +66,32 @@ fn start(daemon: &Daemon, parsed: &mut Parsed) -> DaemonResult<Started> {
     Ok(started)
 }
 
-/// Collects output up to a cap per stream, counting what it drops.
-#[derive(Debug, Default)]
+/// Collects output up to a cap per stream, and within the daemon's output budget, counting
+/// what it drops.
+#[derive(Debug)]
 struct Capped {
     cap: u64,
+    budget: Arc<OutputBudget>,
     stdout: Vec<u8>,
     stderr: Vec<u8>,
     stdout_truncated: bool,
     stderr_truncated: bool,
+    /// Capacity of each buffer taken from the budget, given back when dropped.
+    charged: [u64; 2],
+}
+
+impl Capped {
+    fn new(cap: u64, budget: Arc<OutputBudget>) -> Self {
+        Capped {
+            cap,
+            budget,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            charged: [0; 2],
+        }
+    }
 }
 
 impl OutputSink for Capped {
@@ -77,12 +100,24 @@ impl OutputSink for Capped {
             StreamName::Stdout => (&mut self.stdout, &mut self.stdout_truncated),
             StreamName::Stderr => (&mut self.stderr, &mut self.stderr_truncated),
         };
-        let room = (self.cap as usize).saturating_sub(buf.len());
-        if data.len() > room {
+        let charged = &mut self.charged[stream as usize];
+        let max_len = self.budget.grow(charged, buf.len() as u64, data.len() as u64, self.cap);
+        let max_len = usize::try_from(max_len).unwrap_or(usize::MAX);
+        if max_len > buf.capacity() {
+            buf.reserve_exact(max_len - buf.len());
+        }
+        let keep = data.len().min(max_len.saturating_sub(buf.len()));
+        if keep < data.len() {
             *truncated = true;
         }
-        buf.extend_from_slice(&data[..data.len().min(room)]);
+        buf.extend_from_slice(&data[..keep]);
         true
+    }
+}
+
+impl Drop for Capped {
+    fn drop(&mut self) {
+        self.budget.give_back(self.charged[0] + self.charged[1]);
     }
 }
 
@@ -90,9 +125,9 @@ pub async fn exec(
     State(daemon): State<Arc<Daemon>>,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> DaemonResult<Json<ExecResult>> {
-    let mut parsed = parse(&daemon, req)?;
+    let mut parsed = parse(&daemon, req, Some(daemon.config.limits.max_output_bytes))?;
     let started = start(&daemon, &mut parsed)?;
-    let mut sink = Capped { cap: parsed.cap, ..Capped::default() };
+    let mut sink = Capped::new(parsed.cap, daemon.output_budget.clone());
     let status = run::drive(started, parsed.timeout, &mut sink).await;
     Ok(Json(ExecResult {
         status,
@@ -145,7 +180,8 @@ pub async fn exec_stream(
     State(daemon): State<Arc<Daemon>>,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> DaemonResult<Response> {
-    let mut parsed = parse(&daemon, req)?;
+    // Streamed output is sent as it comes, never held: any `max_output_bytes` will do.
+    let mut parsed = parse(&daemon, req, None)?;
     let started = start(&daemon, &mut parsed)?;
     let (tx, rx) = mpsc::channel(STREAM_EVENTS);
     let pid = started.pid as u32;

@@ -15,6 +15,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::StreamExt;
+use sandman_wire::bounds;
 use sandman_wire::daemon::{
     DirListing, FileKind, FileStat, ListDirQuery, MkdirQuery, MoveRequest, PathQuery, ReadFileQuery, RemoveQuery,
     WriteFileQuery,
@@ -24,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio_util::io::ReaderStream;
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::extract::{ApiJson, ApiQuery, is_length_limit};
+use crate::extract::{ApiJson, ApiQuery, is_length_limit, is_stalled, unstalled};
 use crate::state::Daemon;
 use crate::sys::random_hex;
 
@@ -55,6 +56,8 @@ pub fn absolute(path: &str) -> DaemonResult<PathBuf> {
     if !path.starts_with('/') {
         return Err(DaemonError::InvalidArgument(format!("path `{path}` is not absolute")));
     }
+    // Walking a path costs in proportion to its depth, at every call that names it.
+    bounds::check_path_depth("path", path).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
     Ok(PathBuf::from(path))
 }
 
@@ -86,6 +89,7 @@ pub fn stat_of(path: &Path, meta: &Metadata) -> FileStat {
 
 /// `GET /v1/files?path=&offset=&length=`: the file's bytes, streamed.
 pub async fn read_file(ApiQuery(q): ApiQuery<ReadFileQuery>) -> DaemonResult<Response> {
+    q.check_bounds().map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
     let path = absolute(&q.path)?;
     let meta = tokio::fs::metadata(&path).await.map_err(|e| DaemonError::io("read", &q.path, e))?;
     let ft = meta.file_type();
@@ -145,14 +149,34 @@ pub async fn write_file(
 ) -> DaemonResult<Json<FileStat>> {
     let requested = absolute(&q.path)?;
     let mode = parse_mode(q.mode.as_deref(), DEFAULT_FILE_MODE)?;
-    write_atomically(&requested, mode, body, daemon.config.max_upload_bytes).await.map(Json)
+    let limit = Upload { max: daemon.config.max_upload_bytes, disk: daemon.config.limits.disk_bytes };
+    write_atomically(&requested, mode, body, limit).await.map(Json)
 }
 
-/// The work of [`write_file`]: `body` into `requested` with `mode`, at most `limit` bytes (0 = no
-/// limit).
-async fn write_atomically(requested: &Path, mode: u32, body: Body, limit: u64) -> DaemonResult<FileStat> {
-    if limit > 0 && body.size_hint().lower() > limit {
-        return Err(DaemonError::TooLarge { limit });
+/// How much an upload may write: the largest upload and the sandbox's disk (0 = no limit).
+#[derive(Debug, Clone, Copy, Default)]
+struct Upload {
+    max: u64,
+    disk: u64,
+}
+
+impl Upload {
+    /// The refusal of an upload of `len` bytes, if it is refused.
+    fn refuse(&self, len: u64) -> Option<DaemonError> {
+        if self.max > 0 && len > self.max {
+            Some(DaemonError::TooLarge { limit: self.max })
+        } else if self.disk > 0 && len > self.disk {
+            Some(DaemonError::DiskLimit { limit: self.disk, what: "the upload".into() })
+        } else {
+            None
+        }
+    }
+}
+
+/// The work of [`write_file`]: `body` into `requested` with `mode`, within `limit`.
+async fn write_atomically(requested: &Path, mode: u32, body: Body, limit: Upload) -> DaemonResult<FileStat> {
+    if let Some(refused) = limit.refuse(body.size_hint().lower()) {
+        return Err(refused);
     }
     let target = write_target(requested).await?;
     let (dir, name) = split(&target)?;
@@ -203,15 +227,15 @@ async fn write_target(path: &Path) -> DaemonResult<PathBuf> {
     }
 }
 
-/// Streams the request body into `file`, refusing it past `limit` bytes (0 = no limit).
-async fn copy_body(body: Body, file: &mut tokio::fs::File, limit: u64, temp: &Path) -> DaemonResult<u64> {
-    let mut chunks = body.into_data_stream();
+/// Streams the request body into `file`, refusing it past `limit`.
+async fn copy_body(body: Body, file: &mut tokio::fs::File, limit: Upload, temp: &Path) -> DaemonResult<u64> {
+    let mut chunks = unstalled(body);
     let mut written = 0u64;
     while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.map_err(|e| body_error(&e, limit))?;
+        let chunk = chunk.map_err(|e| body_error(&e, limit.max))?;
         written = written.saturating_add(chunk.len() as u64);
-        if limit > 0 && written > limit {
-            return Err(DaemonError::TooLarge { limit });
+        if let Some(refused) = limit.refuse(written) {
+            return Err(refused);
         }
         file.write_all(&chunk).await.map_err(|e| DaemonError::io("write", shown(temp), e))?;
     }
@@ -223,6 +247,8 @@ async fn copy_body(body: Body, file: &mut tokio::fs::File, limit: u64, temp: &Pa
 pub(crate) fn body_error(err: &axum::Error, limit: u64) -> DaemonError {
     if is_length_limit(err) {
         DaemonError::TooLarge { limit }
+    } else if is_stalled(err) {
+        DaemonError::Stalled(err.to_string())
     } else {
         DaemonError::InvalidArgument(format!("cannot read request body: {err}"))
     }
@@ -722,11 +748,11 @@ mod tests {
     async fn write_creates_parents_and_sets_the_mode() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
         let target = dir.path().join("a/b/c.txt");
-        let s = write_atomically(&target, 0o600, Body::from("hello"), 0).await?;
+        let s = write_atomically(&target, 0o600, Body::from("hello"), Upload { max: 0, disk: 0 }).await?;
         assert_eq!((s.kind, s.size, s.mode), (FileKind::File, 5, 0o600));
         assert_eq!(fs::read(&target)?, b"hello");
         assert!(fs::metadata(dir.path().join("a/b"))?.is_dir());
-        let s = write_atomically(&target, DEFAULT_FILE_MODE, Body::from("bye"), 0).await?;
+        let s = write_atomically(&target, DEFAULT_FILE_MODE, Body::from("bye"), Upload { max: 0, disk: 0 }).await?;
         assert_eq!((s.size, s.mode), (3, 0o644));
         assert!(leftovers(&dir.path().join("a/b"))?.is_empty());
         Ok(())
@@ -739,24 +765,53 @@ mod tests {
         // A body of unknown length, so that the limit is found while streaming it.
         let chunks =
             futures_util::stream::iter(["12345", "67890", "abcde"].map(|c| Ok::<_, io::Error>(Bytes::from(c))));
-        let err = write_atomically(&target, 0o644, Body::from_stream(chunks), 8).await.err();
+        let err = write_atomically(&target, 0o644, Body::from_stream(chunks), Upload { max: 8, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 8 })), "{err:?}");
         assert!(!target.exists());
         assert!(leftovers(dir.path())?.is_empty());
         // A body whose length is known is refused before anything is created.
-        let err = write_atomically(&target, 0o644, Body::from("123456789"), 8).await.err();
+        let err = write_atomically(&target, 0o644, Body::from("123456789"), Upload { max: 8, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 8 })), "{err:?}");
         assert!(sorted_names(dir.path())?.is_empty());
         Ok(())
     }
 
     #[tokio::test]
+    async fn an_upload_past_the_disk_limit_is_stopped_and_leaves_nothing() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("big");
+        let chunks = futures_util::stream::iter(["12345", "67890"].map(|c| Ok::<_, io::Error>(Bytes::from(c))));
+        let err = write_atomically(&target, 0o644, Body::from_stream(chunks), Upload { max: 0, disk: 8 }).await.err();
+        assert!(matches!(err, Some(DaemonError::DiskLimit { limit: 8, .. })), "{err:?}");
+        assert_eq!(err.map(|e| e.code().http_status()), Some(413));
+        assert!(leftovers(dir.path())?.is_empty());
+        Ok(())
+    }
+
+    /// A client that sends half a body and then nothing is cut at the stall timeout, rather than
+    /// holding its connection and a temporary file for as long as it likes.
+    #[tokio::test(start_paused = true)]
+    async fn an_upload_that_stalls_is_cut_and_leaves_nothing() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("slow");
+        let first = futures_util::stream::once(async { Ok::<_, io::Error>(Bytes::from_static(b"half")) });
+        let body = Body::from_stream(first.chain(futures_util::stream::pending()));
+        let err = write_atomically(&target, 0o644, body, Upload::default()).await.err();
+        assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::Timeout));
+        assert!(!target.exists());
+        assert!(leftovers(dir.path())?.is_empty());
+        Ok(())
+    }
+
+    #[tokio::test]
     async fn write_refuses_a_directory_and_writes_through_a_symlink() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tree()?;
-        let err = write_atomically(&dir.path().join("b"), 0o644, Body::from("x"), 0).await.err();
+        let err =
+            write_atomically(&dir.path().join("b"), 0o644, Body::from("x"), Upload { max: 0, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::InvalidArgument(_))), "{err:?}");
         symlink("a", dir.path().join("to-a"))?;
-        let s = write_atomically(&dir.path().join("to-a"), 0o644, Body::from("new"), 0).await?;
+        let s =
+            write_atomically(&dir.path().join("to-a"), 0o644, Body::from("new"), Upload { max: 0, disk: 0 }).await?;
         assert_eq!(s.path, shown(&dir.path().join("a")));
         assert_eq!(fs::read(dir.path().join("a"))?, b"new");
         assert!(fs::symlink_metadata(dir.path().join("to-a"))?.file_type().is_symlink());

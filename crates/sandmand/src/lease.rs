@@ -29,7 +29,8 @@ impl Lease {
 
     fn deadline(&self) -> Option<Instant> {
         let last = *self.last.lock().unwrap_or_else(PoisonError::into_inner);
-        self.period.map(|p| last + p)
+        // A lease too long to add (no server asks for one) never lapses.
+        self.period.and_then(|p| last.checked_add(p))
     }
 
     /// Time left before the lease lapses; `None` when no lease is kept.

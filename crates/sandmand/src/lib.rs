@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod archive;
+pub mod budget;
 pub mod children;
 pub mod cli;
 pub mod error;
@@ -101,6 +102,7 @@ pub struct Settings {
     pub shell: String,
     pub workdir: Option<PathBuf>,
     pub max_upload_bytes: u64,
+    pub limits: Limits,
     pub shutdown_grace: Duration,
     /// Prefixes of variables left out of the commands' environment (`--drop-env`).
     pub drop_env: Vec<String>,
@@ -112,6 +114,48 @@ pub struct Settings {
     /// binds `listen` here.
     pub unix_listener: Option<std::os::unix::net::UnixListener>,
 }
+
+/// What the daemon holds and writes on a caller's behalf, and how it serves connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// The sandbox's disk: an upload or an archive extraction that would write more is stopped
+    /// (`--disk-limit`; 0 = none).
+    pub disk_bytes: u64,
+    /// A compressed upload may unpack to at most this many times its size (`--max-expansion-ratio`).
+    pub expansion_ratio: u64,
+    /// The largest `max_output_bytes` of `/v1/exec` and session runs (`--max-output-bytes`).
+    pub max_output_bytes: u64,
+    /// Command output held in memory at once, over all execs and processes (`--max-buffered-output`).
+    pub max_buffered_output: u64,
+    /// Connections open at once (`--max-connections`).
+    pub max_connections: usize,
+    /// A connection that sends no whole request head this long is closed (`--header-read-timeout`).
+    pub header_read_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            disk_bytes: 0,
+            expansion_ratio: DEFAULT_EXPANSION_RATIO,
+            max_output_bytes: sandman_wire::bounds::MAX_OUTPUT_BYTES.max,
+            max_buffered_output: budget::DEFAULT_MAX_BUFFERED_OUTPUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+        }
+    }
+}
+
+/// The daemon holds at most this fraction (1/n) of its cgroup's memory as buffered output.
+const BUFFERED_SHARE_OF_MEMORY: u64 = 4;
+
+/// `--max-expansion-ratio` by default.
+pub const DEFAULT_EXPANSION_RATIO: u64 = 100;
+/// `--max-connections` by default: the server keeps a few connections per sandbox in its pool.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// `--header-read-timeout` by default: longer than the server keeps an idle connection to a
+/// daemon in its pool (30 s), so that the daemon never closes one the server is about to use.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Reads the token from `SANDMAN_TOKEN`, else from `file`.
 pub fn load_token(env: Option<String>, file: Option<&Path>) -> Result<String, StartError> {
@@ -156,9 +200,23 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
     defaults.rlimits = settings.rlimits;
     defaults.env.extend(std::mem::take(&mut settings.env));
     defaults.env.retain(|k, _| !settings.drop_env.iter().any(|p| k.starts_with(p.as_str())));
+    // Output held for callers counts against the sandbox's memory where the daemon shares its
+    // cgroup: a quarter of it at most, so that no caller can have the daemon OOM-killed.
+    let mut limits = settings.limits;
+    if let Some(memory) = observe::own_memory_limit()
+        && memory / BUFFERED_SHARE_OF_MEMORY < limits.max_buffered_output
+    {
+        limits.max_buffered_output = memory / BUFFERED_SHARE_OF_MEMORY;
+        tracing::info!(
+            memory,
+            max_buffered_output = limits.max_buffered_output,
+            "buffered output held to a quarter of the cgroup's memory"
+        );
+    }
     let config = Config {
         token: settings.token.clone(),
         max_upload_bytes: settings.max_upload_bytes,
+        limits,
         shutdown_grace: settings.shutdown_grace,
         listen: settings.listen.to_string(),
         workdir: settings.workdir.clone(),
@@ -168,6 +226,12 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
 
     let stop = CancellationToken::new();
     let serve_stop = stop.clone();
+    let edge = sandman_http::serve::Edge {
+        header_read_timeout: settings.limits.header_read_timeout,
+        max_connections: settings.limits.max_connections,
+        // The daemon stops its children before it stops serving: what is left is brief.
+        drain: Duration::from_millis(500),
+    };
     let server = match &settings.listen {
         Listen::Tcp(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
@@ -175,9 +239,7 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
                 .map_err(|source| StartError::Listen { addr: addr.clone(), source })?;
             let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| addr.clone());
             tracing::info!(listen = %local, pid = std::process::id(), "sandmand serving");
-            tokio::spawn(async move {
-                axum::serve(listener, app).with_graceful_shutdown(serve_stop.cancelled_owned()).await
-            })
+            tokio::spawn(sandman_http::serve::serve(listener, app, edge, serve_stop.cancelled_owned()))
         }
         Listen::Unix(path) => {
             let listen_error = |source| StartError::Listen { addr: settings.listen.to_string(), source };
@@ -196,9 +258,7 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
                 }
             };
             tracing::info!(listen = %settings.listen, pid = std::process::id(), "sandmand serving");
-            tokio::spawn(async move {
-                axum::serve(listener, app).with_graceful_shutdown(serve_stop.cancelled_owned()).await
-            })
+            tokio::spawn(sandman_http::serve::serve(listener, app, edge, serve_stop.cancelled_owned()))
         }
     };
 
@@ -208,8 +268,7 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
         _ = daemon.lease.lapsed() => Ending::LeaseExpired,
         res = server => {
             return Err(StartError::Serve(match res {
-                Ok(Ok(())) => std::io::Error::other("the listener closed"),
-                Ok(Err(e)) => e,
+                Ok(()) => std::io::Error::other("the listener closed"),
                 Err(e) => std::io::Error::other(e),
             }));
         }
@@ -290,8 +349,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{text}` is not a valid duration"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    if secs > MAX_DURATION_S {
+        return Err(format!("`{text}` is longer than the longest duration taken, 365 days"));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("`{text}` is not a valid duration: {e}"))
 }
+
+/// The longest duration a flag takes: a year, far past any lease or grace a server asks for.
+const MAX_DURATION_S: f64 = 365.0 * 86400.0;
 
 #[cfg(test)]
 mod tests {
@@ -313,6 +378,9 @@ mod tests {
         assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("5y").is_err());
+        // A huge lease is refused, never wrapped or a panic.
+        assert!(parse_duration("18446744073709551615s").is_err());
+        assert!(parse_duration("100000000000000000000000h").is_err());
     }
 
     #[test]

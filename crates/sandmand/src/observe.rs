@@ -67,6 +67,12 @@ fn interfaces(net_dev: &str) -> Vec<String> {
     names
 }
 
+/// The memory limit of the cgroup this process is in, if it has one: the daemon holds its
+/// buffered output to a share of it (see `crate::run`).
+pub fn own_memory_limit() -> Option<u64> {
+    Cgroup::of_self().memory_limit()
+}
+
 /// Where this process's cgroup files are: the unified (v2) directory, and the v1 controller
 /// directories of a hybrid or legacy hierarchy.
 #[derive(Debug, Default)]

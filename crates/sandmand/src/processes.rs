@@ -19,6 +19,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, watch};
 
+use crate::budget::OutputBudget;
 use crate::error::{DaemonError, DaemonResult};
 use crate::extract::{ApiJson, ApiQuery, BadRequest, MAX_JSON_BODY, read_limited};
 use crate::run::{self, Io, OutputSink, Utf8Chunks, incomplete_tail};
@@ -28,8 +29,6 @@ use crate::{stream, sys, tree};
 
 /// Bytes of each stream kept when the request sets no `retain_bytes`.
 pub const DEFAULT_RETAIN: u64 = 1 << 20;
-/// Largest `retain_bytes` accepted.
-pub const MAX_RETAIN: u64 = 256 << 20;
 /// Processes remembered at once; past it the oldest exited one is forgotten.
 pub const MAX_PROCESSES: usize = 1024;
 /// Default and largest size of one `output` answer.
@@ -43,18 +42,23 @@ pub const DEFAULT_TERM: &str = "xterm-256color";
 /// What `close` writes to a terminal: Ctrl-D, end-of-file for a reader in canonical mode.
 const EOF_CHAR: u8 = 0x04;
 
-/// The last `cap` bytes of one output stream and the offset of the first of them.
+/// The last `cap` bytes of one output stream and the offset of the first of them. Its capacity
+/// is taken from the daemon's output budget; when the budget has no more, new output replaces
+/// the ring's own oldest.
 #[derive(Debug)]
 struct Ring {
     buf: VecDeque<u8>,
     /// Stream offset of `buf[0]`: everything before it was dropped.
     start: u64,
     cap: usize,
+    budget: Arc<OutputBudget>,
+    /// Bytes of capacity taken from the budget, given back when the ring is dropped.
+    charged: u64,
 }
 
 impl Ring {
-    fn new(cap: usize) -> Self {
-        Ring { buf: VecDeque::new(), start: 0, cap }
+    fn new(cap: usize, budget: Arc<OutputBudget>) -> Self {
+        Ring { buf: VecDeque::new(), start: 0, cap, budget, charged: 0 }
     }
 
     fn total(&self) -> u64 {
@@ -62,12 +66,21 @@ impl Ring {
     }
 
     fn push(&mut self, data: &[u8]) {
-        self.buf.extend(data);
-        let excess = self.buf.len().saturating_sub(self.cap);
-        if excess > 0 {
-            self.buf.drain(..excess);
-            self.start += excess as u64;
+        // Only the last `cap` bytes of `data` can stay.
+        let cut = data.len().saturating_sub(self.cap);
+        let data = &data[cut..];
+        let len = self.buf.len();
+        let max_len = self.budget.grow(&mut self.charged, len as u64, data.len() as u64, self.cap as u64) as usize;
+        if max_len > self.buf.capacity() {
+            self.buf.reserve_exact(max_len - len);
         }
+        let keep = data.len().min(max_len);
+        let skipped = data.len() - keep;
+        // What may not grow the ring replaces its oldest bytes.
+        let evict = (len + keep).saturating_sub(max_len).min(len);
+        self.buf.drain(..evict);
+        self.buf.extend(&data[skipped..]);
+        self.start += (cut + evict + skipped) as u64;
     }
 
     /// Bytes from `offset` (or the first retained byte after it), at most `max`:
@@ -78,6 +91,12 @@ impl Ring {
         let skip = (from - self.start) as usize;
         let take = (self.total() - from).min(max) as usize;
         (from, dropped, self.buf.iter().skip(skip).take(take).copied().collect())
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        self.budget.give_back(self.charged);
     }
 }
 
@@ -222,10 +241,8 @@ pub async fn start(
     State(daemon): State<Arc<Daemon>>,
     ApiJson(req): ApiJson<StartProcess>,
 ) -> DaemonResult<(StatusCode, Json<ProcessInfo>)> {
+    req.check_bounds().map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
     let retain = req.retain_bytes.unwrap_or(DEFAULT_RETAIN);
-    if retain > MAX_RETAIN {
-        return Err(DaemonError::InvalidArgument(format!("`retain_bytes` is over the limit of {MAX_RETAIN}")));
-    }
     if let Some(tag) = &req.tag
         && (tag.is_empty() || tag.starts_with("p-") || tag.contains('/'))
     {
@@ -303,8 +320,8 @@ pub async fn start(
         argv: launch.argv.clone(),
         started_at_ms: now_ms(),
         output: Mutex::new(Output {
-            stdout: Ring::new(retain as usize),
-            stderr: Ring::new(retain as usize),
+            stdout: Ring::new(retain as usize, daemon.output_budget.clone()),
+            stderr: Ring::new(retain as usize, daemon.output_budget.clone()),
             exit: None,
         }),
         changed: watch::Sender::new(0),
@@ -459,6 +476,7 @@ fn bad_request(e: BadRequest) -> DaemonError {
     match e {
         BadRequest::TooLarge { limit } => DaemonError::TooLarge { limit },
         BadRequest::Invalid(m) => DaemonError::InvalidArgument(m),
+        stalled @ BadRequest::Stalled => DaemonError::Stalled(stalled.to_string()),
     }
 }
 
@@ -513,6 +531,7 @@ pub async fn wait(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<WaitRequest>,
 ) -> DaemonResult<Json<ProcessInfo>> {
+    req.check_bounds().map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
     let process = daemon.processes.get(&id)?;
     let timeout = req.timeout_ms.map(Duration::from_millis).unwrap_or(DEFAULT_WAIT);
     let mut changed = process.changed.subscribe();
@@ -535,7 +554,7 @@ mod tests {
 
     #[test]
     fn ring_keeps_the_tail_and_counts_what_it_dropped() {
-        let mut ring = Ring::new(4);
+        let mut ring = Ring::new(4, Arc::new(OutputBudget::new(1 << 20)));
         ring.push(b"abcdef");
         assert_eq!((ring.start, ring.total()), (2, 6));
         let (from, dropped, data) = ring.read(0, 100);
@@ -544,6 +563,26 @@ mod tests {
         assert_eq!((from, dropped, data.as_slice()), (3, 0, &b"de"[..]));
         let (from, dropped, data) = ring.read(10, 2);
         assert_eq!((from, dropped, data.len()), (6, 0, 0));
+    }
+
+    #[test]
+    fn rings_hold_no_more_than_the_daemons_budget_and_give_it_back() {
+        let budget = Arc::new(OutputBudget::new(6));
+        let mut a = Ring::new(4, budget.clone());
+        let mut b = Ring::new(4, budget.clone());
+        a.push(b"abcdef");
+        assert_eq!((a.start, a.buf.len(), budget.held()), (2, 4, 4));
+        // Two bytes left in the budget: b grows by two, then replaces its own oldest.
+        b.push(b"xyz");
+        assert_eq!((b.start, b.total(), budget.held()), (1, 3, 6));
+        let (_, dropped, data) = b.read(0, 10);
+        assert_eq!((dropped, data.as_slice()), (1, &b"yz"[..]));
+        b.push(b"w");
+        assert_eq!(b.read(0, 10).2, b"zw");
+        drop(a);
+        assert_eq!(budget.held(), 2);
+        b.push(b"1234");
+        assert_eq!((b.read(0, 10).2.as_slice(), budget.held()), (&b"1234"[..], 4));
     }
 
     #[test]

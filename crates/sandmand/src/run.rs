@@ -147,7 +147,8 @@ impl Drop for KillOnDrop {
 /// whole tree at `timeout`, or as soon as the sink stops wanting output.
 pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration>, sink: &mut S) -> ExitStatus {
     let pid = started.pid;
-    let deadline = timeout.map(|t| started.started + t);
+    // Timeouts are bounded where they are parsed; one too long to add never fires.
+    let deadline = timeout.and_then(|t| started.started.checked_add(t));
     let mut timed_out = false;
     let mut abandoned = false;
     let (mut out_open, mut err_open) = (true, started.stderr.is_some());

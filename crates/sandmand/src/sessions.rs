@@ -230,6 +230,7 @@ pub async fn run(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<SessionRun>,
 ) -> DaemonResult<Json<SessionRunResult>> {
+    req.check_bounds(d.config.limits.max_output_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
     d.sessions.run(&id, req).await.map(Json)
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+use crate::budget::OutputBudget;
 use crate::children::Children;
 use crate::lease::Lease;
 use crate::processes::Processes;
@@ -22,6 +23,8 @@ pub struct Config {
     pub token: String,
     /// Largest file or archive upload, in bytes (0 = no limit).
     pub max_upload_bytes: u64,
+    /// What the daemon holds and writes on a caller's behalf.
+    pub limits: crate::Limits,
     /// How long children get between SIGTERM and SIGKILL when the daemon is asked to stop.
     pub shutdown_grace: Duration,
     /// Where the daemon listens, for `info`.
@@ -35,6 +38,8 @@ pub struct Daemon {
     pub defaults: Defaults,
     pub children: Arc<Children>,
     pub processes: Processes,
+    /// Command output held in memory at once, over every exec and background process.
+    pub output_budget: Arc<OutputBudget>,
     pub sessions: Sessions,
     pub lease: Lease,
     /// Tasks that outlive the request that started them (streamed execs, process drivers).
@@ -46,10 +51,12 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn new(config: Config, defaults: Defaults, children: Arc<Children>, lease: Option<Duration>) -> Arc<Self> {
+        let output_budget = Arc::new(OutputBudget::new(config.limits.max_buffered_output));
         Arc::new(Daemon {
             config,
             defaults,
             children,
+            output_budget,
             processes: Processes::default(),
             sessions: Sessions::default(),
             lease: Lease::new(lease),

@@ -275,3 +275,51 @@ async fn commands_start_with_default_signals_whatever_the_daemon_inherited() {
     let waited = d.json("POST", "/v1/processes/s/wait", json!({"timeout_ms": 10000})).await.json();
     assert_eq!(waited["exit"]["signal"], 2, "{waited}");
 }
+
+/// Before, a `timeout_ms` of u64::MAX overflowed adding it to the start instant: a panic, and in
+/// the shipped build (`panic = "abort"`) the whole daemon died with every process in it.
+#[tokio::test]
+async fn a_timeout_of_u64_max_is_refused_and_the_daemon_lives_on() {
+    let d = Daemon::start().await;
+    for (call, body) in [
+        ("/v1/exec", json!({"argv": ["/bin/true"], "timeout_ms": u64::MAX})),
+        ("/v1/exec/stream", json!({"argv": ["/bin/true"], "timeout_ms": u64::MAX})),
+        ("/v1/processes", json!({"argv": ["/bin/true"], "timeout_ms": u64::MAX})),
+    ] {
+        let msg = d.json("POST", call, body).await.error(400, "invalid_argument");
+        assert!(
+            msg.contains("`timeout_ms` is 18446744073709551615; it must be between 0 and 604800000 (7 days)"),
+            "{msg}"
+        );
+    }
+    assert_eq!(d.exec(json!({"argv": ["/bin/echo", "alive"]})).await["stdout"], "alive\n");
+}
+
+/// Before, `max_output_bytes` had no ceiling: a sandbox of 100 MB drove its daemon to 2.1 GB.
+#[tokio::test]
+async fn max_output_bytes_over_the_ceiling_is_refused_but_a_stream_takes_any() {
+    let d = Daemon::start_with(&["--max-output-bytes", "1000"], None).await;
+    let msg = d
+        .json("POST", "/v1/exec", json!({"argv": ["/bin/true"], "max_output_bytes": 1001}))
+        .await
+        .error(400, "invalid_argument");
+    assert!(msg.contains("`max_output_bytes` is 1001; it must be between 0 and 1000"), "{msg}");
+    // Without one, the ceiling is the cap.
+    let r = d.exec(json!({"command": "head -c 5000 /dev/zero | tr '\\0' a"})).await;
+    assert_eq!((r["stdout"].as_str().map(str::len), r["stdout_truncated"].as_bool()), (Some(1000), Some(true)));
+    // A stream holds nothing: any cap will do.
+    let resp = d.json("POST", "/v1/exec/stream", json!({"argv": ["/bin/true"], "max_output_bytes": u64::MAX})).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+}
+
+/// Output held at once over every exec is bounded by `--max-buffered-output`: what does not fit
+/// is cut and marked truncated, never held.
+#[tokio::test]
+async fn buffered_output_over_all_execs_is_bounded() {
+    let d = Daemon::start_with(&["--max-buffered-output", "4096"], None).await;
+    let r = d.exec(json!({"command": "head -c 100000 /dev/zero | tr '\\0' a"})).await;
+    assert_eq!((r["stdout"].as_str().map(str::len), r["stdout_truncated"].as_bool()), (Some(4096), Some(true)));
+    // Given back once answered.
+    let r = d.exec(json!({"command": "head -c 3000 /dev/zero | tr '\\0' a"})).await;
+    assert_eq!((r["stdout"].as_str().map(str::len), r["stdout_truncated"].as_bool()), (Some(3000), Some(false)));
+}

@@ -57,6 +57,41 @@ async fn retention_is_bounded_and_counts_dropped_bytes() {
     assert_eq!(out["offset"].as_u64().unwrap(), total - 100);
 }
 
+/// Before, retained output had no total bound: many processes each keeping their share grew the
+/// daemon without limit. Past `--max-buffered-output`, each keeps its newest output only.
+#[tokio::test]
+async fn retained_output_over_all_processes_is_bounded() {
+    let d = Daemon::start_with(&["--max-buffered-output", "3000"], None).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let r = d.json("POST", "/v1/processes", json!({"command": "seq 1 10000", "retain_bytes": 2000})).await.json();
+        let id = r["id"].as_str().unwrap().to_string();
+        d.json("POST", &format!("/v1/processes/{id}/wait"), json!({})).await;
+        ids.push(id);
+    }
+    let mut held = 0;
+    for id in &ids {
+        let out = d.get(&format!("/v1/processes/{id}/output?offset=0")).await.json();
+        let data = out["data"].as_str().unwrap();
+        let total = d.get(&format!("/v1/processes/{id}")).await.json()["stdout_bytes"].as_u64().unwrap();
+        assert_eq!(out["dropped"].as_u64().unwrap() + data.len() as u64, total, "{out}");
+        assert!(data.is_empty() || data.ends_with("10000\n"), "not the newest output: {data}");
+        held += data.len();
+    }
+    assert!(held <= 3000, "{held} bytes retained over a budget of 3000");
+    assert_eq!(
+        d.get(&format!("/v1/processes/{}/output?offset=0", ids[0])).await.json()["data"].as_str().map(str::len),
+        Some(2000)
+    );
+    // Deleting a process gives its share back to the next.
+    d.call("DELETE", &format!("/v1/processes/{}", ids[0]), Some(TOKEN), Body::Empty).await.unwrap();
+    let r = d.json("POST", "/v1/processes", json!({"command": "seq 1 10000", "retain_bytes": 2000})).await.json();
+    let id = r["id"].as_str().unwrap().to_string();
+    d.json("POST", &format!("/v1/processes/{id}/wait"), json!({})).await;
+    let out = d.get(&format!("/v1/processes/{id}/output?offset=0")).await.json();
+    assert_eq!(out["data"].as_str().map(str::len), Some(2000));
+}
+
 #[tokio::test]
 async fn follow_streams_output_then_the_exit() {
     let d = Daemon::start().await;

@@ -87,11 +87,10 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .merge(control)
         .merge(proxied)
         .route_layer(middleware::from_fn_with_state(service.clone(), authorize))
-        .route("/healthz", get(healthz))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::disable())
-        .with_state(service);
+        .with_state(service.clone());
     // The limit wraps the whole router as one service: `Router::layer` would give every route
     // and method a semaphore of its own.
     let limited = ServiceBuilder::new()
@@ -99,7 +98,9 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .load_shed()
         .concurrency_limit(limits.max_concurrent)
         .service(app);
-    Router::new().fallback_service(limited)
+    // Liveness is answered beside the limit, never shed: a probe that got 503 under load would
+    // have the server killed for being busy.
+    Router::new().route("/healthz", get(healthz)).with_state(service).fallback_service(limited)
 }
 
 /// Answers the edge layers' refusals with the wire error body.
@@ -337,6 +338,78 @@ mod tests {
         first.abort();
     }
 
+    /// Before, a lease of u64::MAX panicked the request (an instant plus the lease overflowed)
+    /// and broke listing for everyone; every number a caller sends is now refused with 400
+    /// naming the field and its range.
+    #[tokio::test]
+    async fn a_lease_of_u64_max_is_refused_naming_its_range() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(5), max_concurrent: 16 });
+        let max = u64::MAX;
+        let cases = [
+            ("POST", "/v1/sandboxes", format!(r#"{{"image":"x","lease_s":{max}}}"#), "`lease_s`", "604800 (7 days)"),
+            (
+                "POST",
+                "/v1/sandboxes",
+                format!(r#"{{"image":"x","idle_timeout_s":{max}}}"#),
+                "`idle_timeout_s`",
+                "604800",
+            ),
+            ("POST", "/v1/sandboxes", format!(r#"{{"image":"x","ttl_s":{max}}}"#), "`ttl_s`", "2592000 (30 days)"),
+            (
+                "POST",
+                "/v1/sandboxes",
+                format!(r#"{{"image":"x","wait_timeout_s":{max}}}"#),
+                "`wait_timeout_s`",
+                "86400 (1 day)",
+            ),
+            (
+                "POST",
+                "/v1/sandboxes",
+                r#"{"image":"x","resources":{"memory":"1e30"}}"#.into(),
+                "`resources.memory`",
+                "TiB",
+            ),
+            ("POST", "/v1/sandboxes", r#"{"image":"x","resources":{"pids":0}}"#.into(), "`resources.pids`", "4194304"),
+            ("PUT", "/v1/jobs/j", format!(r#"{{"lease_s":{max}}}"#), "`lease_s`", "604800"),
+            ("PUT", "/v1/jobs/j", r#"{"weight":1e300}"#.into(), "`weight`", "at most 1000"),
+            ("PUT", "/v1/pools/p", format!(r#"{{"image":"x","min_ready":0,"lease_s":{max}}}"#), "`lease_s`", "604800"),
+            ("POST", "/v1/sandboxes", r#"{"image":"x","lease_s":-1}"#.into(), "lease_s", "u64"),
+        ];
+        for (method, uri, body, field, range) in cases {
+            let (status, v) = answer(&app, req(method, uri, &body, Some("t"))).await;
+            let message = v["error"]["message"].as_str().unwrap_or_default().to_string();
+            assert_eq!((status, v["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}: {v}");
+            assert!(message.contains(field) && message.contains(range), "{body}: {message}");
+        }
+        // Nothing of it broke listing.
+        assert_eq!(answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn healthz_answers_while_the_server_sheds() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 1 });
+        let slow = app.clone();
+        let first =
+            tokio::spawn(
+                async move { answer(&slow, req("POST", "/v1/sandboxes", r#"{"image":"x"}"#, Some("t"))).await },
+            );
+        // Shed: the one slot is taken by the waiting create.
+        let shed = async {
+            loop {
+                if answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await.0 == 503 {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), shed).await.unwrap_or_else(|_| panic!("never shed"));
+        let (status, body) = answer(&app, req("GET", "/healthz", "", None)).await;
+        assert_eq!((status, body["status"].as_str()), (200, Some("ok")), "{body}");
+        first.abort();
+    }
+
     #[tokio::test]
     async fn control_calls_time_out_with_the_error_body() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -474,5 +547,148 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
         assert_eq!(v["error"]["code"], "quota_exceeded");
         assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("--max-queue")), "{v}");
+    }
+}
+
+/// Property tests of the whole router: arbitrary JSON bodies, numbers and query strings on every
+/// control call never panic the server and never answer 5xx; bad input is 4xx.
+#[cfg(test)]
+mod properties {
+    use super::{CreateSandbox, Duration, Limits, Request, Router, Service, router};
+    use crate::service::{Daemons, Settings};
+    use axum::body::Body;
+    use proptest::prelude::*;
+    use sandman_provider::Endpoint;
+    use sandman_provider::fake::FakeProvider;
+    use serde_json::Value;
+    use tower::ServiceExt;
+
+    /// Field names of the server's requests, so that arbitrary bodies reach past "unknown field".
+    const FIELDS: &[&str] = &[
+        "image",
+        "provider",
+        "resources",
+        "cpu",
+        "memory",
+        "disk",
+        "pids",
+        "env",
+        "labels",
+        "job",
+        "profile",
+        "network",
+        "ttl_s",
+        "idle_timeout_s",
+        "lease_s",
+        "pool",
+        "setup",
+        "idempotency_key",
+        "wait",
+        "wait_timeout_s",
+        "max_sandboxes",
+        "create_rate",
+        "weight",
+        "min_ready",
+        "max",
+        "autoscale",
+        "images",
+        "hold_until",
+        "record",
+        "signature",
+        "key_id",
+    ];
+
+    fn number() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            any::<u64>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (0u64..100_000).prop_map(Value::from),
+            Just(Value::from(u64::MAX)),
+            any::<f64>().prop_filter("JSON has no NaN or infinity", |f| f.is_finite()).prop_map(Value::from),
+        ]
+    }
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            number(),
+            "[a-z0-9:/._-]{0,12}".prop_map(Value::from),
+            Just(Value::from("host")),
+        ];
+        leaf.prop_recursive(3, 24, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map(
+                    prop_oneof![prop::sample::select(FIELDS).prop_map(str::to_string), "[a-z_]{1,8}"],
+                    inner,
+                    0..6
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn call() -> impl Strategy<Value = (&'static str, String)> {
+        prop_oneof![
+            Just(("POST", "/v1/sandboxes".to_string())),
+            Just(("PUT", "/v1/jobs/j".to_string())),
+            Just(("PUT", "/v1/pools/p".to_string())),
+            Just(("POST", "/v1/prepare".to_string())),
+            Just(("POST", "/v1/verify".to_string())),
+            "[a-z0-9=&%_-]{0,40}".prop_map(|q| ("GET", format!("/v1/sandboxes?{q}"))),
+            "[a-z0-9=&%_-]{0,40}".prop_map(|q| ("GET", format!("/v1/events?{q}"))),
+            ("[a-z0-9-]{1,8}", "[a-z/]{0,12}").prop_map(|(id, call)| ("POST", format!("/v1/sandboxes/{id}/{call}"))),
+        ]
+    }
+
+    fn app(dir: &std::path::Path) -> Router {
+        let settings = Settings { create_rate: None, daemons: Daemons::Absent, ..Settings::new(dir.to_path_buf()) };
+        let provider = crate::provider::AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.join("none.sock"))));
+        let service = Service::new(settings, provider, "t".into());
+        service.start_background();
+        router(service, Limits { request_timeout: Duration::from_secs(30), max_concurrent: 64 })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn arbitrary_requests_never_panic_nor_answer_5xx((method, uri) in call(), body in json(), raw in any::<bool>()) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| panic!("{e}"));
+            let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+            let status = rt.block_on(async {
+                let app = app(dir.path());
+                // Now and then a body that is not JSON at all.
+                let text = if raw { body.to_string().replace('"', "") } else { body.to_string() };
+                let req = Request::builder()
+                    .method(method)
+                    .uri(&uri)
+                    .header("authorization", "Bearer t")
+                    .header("content-type", "application/json")
+                    .body(Body::from(text))
+                    .unwrap_or_default();
+                let resp = tokio::time::timeout(Duration::from_secs(20), app.oneshot(req)).await;
+                resp.map(|r| r.unwrap_or_else(|e| match e {}).status().as_u16()).unwrap_or(408)
+            });
+            prop_assert!(status < 500, "{method} {uri} {body}: {status}");
+        }
+
+        #[test]
+        fn every_number_of_a_create_is_checked_before_use(lease in any::<u64>(), idle in any::<u64>(), ttl in any::<u64>(), wait in any::<u64>()) {
+            let c = CreateSandbox {
+                image: "host".into(),
+                lease_s: Some(lease),
+                idle_timeout_s: Some(idle),
+                ttl_s: Some(ttl),
+                wait_timeout_s: Some(wait),
+                ..CreateSandbox::default()
+            };
+            let ok = (1..=sandman_wire::bounds::LEASE_S.max).contains(&lease)
+                && (1..=sandman_wire::bounds::IDLE_TIMEOUT_S.max).contains(&idle)
+                && (1..=sandman_wire::bounds::TTL_S.max).contains(&ttl)
+                && wait <= sandman_wire::bounds::WAIT_TIMEOUT_S.max;
+            prop_assert_eq!(c.check_bounds().is_ok(), ok);
+        }
     }
 }

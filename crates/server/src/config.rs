@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sandman_wire::bounds;
+
 /// Flags of `sandman serve`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
@@ -30,38 +32,71 @@ pub struct ServeArgs {
     #[arg(long, default_value = "full", value_parser = ["full", "none"])]
     pub isolation: String,
     /// Lease of a sandbox that asks for none, in seconds.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, value_parser = seconds(1, bounds::LEASE_S.max))]
     pub default_lease_s: u64,
     /// Longest lifetime of any sandbox, in seconds (0 = none).
-    #[arg(long, default_value_t = 86400)]
+    #[arg(long, default_value_t = 86400, value_parser = seconds(0, bounds::TTL_S.max))]
     pub max_ttl_s: u64,
     /// How long a create may take to become ready, in seconds.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 120, value_parser = seconds(1, bounds::DAY_S))]
     pub ready_timeout_s: u64,
     /// How long an ended sandbox still answers `gone` with its reason, in seconds.
-    #[arg(long, default_value_t = 3600)]
+    #[arg(long, default_value_t = 3600, value_parser = seconds(0, 30 * bounds::DAY_S))]
     pub gone_retention_s: u64,
     /// Timeout of control calls (not of proxied daemon calls, which carry their own), in seconds.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, value_parser = seconds(1, bounds::DAY_S))]
     pub request_timeout_s: u64,
-    /// Requests served at once; past it, requests are shed with 503.
-    #[arg(long, default_value_t = 4096)]
+    /// Requests served at once; past it, requests are shed with 503 (`GET /healthz` never is).
+    #[arg(long, default_value_t = 4096, value_parser = count(1, 1_000_000))]
     pub max_concurrent_requests: usize,
+    /// Connections open at once; past it, new ones wait in the listen backlog until one closes,
+    /// and a warning is logged (at most once a minute). Lowered at start to what the open files
+    /// limit allows.
+    #[arg(long, default_value_t = sandman_http::serve::DEFAULT_MAX_CONNECTIONS, value_parser = count(1, 1_000_000))]
+    pub max_connections: usize,
+    /// A connection that has not sent a whole request head this long after it opened (or after
+    /// its last answer, when kept alive) is closed, in seconds.
+    #[arg(long, default_value_t = 30, value_parser = seconds(1, bounds::HOUR_S))]
+    pub header_read_timeout_s: u64,
+    /// The largest `max_output_bytes` of a proxied `/exec` or session run, whose output the
+    /// daemon holds until the command ends (at most the daemon's own ceiling, 64 MiB).
+    #[arg(long, default_value_t = bounds::MAX_OUTPUT_BYTES.max, value_parser = clap::value_parser!(u64).range(0..=bounds::MAX_OUTPUT_BYTES.max))]
+    pub max_output_bytes: u64,
     /// Creates admitted a second over all jobs (0 = unlimited); the rest queue, shared between
     /// jobs by weight.
-    #[arg(long, default_value_t = crate::service::DEFAULT_CREATE_RATE)]
+    #[arg(long, default_value_t = crate::service::DEFAULT_CREATE_RATE, value_parser = rate)]
     pub create_rate: f64,
     /// Creates admitted at once after a quiet spell (default: one second of --create-rate). The
     /// admission timer ticks by the millisecond: a burst under --create-rate / 1000 keeps the
     /// rate from being reached.
-    #[arg(long)]
+    #[arg(long, value_parser = rate)]
     pub create_burst: Option<f64>,
     /// Most creates waiting for admission; past it a create gets 429 with Retry-After.
-    #[arg(long, default_value_t = crate::service::DEFAULT_MAX_QUEUE)]
+    #[arg(long, default_value_t = crate::service::DEFAULT_MAX_QUEUE, value_parser = count(0, 10_000_000))]
     pub max_queue: usize,
     /// Log filter (also RUST_LOG).
     #[arg(long, default_value = "info")]
     pub log: String,
+}
+
+/// A number of seconds within `min..=max`.
+fn seconds(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(min..=max)
+}
+
+/// A count within `min..=max`.
+fn count(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(min..=max)
+}
+
+/// A rate of creates a second: 0 (unlimited) up to the most a job may ask for.
+fn rate(text: &str) -> Result<f64, String> {
+    let r: f64 = text.parse().map_err(|_| format!("`{text}` is not a number"))?;
+    if r.is_finite() && (0.0..=bounds::CREATE_RATE.max).contains(&r) {
+        Ok(r)
+    } else {
+        Err(format!("`{text}` must be between 0 and {}", bounds::CREATE_RATE.max))
+    }
 }
 
 impl ServeArgs {

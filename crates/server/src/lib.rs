@@ -19,6 +19,7 @@ pub mod provider;
 pub mod proxy;
 pub mod sandbox;
 pub mod service;
+mod sys;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -60,8 +61,6 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
-    #[error("serving failed")]
-    Serve(#[source] std::io::Error),
 }
 
 /// The first argument that makes the `sandman` binary run as the sandbox daemon.
@@ -152,6 +151,7 @@ pub async fn run(
         create_rate: (args.create_rate > 0.0).then_some(args.create_rate),
         create_burst: args.create_burst.unwrap_or(args.create_rate).max(1.0),
         max_queue: args.max_queue,
+        max_output_bytes: args.max_output_bytes,
         daemons: service::Daemons::Real,
     };
     let service = Service::new(settings, provider, token);
@@ -166,14 +166,49 @@ pub async fn run(
         .await
         .map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
     let listen = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| args.listen.clone());
+    let edge = sandman_http::serve::Edge {
+        header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
+        max_connections: connection_limit(args.max_connections),
+        drain: SHUTDOWN_DRAIN,
+    };
     on_start(&Started { listen, token: source, recovered, found_dead });
-    let result = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+    sandman_http::serve::serve(listener, app, edge, shutdown).await;
     // Sandboxes outlive the server on purpose: their records stay with the provider and a
     // restarted server finds them again; their daemons' leases end them if it never returns.
     service.cancel.cancel();
     service.tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), service.tasks.wait()).await;
-    result.map_err(ServeError::Serve)
+    Ok(())
+}
+
+/// How long open connections get to finish after a shutdown signal.
+const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
+/// Open files kept for what is not a client connection: the state directory's files, the
+/// provider's watches, the logs.
+const RESERVED_FILES: u64 = 256;
+
+/// The connection limit this process can hold: `asked`, or less when the open files limit
+/// (raised to its hard limit first) cannot hold two descriptors for each connection (its own
+/// and, for a proxied call, the daemon's) besides [`RESERVED_FILES`].
+fn connection_limit(asked: usize) -> usize {
+    let files = match sys::raise_open_files_limit() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read or raise the open files limit; keeping --max-connections");
+            return asked;
+        }
+    };
+    let room = usize::try_from(files.saturating_sub(RESERVED_FILES) / 2).unwrap_or(usize::MAX).max(1);
+    if room < asked {
+        tracing::warn!(
+            max_connections = room,
+            asked,
+            open_files = files,
+            "the open files limit holds fewer connections than --max-connections; raise `ulimit -n` to serve more"
+        );
+        return room;
+    }
+    asked
 }
 
 /// Resolves on the first SIGTERM or SIGINT.

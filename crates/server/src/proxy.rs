@@ -2,8 +2,11 @@
 //! token. Bodies stream both ways; nothing is buffered whole, but for one case: the JSON body
 //! of a call that starts a command (exec, a process, a session) on a sandbox claimed from a
 //! warm pool with an environment of its own, which is read (up to the JSON limit) to merge
-//! that environment into its `env`. An HTTP/1.1 upgrade (a WebSocket to a port in the sandbox,
-//! `…/ports/{port}/…`) is passed on, and once the daemon answers 101 both connections are spliced.
+//! that environment (and a default user) into it, and the JSON body of `/exec` and a session's
+//! `/run`, read to hold its `max_output_bytes` to the server's ceiling. Bodies read whole share one
+//! budget ([`Service::hold_body`]), so that many large ones at once are refused rather than held.
+//! An HTTP/1.1 upgrade (a WebSocket to a port in the sandbox, `…/ports/{port}/…`) is passed on,
+//! and once the daemon answers 101 both connections are spliced.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,6 +15,8 @@ use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
 use http::header::{self, HeaderName};
+
+use sandman_wire::bounds;
 
 use crate::daemon;
 use crate::error::{ServerError, ServerResult};
@@ -44,19 +49,26 @@ pub async fn forward(
     let uri =
         daemon::uri(&endpoint, &path_and_query).map_err(|e| ServerError::InvalidArgument(format!("bad path: {e}")))?;
     let (mut parts, body) = req.into_parts();
-    let body = if (!target.env.is_empty() || target.eval || target.user.is_some())
-        && parts.method == http::Method::POST
-        && starts_command(&rest)
-        && is_json(&parts.headers)
-    {
+    let is_post_json = parts.method == http::Method::POST && is_json(&parts.headers);
+    let merges = (!target.env.is_empty() || target.eval || target.user.is_some()) && starts_command(&rest);
+    let holds_output = holds_output(&rest);
+    let body = if is_post_json && (merges || holds_output) {
+        let _held = service.hold_body(&parts.headers)?;
         let bytes = sandman_http::extract::read_limited(body, sandman_http::extract::MAX_JSON_BODY)
             .await
             .map_err(ServerError::Body)?;
-        if target.eval {
-            check_eval_call(&bytes).map_err(ServerError::InvalidArgument)?;
+        if holds_output {
+            check_output_cap(&bytes, service.settings.max_output_bytes)?;
         }
-        parts.headers.remove(header::CONTENT_LENGTH);
-        Body::from(merge_defaults(bytes, &target.env, target.user.as_deref()))
+        if !merges {
+            Body::from(bytes)
+        } else {
+            if target.eval {
+                check_eval_call(&bytes).map_err(ServerError::InvalidArgument)?;
+            }
+            parts.headers.remove(header::CONTENT_LENGTH);
+            Body::from(merge_defaults(bytes, &target.env, target.user.as_deref()))
+        }
     } else {
         body
     };
@@ -130,6 +142,27 @@ fn keep_upgrade(from: &http::HeaderMap, to: &mut http::HeaderMap) {
 /// The daemon calls whose JSON body has an `env` for the command they start.
 fn starts_command(call: &str) -> bool {
     matches!(call.trim_end_matches('/'), "exec" | "exec/stream" | "processes" | "sessions")
+}
+
+/// The daemon calls that hold a command's output until it ends, up to its `max_output_bytes`:
+/// `/exec` and a session's `/run` (a streamed exec holds none).
+fn holds_output(call: &str) -> bool {
+    let call = call.trim_end_matches('/');
+    call == "exec" || call.strip_prefix("sessions/").is_some_and(|rest| rest.ends_with("/run"))
+}
+
+/// Refuses a `max_output_bytes` over the server's ceiling (`--max-output-bytes`), naming it; a
+/// body that is not a JSON object goes on, for the daemon to refuse.
+fn check_output_cap(body: &[u8], ceiling: u64) -> ServerResult<()> {
+    #[derive(serde::Deserialize)]
+    struct Cap {
+        max_output_bytes: Option<u64>,
+    }
+    let Ok(cap) = serde_json::from_slice::<Cap>(body) else { return Ok(()) };
+    bounds::MAX_OUTPUT_BYTES
+        .up_to(ceiling)
+        .check_opt(cap.max_output_bytes)
+        .map_err(|e| ServerError::InvalidArgument(format!("{e} (this server's --max-output-bytes)")))
 }
 
 fn is_json(headers: &http::HeaderMap) -> bool {

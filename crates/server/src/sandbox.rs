@@ -1,5 +1,7 @@
 //! One sandbox as the server tracks it: its spec, its lifecycle state with guarded transitions,
 //! and the three timers (lease, idle, lifetime) that the reaper enforces.
+// No arithmetic here may overflow on a caller's number or a record's: timers saturate.
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -21,7 +23,21 @@ pub fn now_ms() -> u64 {
 fn wall_ms(at: Instant) -> u64 {
     let now = Instant::now();
     let wall = now_ms();
-    if at >= now { wall + (at - now).as_millis() as u64 } else { wall.saturating_sub((now - at).as_millis() as u64) }
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if at >= now {
+        wall.saturating_add(ms(at.saturating_duration_since(now)))
+    } else {
+        wall.saturating_sub(ms(now.saturating_duration_since(at)))
+    }
+}
+
+/// How far [`later`] looks at most: further than any bounded lease, lifetime or timeout.
+const FAR: Duration = Duration::from_secs(100 * 365 * 86400);
+
+/// `at + d`, saturating at about a century from `at`: a timer never panics, whatever a record
+/// or a setting holds.
+pub fn later(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d.min(FAR)).or_else(|| at.checked_add(Duration::from_secs(86400))).unwrap_or(at)
 }
 
 /// The lease, idle and lifetime timers of a sandbox. Pure: the reaper asks it when the sandbox
@@ -44,15 +60,15 @@ impl Timers {
     }
 
     pub fn lease_expires(&self) -> Instant {
-        self.last_renew + self.lease
+        later(self.last_renew, self.lease)
     }
 
     pub fn idle_expires(&self) -> Option<Instant> {
-        self.idle.map(|i| self.last_call + i)
+        self.idle.map(|i| later(self.last_call, i))
     }
 
     pub fn ttl_expires(&self) -> Option<Instant> {
-        self.ttl.map(|t| self.created + t)
+        self.ttl.map(|t| later(self.created, t))
     }
 
     /// The earliest deadline and the reason it would end the sandbox with.
@@ -278,6 +294,7 @@ pub fn default_user(asked: Option<&str>, image: Option<&ImageConfig>) -> Option<
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 

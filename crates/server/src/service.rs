@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use sandman_provider::{Endpoint, Progress, Provider, ProviderError, ProviderEvent, SandboxSpec, ServerMeta};
+use sandman_wire::bounds;
 use sandman_wire::daemon::{ExecRequest, ExecResult, Info, Observed, Usage};
 use sandman_wire::server::{
     Asked, ConditionsRecord, CreateSandbox, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolSpec, Profile,
@@ -49,6 +50,8 @@ pub struct Settings {
     pub create_burst: f64,
     /// Most creates waiting for admission; past it a create gets 429 with `Retry-After`.
     pub max_queue: usize,
+    /// The largest `max_output_bytes` of a proxied `/exec` or session run (`--max-output-bytes`).
+    pub max_output_bytes: u64,
     pub daemons: Daemons,
 }
 
@@ -64,6 +67,7 @@ impl Settings {
             create_rate: Some(DEFAULT_CREATE_RATE),
             create_burst: DEFAULT_CREATE_RATE,
             max_queue: DEFAULT_MAX_QUEUE,
+            max_output_bytes: bounds::MAX_OUTPUT_BYTES.max,
             daemons: Daemons::Real,
         }
     }
@@ -194,7 +198,12 @@ pub struct Service {
     /// Wakes the reaper when an earlier entry is scheduled.
     reaper_wake: Notify,
     keepalives: Arc<Semaphore>,
+    /// KiB of request bodies the proxy may hold whole at once (see [`Service::hold_body`]).
+    bodies: Arc<Semaphore>,
 }
+
+/// Request bodies the proxy holds whole at once, at most: 256 MiB, in KiB.
+const BODY_BUDGET_KIB: usize = 256 * 1024;
 
 impl Service {
     pub fn new(settings: Settings, provider: AnyProvider, token: String) -> Arc<Self> {
@@ -234,6 +243,7 @@ impl Service {
             schedule: Mutex::default(),
             reaper_wake: Notify::new(),
             keepalives: Arc::new(Semaphore::new(KEEPALIVE_CONCURRENCY)),
+            bodies: Arc::new(Semaphore::new(BODY_BUDGET_KIB)),
             settings,
         })
     }
@@ -375,6 +385,8 @@ impl Service {
 
     /// Checks a create request and turns it into a spec.
     fn parse_create(&self, req: &CreateSandbox) -> ServerResult<Parsed> {
+        // Every number first: nothing below may add, multiply or convert one out of range.
+        req.check_bounds().map_err(bad_number)?;
         if req.image.trim().is_empty() {
             return Err(ServerError::InvalidArgument("`image` is required (or `pool`)".into()));
         }
@@ -403,24 +415,19 @@ impl Service {
         }
         let job_lease = req.job.as_ref().and_then(|j| self.jobs().get(j).and_then(|e| e.spec.lease_s));
         let lease_s = req.lease_s.or(job_lease).unwrap_or(self.settings.default_lease.as_secs());
-        if lease_s == 0 {
-            return Err(ServerError::InvalidArgument("`lease_s` must be at least 1".into()));
-        }
+        // A job's lease and the server's default were bounded when they were set.
+        let lease_s = bounds::LEASE_S.check(lease_s).map_err(bad_number)?;
         let ttl = match (req.ttl_s, self.settings.max_ttl) {
             (Some(t), Some(max)) if Duration::from_secs(t) > max => {
                 return Err(ServerError::InvalidArgument(format!(
-                    "`ttl_s` {t} is over this server's maximum of {}",
+                    "`ttl_s` is {t}; it must be between 1 and this server's maximum of {} (--max-ttl-s)",
                     max.as_secs()
                 )));
             }
-            (Some(0), _) => return Err(ServerError::InvalidArgument("`ttl_s` must be at least 1".into())),
             (Some(t), _) => Some(Duration::from_secs(t)),
             (None, max) => max,
         };
-        let idle = match req.idle_timeout_s {
-            Some(0) => return Err(ServerError::InvalidArgument("`idle_timeout_s` must be at least 1".into())),
-            other => other.map(Duration::from_secs),
-        };
+        let idle = req.idle_timeout_s.map(Duration::from_secs);
         let spec = SandboxSpec {
             id: new_id(),
             image: req.image.clone(),
@@ -431,7 +438,7 @@ impl Service {
             profile: req.profile,
             network: req.network,
             token: random_hex(),
-            daemon_lease_s: lease_s + DAEMON_LEASE_SLACK_S,
+            daemon_lease_s: lease_s.saturating_add(DAEMON_LEASE_SLACK_S),
             created_at_ms: now_ms(),
             server: ServerMeta {
                 lease_s,
@@ -473,7 +480,7 @@ impl Service {
         }
         let parsed = self.parse_create(&req)?;
         self.provider.check(&parsed.spec).map_err(ServerError::Provider)?;
-        let deadline = req.wait_timeout_s.map(|s| started + Duration::from_secs(s));
+        let deadline = req.wait_timeout_s.map(|s| crate::sandbox::later(started, Duration::from_secs(s)));
         // A claim needs a pool whose sandboxes' daemons keep a lease as long as this one's.
         let claimable = pool
             .as_ref()
@@ -923,7 +930,7 @@ impl Service {
             self.pools().left(name, sb.id(), failed.as_deref(), Instant::now());
             self.refill(name);
         }
-        self.schedule_check(sb.id(), Instant::now() + self.settings.gone_retention);
+        self.schedule_check(sb.id(), crate::sandbox::later(Instant::now(), self.settings.gone_retention));
     }
 
     /// Releases a sandbox with `reason`. Releasing one that has ended answers `gone`; one still
@@ -1002,6 +1009,25 @@ impl Service {
         })
     }
 
+    /// A share of the budget of bodies the proxy reads whole, for one body of the size its
+    /// `content-length` says (the JSON limit when it says none), held until the permit is
+    /// dropped; `503 unavailable` when the budget is spent, rather than memory without bound.
+    pub fn hold_body(&self, headers: &http::HeaderMap) -> ServerResult<tokio::sync::OwnedSemaphorePermit> {
+        let limit = sandman_http::extract::MAX_JSON_BODY as u64;
+        let len = headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(limit, |n| n.min(limit));
+        let kib = u32::try_from(len.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+        Arc::clone(&self.bodies).try_acquire_many_owned(kib).map_err(|_| {
+            ServerError::Unavailable(format!(
+                "the server holds {} MiB of request bodies at once, its most; retry shortly",
+                BODY_BUDGET_KIB / 1024
+            ))
+        })
+    }
+
     /// Renews the lease of a live sandbox, passing the renewal on to its daemon when the
     /// daemon's own lease is a third gone.
     pub fn keepalive(self: &Arc<Self>, id: &str) -> ServerResult<WireSandbox> {
@@ -1014,12 +1040,19 @@ impl Service {
     }
 
     fn renew(self: &Arc<Self>, sb: &Arc<Sandbox>) {
+        self.renew_forcing(sb, false);
+    }
+
+    /// Renews the lease; passes it on to the daemon when its own lease is a third gone, or
+    /// at once with `force`.
+    fn renew_forcing(self: &Arc<Self>, sb: &Arc<Sandbox>, force: bool) {
         let now = Instant::now();
         let touch = {
             let mut inner = sb.lock();
             inner.timers.renew(now);
             let third = Duration::from_secs(sb.spec.daemon_lease_s) / 3;
-            let due = inner.state == SandboxState::Ready && now.duration_since(inner.daemon_touched) >= third;
+            let due = inner.state == SandboxState::Ready
+                && (force || now.saturating_duration_since(inner.daemon_touched) >= third);
             if due {
                 inner.daemon_touched = now;
             }
@@ -1045,19 +1078,7 @@ impl Service {
         if name.is_empty() || name.contains('/') {
             return Err(ServerError::InvalidArgument(format!("invalid job name `{name}`")));
         }
-        if let Some(r) = spec.create_rate
-            && !(r.is_finite() && r > 0.0)
-        {
-            return Err(ServerError::InvalidArgument(format!("`create_rate` must be a positive number, not {r}")));
-        }
-        if let Some(w) = spec.weight
-            && !(w.is_finite() && w > 0.0)
-        {
-            return Err(ServerError::InvalidArgument(format!("`weight` must be a positive number, not {w}")));
-        }
-        if spec.lease_s == Some(0) {
-            return Err(ServerError::InvalidArgument("`lease_s` must be at least 1".into()));
-        }
+        spec.check_bounds().map_err(bad_number)?;
         {
             let mut jobs = self.jobs();
             let entry = jobs.entry(name.to_string()).or_default();
@@ -1154,7 +1175,7 @@ impl Service {
     /// The longest lease a claim from this pool may have: its members' daemons keep that long
     /// plus the slack.
     fn pool_lease_s(&self, spec: &PoolSpec) -> u64 {
-        spec.lease_s.unwrap_or(self.settings.default_lease.as_secs()).max(1)
+        spec.lease_s.unwrap_or(self.settings.default_lease.as_secs()).clamp(1, bounds::LEASE_S.max)
     }
 
     /// Creates or changes a pool; it fills in the background.
@@ -1168,6 +1189,7 @@ impl Service {
             return Err(ServerError::InvalidArgument("`image` is required".into()));
         }
         self.check_provider(spec.provider.as_deref())?;
+        spec.check_bounds().map_err(bad_number)?;
         let max = spec.max.unwrap_or(spec.min_ready);
         if max < spec.min_ready || max > pool::MAX_POOL_SIZE {
             return Err(ServerError::InvalidArgument(format!(
@@ -1175,9 +1197,6 @@ impl Service {
                 spec.min_ready,
                 pool::MAX_POOL_SIZE
             )));
-        }
-        if spec.lease_s == Some(0) {
-            return Err(ServerError::InvalidArgument("`lease_s` must be at least 1".into()));
         }
         check_resources(&spec.resources)?;
         check_env(&spec.env)?;
@@ -1286,7 +1305,7 @@ impl Service {
             profile: spec.profile,
             network: spec.network,
             token: random_hex(),
-            daemon_lease_s: lease_s + DAEMON_LEASE_SLACK_S,
+            daemon_lease_s: lease_s.saturating_add(DAEMON_LEASE_SLACK_S),
             created_at_ms: now_ms(),
             server: ServerMeta { lease_s, ..ServerMeta::default() },
         }
@@ -1634,7 +1653,7 @@ impl Service {
                 });
                 continue;
             }
-            match record.ended {
+            match record.ended.or_else(|| unrecoverable(&spec)) {
                 Some(ended) => {
                     dead += 1;
                     self.fail(&sb, ended.reason, format!("found ended after a server restart: {}", ended.message))
@@ -1677,8 +1696,7 @@ impl Service {
     }
 
     fn renew_daemon_now(self: &Arc<Self>, sb: &Arc<Sandbox>) {
-        sb.lock().daemon_touched = Instant::now() - Duration::from_secs(sb.spec.daemon_lease_s);
-        self.renew(sb);
+        self.renew_forcing(sb, true);
     }
 
     /// A line of progress on a create (an image pull): logged, and an event for whoever waits.
@@ -1767,10 +1785,11 @@ impl Service {
             (inner.state, inner.timers.due(now), inner.timers.next_deadline().0, inner.ended_at)
         };
         if state.is_terminal() {
-            if ended_at.is_some_and(|t| t + self.settings.gone_retention <= now) {
+            let retained_until = ended_at.map(|t| crate::sandbox::later(t, self.settings.gone_retention));
+            if retained_until.is_some_and(|t| t <= now) {
                 self.forget(&sb);
-            } else if let Some(t) = ended_at {
-                self.schedule_check(id, t + self.settings.gone_retention);
+            } else if let Some(t) = retained_until {
+                self.schedule_check(id, t);
             }
             return;
         }
@@ -1881,12 +1900,35 @@ fn check_user(user: &str) -> ServerResult<()> {
 }
 
 fn check_resources(r: &sandman_wire::server::Resources) -> ServerResult<()> {
-    for (name, q) in [("cpu", &r.cpu), ("memory", &r.memory), ("disk", &r.disk)] {
-        if let Some(q) = q {
-            q.value().map_err(|e| ServerError::InvalidArgument(format!("resources.{name}: {e}")))?;
-        }
-    }
-    Ok(())
+    r.check_bounds().map_err(bad_number)
+}
+
+/// A record whose numbers no server could have written (an older server took any lease): it is
+/// ended at start with the reason, and its remains removed, rather than served with timers that
+/// cannot be computed.
+fn unrecoverable(spec: &SandboxSpec) -> Option<sandman_provider::Ended> {
+    let server = &spec.server;
+    let daemon_lease = bounds::Bound::new(
+        "daemon_lease_s",
+        0,
+        bounds::LEASE_S.max.saturating_add(DAEMON_LEASE_SLACK_S),
+        bounds::Unit::Seconds,
+    );
+    // A lease of 0 is read as 1, as it always was.
+    let checked = bounds::LEASE_S
+        .check(server.lease_s.max(1))
+        .and_then(|_| bounds::IDLE_TIMEOUT_S.check_opt(server.idle_timeout_s))
+        .and_then(|()| bounds::TTL_S.check_opt(server.ttl_s))
+        .and_then(|()| daemon_lease.check(spec.daemon_lease_s));
+    checked.err().map(|e| sandman_provider::Ended {
+        reason: Reason::ProviderError,
+        message: format!("its record cannot be recovered: {e}"),
+    })
+}
+
+/// A caller's number out of its range: `400 invalid_argument` naming the field and the range.
+fn bad_number(e: bounds::OutOfRange) -> ServerError {
+    ServerError::InvalidArgument(e.to_string())
 }
 
 fn check_env(env: &BTreeMap<String, String>) -> ServerResult<()> {
@@ -2571,6 +2613,50 @@ mod tests {
         assert_eq!(s.call_target("sb-pooled").map(|t| t.env.get("TASK").cloned()).ok(), Some(Some("7".into())));
         // Not an orphan of a pool this server does not know: still in the provider.
         assert_eq!(fake(&s).count(), 1);
+    }
+
+    /// A record an older server wrote with a lease no timer can hold: before, the restarted
+    /// server panicked at start and stayed down. Now it is ended with the reason, its remains
+    /// removed, and everything else served.
+    #[tokio::test(start_paused = true)]
+    async fn a_restart_after_an_unrecoverable_record_reports_it_ended_and_serves() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = service(dir.path());
+        let mut bad = sandman_provider::conformance::spec("sb-huge", "any");
+        bad.created_at_ms = now_ms();
+        bad.daemon_lease_s = 59; // what `u64::MAX + 60` wrapped to
+        bad.server = ServerMeta { lease_s: u64::MAX, ttl_s: Some(u64::MAX), ..Default::default() };
+        fake(&s).create(&bad).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut good = sandman_provider::conformance::spec("sb-good", "any");
+        good.created_at_ms = now_ms();
+        good.server = ServerMeta { lease_s: 600, ..Default::default() };
+        fake(&s).create(&good).await.unwrap_or_else(|e| panic!("{e}"));
+        let (live, dead) = s.recover().await.unwrap_or_else(|e| panic!("{e}"));
+        settle().await;
+        assert_eq!((live, dead), (1, 1));
+        let sb = s.get("sb-huge").map(|sb| sb.to_wire()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((sb.state, sb.reason), (SandboxState::Failed, Some(Reason::ProviderError)));
+        let message = sb.message.unwrap_or_default();
+        assert!(
+            message.contains("cannot be recovered") && message.contains("`lease_s` is 18446744073709551615"),
+            "{message}"
+        );
+        // Its remains are gone; the good one, the list and the reaper go on.
+        assert_eq!(fake(&s).count(), 1);
+        let listed = s.list(&ListQuery::default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(listed.len(), 2);
+        tokio::time::advance(Duration::from_secs(601)).await;
+        settle().await;
+        assert_eq!(ended(&s, "sb-good"), (SandboxState::Gone, Some(Reason::LeaseExpired)));
+    }
+
+    /// Timers saturate rather than overflow, whatever a record holds.
+    #[tokio::test(start_paused = true)]
+    async fn timers_of_any_length_never_overflow() {
+        let t0 = Instant::now();
+        let t = Timers::new(t0, Duration::MAX, Some(Duration::MAX), Some(Duration::from_secs(u64::MAX)));
+        assert!(t.next_deadline().0 > t0 + Duration::from_secs(365 * 86400));
+        assert_eq!(t.due(t0 + Duration::from_secs(86400)), None);
     }
 
     #[tokio::test(start_paused = true)]

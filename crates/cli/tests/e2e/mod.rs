@@ -24,6 +24,8 @@ pub struct Server {
     pub state: PathBuf,
     pub url: String,
     pub addr: String,
+    /// The server's log lines (warnings and errors), as they come.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -67,6 +69,8 @@ impl Server {
             .unwrap();
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = log.clone();
         std::thread::spawn(move || {
             use std::io::BufRead;
             let mut sent = false;
@@ -77,10 +81,14 @@ impl Server {
                 } else if std::env::var_os("SANDMAN_E2E_LOG").is_some() {
                     eprintln!("server: {line}");
                 }
+                let mut kept = kept.lock().unwrap();
+                if kept.len() < 10_000 {
+                    kept.push(line);
+                }
             }
         });
         let addr = rx.recv_timeout(Duration::from_secs(60)).expect("the server did not say where it listens");
-        Server { child: Some(child), state: state.to_path_buf(), url: format!("http://{addr}"), addr, _dir: None }
+        Server { child: Some(child), state: state.to_path_buf(), url: format!("http://{addr}"), addr, log, _dir: None }
     }
 
     pub fn pid(&self) -> u32 {

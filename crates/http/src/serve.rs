@@ -1,0 +1,191 @@
+//! Serving a router over HTTP/1.1 with the edge limits the daemon and the server share: a
+//! header-read timeout (a connection that sends nothing, or dribbles its request head, is
+//! closed; so is a kept-alive connection idle that long), a bound on open connections with a
+//! warning when it is reached, and graceful shutdown that drains with a deadline. `axum::serve`
+//! offers none of the first two. Start at [`serve`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::serve::Listener;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower::ServiceExt;
+
+/// Open connections the server serves at once by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 8192;
+/// How often, at most, reaching the connection limit is logged.
+const LIMIT_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// The limits at the edge.
+#[derive(Debug, Clone, Copy)]
+pub struct Edge {
+    /// A connection that has not sent a whole request head this long after it opened, or after
+    /// its last answer, is closed: this is also the idle timeout of kept-alive connections.
+    pub header_read_timeout: Duration,
+    /// Connections open at once; past it, new connections wait in the listen backlog.
+    pub max_connections: usize,
+    /// After shutdown is asked, how long open connections get to finish their requests.
+    pub drain: Duration,
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves, then lets open connections finish the
+/// request they are on (new ones are no longer accepted) for at most `edge.drain`.
+pub async fn serve<L>(mut listener: L, app: Router, edge: Edge, shutdown: impl Future<Output = ()> + Send)
+where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+{
+    let mut builder = http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(edge.header_read_timeout).keep_alive(true);
+    let builder = Arc::new(builder);
+    // One permit per open connection: it travels with the connection's task.
+    let slots = Arc::new(Semaphore::new(edge.max_connections.max(1)));
+    let stop = CancellationToken::new();
+    let connections = TaskTracker::new();
+    let mut warned: Option<Instant> = None;
+    tokio::pin!(shutdown);
+    loop {
+        let slot = match Arc::clone(&slots).try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                if warned.is_none_or(|at| at.elapsed() >= LIMIT_WARN_EVERY) {
+                    warned = Some(Instant::now());
+                    tracing::warn!(
+                        max_connections = edge.max_connections,
+                        "the connection limit is reached: new connections wait until one closes \
+                         (silent and idle ones close after the header-read timeout)"
+                    );
+                }
+                tokio::select! {
+                    slot = Arc::clone(&slots).acquire_owned() => match slot {
+                        Ok(slot) => slot,
+                        Err(_) => break,
+                    },
+                    () = &mut shutdown => break,
+                }
+            }
+        };
+        let (io, _addr) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let app = app.clone();
+        let builder = Arc::clone(&builder);
+        let stop = stop.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+                app.clone().oneshot(req.map(Body::new))
+            });
+            let conn = builder.serve_connection(TokioIo::new(io), service);
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended,
+                () = stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    stop.cancel();
+    connections.close();
+    if tokio::time::timeout(edge.drain, connections.wait()).await.is_err() {
+        tracing::warn!(open = connections.len(), "connections still open after the drain deadline are dropped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::routing::get;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    async fn start(edge: Edge) -> (std::net::SocketAddr, CancellationToken, tokio::task::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let app = Router::new().route("/", get(|| async { "ok" }));
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        let task = tokio::spawn(serve(listener, app, edge, async move { stopped.cancelled().await }));
+        (addr, stop, task)
+    }
+
+    async fn get_ok(addr: std::net::SocketAddr) -> String {
+        let mut s = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+        s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap_or_else(|e| panic!("{e}"));
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap_or_else(|e| panic!("{e}"));
+        out
+    }
+
+    /// Reads until the peer closes; true when it closed (rather than the wait ending).
+    async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+        let mut buf = [0u8; 1024];
+        tokio::time::timeout(within, async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    #[tokio::test]
+    async fn silent_and_dribbling_connections_are_closed_at_the_header_timeout() {
+        let edge = Edge {
+            header_read_timeout: Duration::from_millis(300),
+            max_connections: 64,
+            drain: Duration::from_secs(1),
+        };
+        let (addr, stop, task) = start(edge).await;
+        let mut silent = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut dribbling = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+        let dribble = async {
+            for b in b"GET / HTTP/1.1\r\nhost: x\r\n" {
+                if dribbling.write_all(std::slice::from_ref(b)).await.is_err() {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            false
+        };
+        let cut = dribble.await;
+        assert!(cut || closed_within(&mut dribbling, Duration::from_secs(5)).await, "a dribbled head was never cut");
+        assert!(closed_within(&mut silent, Duration::from_secs(5)).await, "a silent connection was never closed");
+        assert!(get_ok(addr).await.contains("200 OK"));
+        stop.cancel();
+        let _ = task.await;
+    }
+
+    #[tokio::test]
+    async fn past_the_connection_limit_new_connections_wait_for_a_free_slot() {
+        let edge =
+            Edge { header_read_timeout: Duration::from_millis(500), max_connections: 2, drain: Duration::from_secs(1) };
+        let (addr, stop, task) = start(edge).await;
+        let _a = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+        let _b = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+        // The third is served once a silent one is closed by the header timeout.
+        let third = tokio::time::timeout(Duration::from_secs(10), get_ok(addr)).await;
+        assert!(third.is_ok_and(|r| r.contains("200 OK")));
+        stop.cancel();
+        let _ = task.await;
+    }
+}
