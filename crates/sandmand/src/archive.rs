@@ -165,8 +165,12 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     let _abandon = AbandonOnDrop(Arc::clone(&progress));
     let shared = Arc::clone(&progress);
     let unpacked = blocking(move || {
-        let raw = Counting { inner: upload, progress: Arc::clone(&shared), tar: false, ratio: None };
-        Ok(unpack(BufReader::with_capacity(READ_AHEAD, raw), &dst, limits, &shared))
+        let mut raw = Counting { inner: upload, progress: Arc::clone(&shared), tar: false, ratio: None };
+        let unpacked = unpack(BufReader::with_capacity(READ_AHEAD, &mut raw), &dst, limits, &shared);
+        if unpacked.is_err() {
+            linger(&mut raw);
+        }
+        Ok(unpacked)
     })
     .await?;
     match unpacked {
@@ -177,6 +181,17 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
         }
         Err(refused) => Err(refused.into_error(&target)),
     }
+}
+
+/// The most of a refused upload read and thrown away before the answer: a client still sending
+/// its body when the daemon refuses it gets the answer, rather than a connection closed under
+/// its write, when what is left is no more than this.
+pub const LINGER_BYTES: u64 = 16 << 20;
+
+/// Reads what is left of a refused upload, up to [`LINGER_BYTES`], and throws it away; stops at
+/// its end, at an error (a stall, the client gone) or at the cap.
+fn linger(upload: impl Read) {
+    let _ = io::copy(&mut upload.take(LINGER_BYTES), &mut io::sink());
 }
 
 /// The body as a byte stream for [`StreamReader`], cut with an error past `limit` bytes

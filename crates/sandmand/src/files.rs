@@ -235,6 +235,13 @@ async fn copy_body(body: Body, file: &mut tokio::fs::File, limit: Upload, temp: 
         let chunk = chunk.map_err(|e| body_error(&e, limit.max))?;
         written = written.saturating_add(chunk.len() as u64);
         if let Some(refused) = limit.refuse(written) {
+            // The rest of the body, up to a cap, so that the client gets the answer.
+            let mut left = crate::archive::LINGER_BYTES;
+            while left > 0
+                && let Some(Ok(more)) = chunks.next().await
+            {
+                left = left.saturating_sub(more.len() as u64);
+            }
             return Err(refused);
         }
         file.write_all(&chunk).await.map_err(|e| DaemonError::io("write", shown(temp), e))?;
