@@ -86,7 +86,8 @@ where
             let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
                 app.clone().oneshot(req.map(Body::new))
             });
-            let conn = builder.serve_connection(TokioIo::new(io), service);
+            // Upgrades (a WebSocket to a port in a sandbox) take the connection over once answered.
+            let conn = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
             tokio::pin!(conn);
             let ended = tokio::select! {
                 ended = conn.as_mut() => ended,
@@ -171,6 +172,53 @@ mod tests {
         assert!(cut || closed_within(&mut dribbling, Duration::from_secs(5)).await, "a dribbled head was never cut");
         assert!(closed_within(&mut silent, Duration::from_secs(5)).await, "a silent connection was never closed");
         assert!(get_ok(addr).await.contains("200 OK"));
+        stop.cancel();
+        let _ = task.await;
+    }
+
+    /// Regression: the WebSocket through the port proxy was reset; connections did not allow
+    /// upgrades.
+    #[tokio::test]
+    async fn an_upgraded_connection_is_handed_to_the_handler() {
+        use axum::extract::Request;
+        use axum::http::{StatusCode, header};
+        let app = Router::new().route(
+            "/up",
+            get(|mut req: Request| async move {
+                let upgrade = hyper::upgrade::on(&mut req);
+                tokio::spawn(async move {
+                    let Ok(up) = upgrade.await else { return };
+                    let mut io = TokioIo::new(up);
+                    let mut buf = [0u8; 4];
+                    if io.read_exact(&mut buf).await.is_ok() {
+                        let _ = io.write_all(&buf).await;
+                    }
+                });
+                (StatusCode::SWITCHING_PROTOCOLS, [(header::CONNECTION, "upgrade"), (header::UPGRADE, "echo")])
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        let edge =
+            Edge { header_read_timeout: Duration::from_secs(5), max_connections: 8, drain: Duration::from_secs(1) };
+        let task = tokio::spawn(serve(listener, app, edge, async move { stopped.cancelled().await }));
+        let mut s = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+        s.write_all(b"GET /up HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b).await.unwrap_or_else(|e| panic!("{e}"));
+            head.push(b[0]);
+        }
+        assert!(head.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&head));
+        s.write_all(b"ping").await.unwrap_or_else(|e| panic!("{e}"));
+        let mut back = [0u8; 4];
+        s.read_exact(&mut back).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&back, b"ping");
         stop.cancel();
         let _ = task.await;
     }
