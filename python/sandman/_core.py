@@ -614,6 +614,47 @@ def first_match(patterns: Sequence["re.Pattern[str]"], text: str) -> Optional[Tu
     return None if best is None else (best[1], best[2])
 
 
+class TextOffsets:
+    """Where the characters of text read from a followed output lie in its bytes: each `data`
+    event says where its text starts and ends (`offset`, `next_offset`). Inside an event a
+    character's bytes are its UTF-8 length, and the bytes the event's U+FFFDs stood for are
+    shared out among them evenly: exact for UTF-8 output and for invalid bytes that each became
+    one U+FFFD; otherwise a position inside that event may be a byte or two off, never outside
+    the event."""
+
+    def __init__(self, start: int) -> None:
+        #: (index of the event's first character, offset, next_offset, text), in order.
+        self._spans: List[Tuple[int, int, int, str]] = []
+        self._chars = 0
+        self._end = start
+
+    def add(self, offset: int, next_offset: int, text: str) -> None:
+        self._spans.append((self._chars, offset, next_offset, text))
+        self._chars += len(text)
+        self._end = next_offset
+
+    @property
+    def end(self) -> int:
+        """The byte offset after everything added: where a follow goes on."""
+        return self._end
+
+    def at(self, index: int) -> int:
+        """The byte offset of character `index` of the text added (its length: `end`)."""
+        for first, offset, next_offset, text in self._spans:
+            if index < first + len(text):
+                if index <= first:
+                    return offset
+                prefix = text[: index - first]
+                at = len(prefix.encode("utf-8"))
+                replaced = text.count("\ufffd")
+                if replaced:
+                    # Each U+FFFD is three bytes of text for the one to three it replaced.
+                    missing = len(text.encode("utf-8")) - (next_offset - offset)
+                    at -= prefix.count("\ufffd") * missing // replaced
+                return offset + min(max(at, 0), next_offset - offset)
+        return self._end
+
+
 #: `Pty.read_until` follows a silent terminal for at most this long at a time, to keep its timeout.
 READ_UNTIL_STEP = 5.0
 

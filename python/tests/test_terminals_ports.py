@@ -96,6 +96,28 @@ def test_expect_picks_the_earliest_match_as_pexpect_does() -> None:
     assert sandman._core.first_match(pats, "xyz") is None
 
 
+def test_text_positions_map_to_the_bytes_of_the_events() -> None:
+    offsets = sandman._core.TextOffsets(10)
+    assert (offsets.end, offsets.at(0)) == (10, 10)
+    offsets.add(10, 14, "a\u20ac")  # four bytes: `a` and the euro sign
+    offsets.add(14, 16, "\ufffdb")  # an invalid byte, then `b`: two bytes, not four
+    assert [offsets.at(i) for i in range(5)] == [10, 11, 14, 15, 16]
+    assert offsets.end == 16
+
+
+async def test_a_terminal_reads_on_exactly_after_bytes_that_are_not_utf8(api: Any) -> None:
+    # Before, the offset after `expect` was counted from the text: each invalid byte (one byte,
+    # shown as U+FFFD, three bytes of text) moved it two bytes too far, and the next read
+    # lost the start of what followed.
+    async with await api.create("host", lease=60) as sb:
+        pty = await sb.pty(["sh", "-c", "printf 'ab\\377\\377\\377\\377 ready'; read l; echo after"])
+        before = await pty.read_until("ready")
+        assert before == "ab\ufffd\ufffd\ufffd\ufffd ready", before
+        assert pty.offset == 12
+        await pty.write("\r")
+        assert (await pty.read_until("after")).lstrip("\r\n") == "after"
+
+
 async def test_a_creates_user_is_every_commands_default(api: Any) -> None:
     async with await api.create("host", lease=60, user="65534") as sb:
         assert (sb.info.user, sb.info.image_config) == ("65534", None)

@@ -314,8 +314,12 @@ pub struct OutputChunk {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum OutputEvent {
+    /// Output: `data` is the bytes from `offset` up to `next_offset`, as UTF-8 (bytes that are
+    /// not UTF-8 become U+FFFD, so the text's length says nothing of theirs). A follow resumed
+    /// at `next_offset` goes on with the next byte; a character is never split between events.
     Data {
         offset: u64,
+        next_offset: u64,
         data: String,
     },
     /// Bytes dropped by retention before the client could read them.

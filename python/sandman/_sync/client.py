@@ -858,9 +858,11 @@ class Process:
 
     def follow(self, *, stream: str = "stdout", offset: int = 0) -> "OutputStream":
         """Output of `stream` as it comes, as `OutputEvent`s (`data`, `dropped`), ending with
-        `exit` when the process exits."""
+        `exit` when the process exits. Each `data` event's bytes end at its `next_offset`, and
+        the stream's `offset` is where those read so far end: follow again from there after a
+        broken connection."""
         call = _core.output_call(self.sandbox.id, self.id, stream=stream, offset=offset, max_bytes=None, follow=True)
-        return OutputStream(self.sandbox.client, call)
+        return OutputStream(self.sandbox.client, call, offset)
 
     def wait(self, timeout: Optional[float] = None) -> ProcessInfo:
         """Waits for the process to exit, at most `timeout` seconds (None: as long as it takes);
@@ -948,7 +950,7 @@ class Pty(Process):
         compiled = [p if isinstance(p, re.Pattern) else re.compile(p) for p in patterns]
         deadline = None if timeout is None else time.monotonic() + timeout
         seen = ""
-        start = position = self.offset
+        offsets = _core.TextOffsets(self.offset)
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -957,7 +959,7 @@ class Pty(Process):
                     reason="client_timeout",
                 )
             call = _core.output_call(
-                self.sandbox.id, self.id, stream="stdout", offset=position, max_bytes=None, follow=True
+                self.sandbox.id, self.id, stream="stdout", offset=offsets.end, max_bytes=None, follow=True
             )
             if remaining is not None:
                 # A silent terminal sends nothing: wake up in time to give up at the deadline.
@@ -967,11 +969,11 @@ class Pty(Process):
                     for ev in events:
                         if ev.type == "data":
                             seen += ev.data
-                            position = ev.offset + len(ev.data.encode("utf-8"))
+                            offsets.add(ev.offset, ev.next_offset, ev.data)
                             found = _core.first_match(compiled, seen)
                             if found is not None:
                                 index, end = found
-                                self.offset = start + len(seen[:end].encode("utf-8"))
+                                self.offset = offsets.at(end)
                                 return index, seen[:end]
                         elif ev.type == "exit":
                             raise errors.Conflict(
@@ -989,7 +991,7 @@ class Pty(Process):
         with self.follow(offset=self.offset) as events:
             for ev in events:
                 if ev.type == "data":
-                    self.offset = ev.offset + len(ev.data.encode("utf-8"))
+                    self.offset = ev.next_offset
                     yield ev.data
                 elif ev.type == "exit":
                     self.offset = ev.next_offset
@@ -1218,17 +1220,26 @@ class ExecStream(Stream[ExecEvent]):
 
 
 class OutputStream(Stream[OutputEvent]):
-    """The events of `Process.follow`. After the last one, `exit` is the exit status."""
+    """The events of `Process.follow`. After the last one, `exit` is the exit status.
+    `offset` is the byte offset where the events read so far end: a follow that broke resumes
+    there (`process.follow(offset=stream.offset)`) with nothing repeated or lost."""
 
     _what = "output"
 
-    def __init__(self, client: Sandman, call: Call) -> None:
+    def __init__(self, client: Sandman, call: Call, offset: int = 0) -> None:
         super().__init__(client, call, OutputEvent.from_dict)
         self.exit: Optional[ExitStatus] = None
+        #: Where the output read so far ends, in bytes.
+        self.offset = offset
 
     def _seen(self, item: OutputEvent) -> None:
-        if item.type == "exit":
+        if item.type == "data":
+            self.offset = item.next_offset
+        elif item.type == "dropped":
+            self.offset = item.offset + item.bytes
+        elif item.type == "exit":
             self.exit = item.exit
+            self.offset = item.next_offset
 
     def _ended(self) -> None:
         if self.exit is None:
