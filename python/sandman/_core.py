@@ -715,12 +715,14 @@ def read_file_call(sandbox_id: str, path: str, offset: int, length: Optional[int
     )
 
 
-def write_file_call(sandbox_id: str, path: str, data: Union[str, bytes], mode: Optional[int]) -> Call:
+def write_file_call(
+    sandbox_id: str, path: str, data: Union[str, bytes], mode: Optional[int], user: Optional[str] = None
+) -> Call:
     # An atomic write of the whole body: sending it again writes the same file.
     return Call(
         "PUT",
         sandbox_path(sandbox_id, "/files"),
-        params=_drop_none({"path": path, "mode": octal(mode)}),
+        params=_drop_none({"path": path, "mode": octal(mode), "user": user}),
         content=text_bytes(data),
         content_type="application/octet-stream",
         idempotent=True,
@@ -737,10 +739,9 @@ def list_dir_call(sandbox_id: str, path: str, depth: Optional[int]) -> Call:
     )
 
 
-def mkdir_call(sandbox_id: str, path: str, mode: Optional[int]) -> Call:
-    return Call(
-        "POST", sandbox_path(sandbox_id, "/dir"), params=_drop_none({"path": path, "mode": octal(mode)}), idempotent=True
-    )
+def mkdir_call(sandbox_id: str, path: str, mode: Optional[int], user: Optional[str] = None) -> Call:
+    params = _drop_none({"path": path, "mode": octal(mode), "user": user})
+    return Call("POST", sandbox_path(sandbox_id, "/dir"), params=params, idempotent=True)
 
 
 def remove_call(sandbox_id: str, path: str, recursive: bool) -> Call:
@@ -757,11 +758,11 @@ def move_call(sandbox_id: str, src: str, dst: str, overwrite: bool) -> Call:
     return Call("POST", sandbox_path(sandbox_id, "/move"), json=body)
 
 
-def upload_tar_call(sandbox_id: str, path: str, data: bytes) -> Call:
+def upload_tar_call(sandbox_id: str, path: str, data: bytes, user: Optional[str] = None) -> Call:
     return Call(
         "PUT",
         sandbox_path(sandbox_id, "/archive"),
-        params={"path": path},
+        params=_drop_none({"path": path, "user": user}),
         content=data,
         content_type="application/x-tar",
         idempotent=True,

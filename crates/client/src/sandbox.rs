@@ -4,10 +4,10 @@
 use bytes::Bytes;
 use http::Method;
 use sandman_wire::daemon::{
-    CreateSession, DirListing, ExecEvent, ExecRequest, ExecResult, ExtractResult, FileStat, Info, ListDirQuery,
-    MkdirQuery, MoveRequest, OutputChunk, OutputEvent, OutputQuery, PathQuery, ProcessInfo, ProcessList, PtySize,
-    ReadFileQuery, RemoveQuery, SessionInfo, SessionRun, SessionRunResult, SignalRequest, StartProcess, StdinQuery,
-    StdinWrite, WaitRequest, WriteFileQuery,
+    CreateSession, DirListing, ExecEvent, ExecRequest, ExecResult, ExtractQuery, ExtractResult, FileStat, Info,
+    ListDirQuery, MkdirQuery, MoveRequest, OutputChunk, OutputEvent, OutputQuery, PathQuery, ProcessInfo, ProcessList,
+    PtySize, ReadFileQuery, RemoveQuery, SessionInfo, SessionRun, SessionRunResult, SignalRequest, StartProcess,
+    StdinQuery, StdinWrite, WaitRequest, WriteFileQuery,
 };
 
 use crate::body::{ByteStream, NdjsonStream, UploadBody};
@@ -233,7 +233,7 @@ impl Client {
         mode: Option<u32>,
         body: impl Into<UploadBody>,
     ) -> Result<FileStat, ClientError> {
-        let query = WriteFileQuery { path: path.to_owned(), mode: octal(mode) };
+        let query = WriteFileQuery { path: path.to_owned(), mode: octal(mode), user: None };
         self.json(Req::new(Method::PUT, sandbox_path(id, "/files")).query(&query)?.upload(body.into())).await
     }
 
@@ -251,7 +251,7 @@ impl Client {
 
     /// `POST /v1/dir`: `mkdir -p`.
     pub async fn mkdir(&self, id: &str, path: &str, mode: Option<u32>) -> Result<FileStat, ClientError> {
-        let query = MkdirQuery { path: path.to_owned(), mode: octal(mode) };
+        let query = MkdirQuery { path: path.to_owned(), mode: octal(mode), user: None };
         self.json(Req::new(Method::POST, sandbox_path(id, "/dir")).query(&query)?).await
     }
 
@@ -276,7 +276,7 @@ impl Client {
         path: &str,
         body: impl Into<UploadBody>,
     ) -> Result<ExtractResult, ClientError> {
-        let query = PathQuery { path: path.to_owned() };
+        let query = ExtractQuery { path: path.to_owned(), user: None };
         self.json(Req::new(Method::PUT, sandbox_path(id, "/archive")).query(&query)?.upload_tar(body.into())).await
     }
 

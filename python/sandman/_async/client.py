@@ -784,10 +784,13 @@ class AsyncSandbox:
     async def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return (await self.read_file(path)).decode(encoding)
 
-    async def write_file(self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None) -> FileStat:
+    async def write_file(
+        self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, user: Optional[str] = None
+    ) -> FileStat:
         """Writes `data` (text is UTF-8) to `path` atomically, creating parent directories;
-        `mode` defaults to `0o644`."""
-        return FileStat.from_dict(await self.client._json(_core.write_file_call(self.id, path, data, mode)))
+        `mode` defaults to `0o644`. The file and the directories made belong to `user` (a name,
+        `uid`, `uid:gid`), by default the sandbox's default user (root when it has none)."""
+        return FileStat.from_dict(await self.client._json(_core.write_file_call(self.id, path, data, mode, user)))
 
     async def stat(self, path: str) -> FileStat:
         return FileStat.from_dict(await self.client._json(_core.stat_call(self.id, path)))
@@ -796,9 +799,9 @@ class AsyncSandbox:
         """Entries below `path`, `depth` levels deep (default 1)."""
         return DirListing.from_dict(await self.client._json(_core.list_dir_call(self.id, path, depth)))
 
-    async def mkdir(self, path: str, *, mode: Optional[int] = None) -> FileStat:
-        """`mkdir -p`."""
-        return FileStat.from_dict(await self.client._json(_core.mkdir_call(self.id, path, mode)))
+    async def mkdir(self, path: str, *, mode: Optional[int] = None, user: Optional[str] = None) -> FileStat:
+        """`mkdir -p`; the directories made belong to `user`, as with `write_file`."""
+        return FileStat.from_dict(await self.client._json(_core.mkdir_call(self.id, path, mode, user)))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         """Removes a file, or a directory (a non-empty one needs `recursive=True`)."""
@@ -808,11 +811,14 @@ class AsyncSandbox:
         """Renames `src` to `dst` (an existing `dst` is a `Conflict` unless `overwrite`)."""
         return FileStat.from_dict(await self.client._json(_core.move_call(self.id, src, dst, overwrite)))
 
-    async def upload(self, local: Union[str, "os.PathLike[str]"], path: str) -> ExtractResult:
+    async def upload(
+        self, local: Union[str, "os.PathLike[str]"], path: str, *, user: Optional[str] = None
+    ) -> ExtractResult:
         """Copies the local directory `local` (its contents; or one file) into the directory
-        `path` in the sandbox, created if missing, as one tar."""
+        `path` in the sandbox, created if missing, as one tar; what it creates belongs to
+        `user`, as with `write_file`."""
         data = await _rt.run_blocking(_core.tar_directory, local)
-        return await self.upload_tar(data, path)
+        return await self.upload_tar(data, path, user=user)
 
     async def download(self, path: str, local: Union[str, "os.PathLike[str]"]) -> Path:
         """Copies the directory `path` in the sandbox (its contents; or one file) into the local
@@ -820,9 +826,10 @@ class AsyncSandbox:
         data = await self.download_tar(path)
         return await _rt.run_blocking(_core.extract_tar, data, local)
 
-    async def upload_tar(self, data: bytes, path: str) -> ExtractResult:
-        """Extracts a tar (gzip detected) into the directory `path`."""
-        return ExtractResult.from_dict(await self.client._json(_core.upload_tar_call(self.id, path, data)))
+    async def upload_tar(self, data: bytes, path: str, *, user: Optional[str] = None) -> ExtractResult:
+        """Extracts a tar (gzip detected) into the directory `path`; what it creates belongs to
+        `user`, as with `write_file` (the tar's own owners are not kept)."""
+        return ExtractResult.from_dict(await self.client._json(_core.upload_tar_call(self.id, path, data, user)))
 
     async def download_tar(self, path: str) -> bytes:
         """The directory `path` as a tar of its contents (a file: a tar of that file)."""
