@@ -167,9 +167,10 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     let unpacked = blocking(move || {
         let mut raw = Counting { inner: upload, progress: Arc::clone(&shared), tar: false, ratio: None };
         let unpacked = unpack(BufReader::with_capacity(READ_AHEAD, &mut raw), &dst, limits, &shared);
-        if unpacked.is_err() {
-            linger(&mut raw);
-        }
+        // What follows the archive's end (a refused one's rest, or the padding of a whole one:
+        // tar writers pad to a record of 10 KiB) is read before the answer, so that the client
+        // is not cut off while it still sends it.
+        linger(&mut raw);
         Ok(unpacked)
     })
     .await?;
@@ -183,13 +184,13 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     }
 }
 
-/// The most of a refused upload read and thrown away before the answer: a client still sending
-/// its body when the daemon refuses it gets the answer, rather than a connection closed under
-/// its write, when what is left is no more than this.
+/// The most of an upload read and thrown away after the archive (refused, or ended before the
+/// body did) and before the answer: a client still sending its body gets the answer, rather
+/// than a connection closed under its write, when what is left is no more than this.
 pub const LINGER_BYTES: u64 = 16 << 20;
 
-/// Reads what is left of a refused upload, up to [`LINGER_BYTES`], and throws it away; stops at
-/// its end, at an error (a stall, the client gone) or at the cap.
+/// Reads what is left of an upload, up to [`LINGER_BYTES`], and throws it away; stops at its
+/// end, at an error (a stall, the client gone) or at the cap.
 fn linger(upload: impl Read) {
     let _ = io::copy(&mut upload.take(LINGER_BYTES), &mut io::sink());
 }
@@ -799,6 +800,28 @@ mod tests {
         let wrapped = io::Error::other(stalled);
         assert!(Refusal::Read(wrapped).is_stall());
         assert!(!Refusal::Read(io::Error::other("bad header")).is_stall());
+    }
+
+    /// Before, the answer went out once tar read the archive's end, and the padding after it
+    /// (Python's tarfile and GNU tar pad to 10 KiB) was left unread: the daemon closed the
+    /// connection while the client (the server's proxy) was still writing it, and the call
+    /// failed with a broken pipe about one time in five.
+    #[tokio::test]
+    async fn what_follows_the_archives_end_is_read_before_the_answer() -> Result<(), Box<dyn std::error::Error>> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        let pulled = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&pulled);
+        let chunks = [Bytes::from(tar), Bytes::from(vec![0u8; 8192]), Bytes::from(vec![0u8; 8192])];
+        let body = Body::from_stream(futures_util::stream::iter(chunks).map(move |c| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            Ok::<_, io::Error>(c)
+        }));
+        let dst = tempfile::tempdir()?;
+        let done = extract_into(dst.path().to_path_buf(), body, 0, Unpacking::default()).await?;
+        assert_eq!(done.entries, 5);
+        assert_eq!(pulled.load(Ordering::Relaxed), 3, "the padding after the archive was not read");
+        Ok(())
     }
 
     #[tokio::test]

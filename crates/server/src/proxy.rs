@@ -102,7 +102,7 @@ pub async fn forward(
         .daemons
         .request(out)
         .await
-        .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {e}")))?;
+        .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {}", with_causes(&e))))?;
     let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(inbound)) = (switching, inbound) {
         let outbound = hyper::upgrade::on(&mut resp);
@@ -125,6 +125,19 @@ pub async fn forward(
         keep_upgrade(&kept, &mut parts.headers);
     }
     Ok(Response::from_parts(parts, Body::new(body)).into_response())
+}
+
+/// An error and its causes, `: `-separated: hyper's own message (`client error (SendRequest)`)
+/// says little without them.
+fn with_causes(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
 }
 
 /// Whether a request asks to switch protocols (`Connection: upgrade` with `Upgrade`).
