@@ -614,6 +614,47 @@ def first_match(patterns: Sequence["re.Pattern[str]"], text: str) -> Optional[Tu
     return None if best is None else (best[1], best[2])
 
 
+class TextOffsets:
+    """Where the characters of text read from a followed output lie in its bytes: each `data`
+    event says where its text starts and ends (`offset`, `next_offset`). Inside an event a
+    character's bytes are its UTF-8 length, and the bytes the event's U+FFFDs stood for are
+    shared out among them evenly: exact for UTF-8 output and for invalid bytes that each became
+    one U+FFFD; otherwise a position inside that event may be a byte or two off, never outside
+    the event."""
+
+    def __init__(self, start: int) -> None:
+        #: (index of the event's first character, offset, next_offset, text), in order.
+        self._spans: List[Tuple[int, int, int, str]] = []
+        self._chars = 0
+        self._end = start
+
+    def add(self, offset: int, next_offset: int, text: str) -> None:
+        self._spans.append((self._chars, offset, next_offset, text))
+        self._chars += len(text)
+        self._end = next_offset
+
+    @property
+    def end(self) -> int:
+        """The byte offset after everything added: where a follow goes on."""
+        return self._end
+
+    def at(self, index: int) -> int:
+        """The byte offset of character `index` of the text added (its length: `end`)."""
+        for first, offset, next_offset, text in self._spans:
+            if index < first + len(text):
+                if index <= first:
+                    return offset
+                prefix = text[: index - first]
+                at = len(prefix.encode("utf-8"))
+                replaced = text.count("\ufffd")
+                if replaced:
+                    # Each U+FFFD is three bytes of text for the one to three it replaced.
+                    missing = len(text.encode("utf-8")) - (next_offset - offset)
+                    at -= prefix.count("\ufffd") * missing // replaced
+                return offset + min(max(at, 0), next_offset - offset)
+        return self._end
+
+
 #: `Pty.read_until` follows a silent terminal for at most this long at a time, to keep its timeout.
 READ_UNTIL_STEP = 5.0
 
@@ -674,12 +715,14 @@ def read_file_call(sandbox_id: str, path: str, offset: int, length: Optional[int
     )
 
 
-def write_file_call(sandbox_id: str, path: str, data: Union[str, bytes], mode: Optional[int]) -> Call:
+def write_file_call(
+    sandbox_id: str, path: str, data: Union[str, bytes], mode: Optional[int], user: Optional[str] = None
+) -> Call:
     # An atomic write of the whole body: sending it again writes the same file.
     return Call(
         "PUT",
         sandbox_path(sandbox_id, "/files"),
-        params=_drop_none({"path": path, "mode": octal(mode)}),
+        params=_drop_none({"path": path, "mode": octal(mode), "user": user}),
         content=text_bytes(data),
         content_type="application/octet-stream",
         idempotent=True,
@@ -696,10 +739,9 @@ def list_dir_call(sandbox_id: str, path: str, depth: Optional[int]) -> Call:
     )
 
 
-def mkdir_call(sandbox_id: str, path: str, mode: Optional[int]) -> Call:
-    return Call(
-        "POST", sandbox_path(sandbox_id, "/dir"), params=_drop_none({"path": path, "mode": octal(mode)}), idempotent=True
-    )
+def mkdir_call(sandbox_id: str, path: str, mode: Optional[int], user: Optional[str] = None) -> Call:
+    params = _drop_none({"path": path, "mode": octal(mode), "user": user})
+    return Call("POST", sandbox_path(sandbox_id, "/dir"), params=params, idempotent=True)
 
 
 def remove_call(sandbox_id: str, path: str, recursive: bool) -> Call:
@@ -716,11 +758,11 @@ def move_call(sandbox_id: str, src: str, dst: str, overwrite: bool) -> Call:
     return Call("POST", sandbox_path(sandbox_id, "/move"), json=body)
 
 
-def upload_tar_call(sandbox_id: str, path: str, data: bytes) -> Call:
+def upload_tar_call(sandbox_id: str, path: str, data: bytes, user: Optional[str] = None) -> Call:
     return Call(
         "PUT",
         sandbox_path(sandbox_id, "/archive"),
-        params={"path": path},
+        params=_drop_none({"path": path, "user": user}),
         content=data,
         content_type="application/x-tar",
         idempotent=True,

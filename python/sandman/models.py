@@ -381,8 +381,12 @@ class OutputChunk:
 
 @dataclass(frozen=True)
 class OutputEvent:
-    """One event of `Process.follow`: `data` (with `offset`, `data`), `dropped` (with `offset`,
-    `bytes`), and a last `exit` (with `exit` and `next_offset`)."""
+    """One event of `Process.follow`: `data` (with `offset`, `next_offset`, `data`), `dropped`
+    (with `offset`, `bytes`), and a last `exit` (with `exit` and `next_offset`).
+
+    A `data` event's text is the output's bytes from `offset` up to `next_offset`: resume a
+    follow at `next_offset`. Its length says nothing of the bytes' (those that are not UTF-8
+    arrive as U+FFFD)."""
 
     type: str
     offset: int = 0
@@ -395,7 +399,12 @@ class OutputEvent:
     def from_dict(cls, d: Mapping[str, Any]) -> Optional["OutputEvent"]:
         kind = d.get("event")
         if kind == "data":
-            return cls("data", offset=int(d.get("offset", 0)), data=str(d.get("data", "")))
+            return cls(
+                "data",
+                offset=int(d.get("offset", 0)),
+                data=str(d.get("data", "")),
+                next_offset=int(d.get("next_offset", 0)),
+            )
         if kind == "dropped":
             return cls("dropped", offset=int(d.get("offset", 0)), bytes=int(d.get("bytes", 0)))
         if kind == "exit":

@@ -199,6 +199,29 @@ async def test_background_process_follow_signal_and_timeout(api: Any) -> None:
         assert ended.exit is not None and ended.exit.timed_out
 
 
+async def test_a_followed_output_says_where_its_bytes_end_and_resumes_there(api: Any) -> None:
+    # Before, a client resuming a follow computed where it was from the text: an invalid byte
+    # arrives as U+FFFD (three bytes of text for one of output), and half a character is held
+    # back for the next event. `next_offset` is where the event's bytes end.
+    async with await api.create(lease=30) as sb:
+        script = "printf 'x\\377y\\342\\202'; read l; printf '\\254z'"
+        p = await sb.start(script, stdin=True)
+        stream = p.follow()
+        text = ""
+        while "y" not in text:
+            ev = await stream.__anext__()
+            assert ev.type == "data"
+            text += ev.data
+        await stream.aclose()
+        assert text == "x\ufffdy" and len(text.encode()) == 5
+        assert ev.next_offset == 3 and stream.offset == 3
+        await p.write_stdin("go\n")
+        rest = [e async for e in p.follow(offset=stream.offset)]
+        data = [e for e in rest if e.type == "data"]
+        assert data[0].offset == 3 and "".join(e.data for e in data) == "\u20acz"
+        assert data[-1].next_offset == 7 and rest[-1].type == "exit" and rest[-1].next_offset == 7
+
+
 async def test_sessions_keep_shell_state(api: Any) -> None:
     async with await api.create(lease=30) as sb:
         async with await sb.session(env={"S": "session"}, cwd="/tmp") as sh:

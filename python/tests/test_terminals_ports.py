@@ -4,9 +4,11 @@ output, session timeouts that keep the shell, terminals, a default user, and por
 from __future__ import annotations
 
 import base64
+import io
 import json
 import socket
-from typing import Any
+import tarfile
+from typing import Any, Dict
 from urllib.parse import urlsplit
 
 import pytest
@@ -96,6 +98,38 @@ def test_expect_picks_the_earliest_match_as_pexpect_does() -> None:
     assert sandman._core.first_match(pats, "xyz") is None
 
 
+def test_text_positions_map_to_the_bytes_of_the_events() -> None:
+    offsets = sandman._core.TextOffsets(10)
+    assert (offsets.end, offsets.at(0)) == (10, 10)
+    offsets.add(10, 14, "a\u20ac")  # four bytes: `a` and the euro sign
+    offsets.add(14, 16, "\ufffdb")  # an invalid byte, then `b`: two bytes, not four
+    assert [offsets.at(i) for i in range(5)] == [10, 11, 14, 15, 16]
+    assert offsets.end == 16
+
+
+async def test_a_terminal_reads_on_exactly_after_bytes_that_are_not_utf8(api: Any) -> None:
+    # Before, the offset after `expect` was counted from the text: each invalid byte (one byte,
+    # shown as U+FFFD, three bytes of text) moved it two bytes too far, and the next read
+    # lost the start of what followed.
+    async with await api.create("host", lease=60) as sb:
+        pty = await sb.pty(["sh", "-c", "printf 'ab\\377\\377\\377\\377 ready'; read l; echo after"])
+        before = await pty.read_until("ready")
+        assert before == "ab\ufffd\ufffd\ufffd\ufffd ready", before
+        assert pty.offset == 12
+        await pty.write("\r")
+        assert (await pty.read_until("after")).lstrip("\r\n") == "after"
+
+
+def _tar(files: Dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
 async def test_a_creates_user_is_every_commands_default(api: Any) -> None:
     async with await api.create("host", lease=60, user="65534") as sb:
         assert (sb.info.user, sb.info.image_config) == ("65534", None)
@@ -105,6 +139,16 @@ async def test_a_creates_user_is_every_commands_default(api: Any) -> None:
         async with await sb.session(cwd="/") as sh:
             assert (await sh.run("id -u")).stdout == "65534\n"
         assert (await api.get(sb.id)).user == "65534"
+        # What file and archive calls create is the default user's too: it may change it.
+        written = await sb.write_file("/tmp/mine/f.txt", "x")
+        assert (written.uid, written.gid) == (65534, 65534)
+        assert (await sb.mkdir("/tmp/mine/d")).uid == 65534
+        await sb.upload_tar(_tar({"t/u.txt": b"u"}), "/tmp/mine/tar")
+        owners = await sb.exec("stat -c %u /tmp/mine /tmp/mine/tar/t/u.txt && echo y >> /tmp/mine/f.txt", cwd="/")
+        assert (owners.stdout, owners.exit_code) == ("65534\n65534\n", 0), owners
+        # A call's own user wins: root's file, which the default user may not change.
+        assert (await sb.write_file("/tmp/mine/root.txt", "r", user="0")).uid == 0
+        assert (await sb.exec("echo z >> /tmp/mine/root.txt", cwd="/")).exit_code != 0
 
 
 async def _web_app(sb: Any) -> int:

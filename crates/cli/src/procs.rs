@@ -4,7 +4,6 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use futures_util::StreamExt;
 use sandman_client::Client;
 use sandman_wire::daemon::{ExitStatus, OutputEvent, OutputQuery, ProcessInfo, ProcessState, StreamName};
 
@@ -58,7 +57,8 @@ pub async fn logs(client: &Client, cmd: LogsCmd) -> anyhow::Result<ExitCode> {
         stdout.write_all(data.as_bytes()).and_then(|()| stdout.flush()).map_err(report::StdoutClosed::from_io)
     };
     if cmd.follow {
-        let mut events = client.follow_output(&cmd.id, &cmd.process, &query).await?;
+        // A broken connection is reopened where the last event ended (see `OutputFollow`).
+        let mut events = client.follow_output_resuming(&cmd.id, &cmd.process, &query);
         while let Some(event) = events.next().await {
             match event.context("the output stream broke")? {
                 OutputEvent::Data { data, .. } => write(&data)?,

@@ -10,7 +10,6 @@ use std::os::fd::AsFd;
 use std::process::ExitCode;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 use rustix::termios::{self, OptionalActions, Termios};
 use sandman_client::Client;
 use sandman_wire::daemon::{OutputEvent, OutputQuery, PtySize, StartProcess, StreamName};
@@ -119,7 +118,8 @@ pub async fn exec(client: &Client, cmd: ExecCmd) -> anyhow::Result<ExitCode> {
 /// by Ctrl-D) and resizes, until it exits; answers its exit code.
 async fn attach(client: &Client, id: &str, process: &str, input: bool) -> anyhow::Result<ExitCode> {
     let query = OutputQuery { offset: 0, stream: StreamName::Stdout, follow: true, max_bytes: None };
-    let mut output = client.follow_output(id, process, &query).await?;
+    // A broken connection is reopened where the last event ended: nothing shown twice.
+    let mut output = client.follow_output_resuming(id, process, &query);
     let _raw = if input { RawMode::enter()? } else { None };
 
     // Keystrokes, sent in order by one task so that none overtakes another.

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use e2e::docker::{Cleanup, containers_of, docker, require_docker, static_daemon};
-use e2e::{Server, eventually};
+use e2e::{Body, Server, eventually};
 use serde_json::{Value, json};
 
 const BUSYBOX: &str = "sandman-test/busybox:latest";
@@ -152,6 +152,19 @@ async fn the_images_user_is_the_default_and_its_config_is_shown() {
     let sid = session["id"].as_str().unwrap();
     let r = http.post(&format!("/v1/sandboxes/{id}/sessions/{sid}/run"), json!({"command": "id -u"})).await.ok();
     assert_eq!(r["stdout"], "65534\n", "{r}");
+    // Files the calls write belong to the default user too, as its commands' would, and a
+    // directory made by hand as well.
+    let body = Body::Stream(Box::new(std::iter::once(bytes::Bytes::from_static(b"mine\n"))));
+    let wrote = http.call("PUT", &format!("/v1/sandboxes/{id}/files?path=/work/up/f.txt"), body).await.ok();
+    assert_eq!((wrote["uid"].as_u64(), wrote["gid"].as_u64()), (Some(65534), Some(65534)), "{wrote}");
+    http.call("POST", &format!("/v1/sandboxes/{id}/dir?path=/work/made"), Body::Empty).await.ok();
+    let owners =
+        http.exec(&id, json!({"command": "stat -c '%u:%g' /work/up /work/made && echo more >> /work/up/f.txt"})).await;
+    assert_eq!(
+        (owners["stdout"].as_str(), owners["exit_code"].as_i64()),
+        (Some("65534:65534\n65534:65534\n"), Some(0)),
+        "{owners}"
+    );
 
     // A terminal in the container.
     let p = http

@@ -77,6 +77,11 @@ pub enum ClientError {
         source: serde_json::Error,
     },
 
+    /// A stream ended before its last event (a followed output before `exit`): the connection
+    /// or the sandbox went away.
+    #[error("the answer to {call} ended before its last event")]
+    StreamEnded { call: String },
+
     /// One NDJSON line grew past the limit without a newline.
     #[error("a line of the answer to {call} is longer than {limit} bytes")]
     LineTooLong { call: String, limit: usize },
@@ -142,6 +147,13 @@ impl ClientError {
     /// Whether the request never reached a server: it could not connect.
     pub fn is_connect(&self) -> bool {
         matches!(self, ClientError::Request { source, .. } if source.is_connect())
+    }
+
+    /// Whether the connection broke rather than the server refusing the call: no answer came,
+    /// the answer's body broke off, or a stream ended early. A call that reads from an offset
+    /// (a followed output) may be sent again.
+    pub fn is_broken_connection(&self) -> bool {
+        matches!(self, ClientError::Request { .. } | ClientError::Body { .. } | ClientError::StreamEnded { .. })
     }
 
     /// The kind of the first `io::Error` in the chain of sources.

@@ -26,4 +26,5 @@ pub use body::{ByteStream, MAX_LINE_BYTES, NdjsonStream, UploadBody};
 pub use client::Client;
 pub use env::default_state_dir;
 pub use error::ClientError;
+pub use sandbox::OutputFollow;
 pub use sandman_wire as wire;

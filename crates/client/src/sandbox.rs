@@ -4,10 +4,10 @@
 use bytes::Bytes;
 use http::Method;
 use sandman_wire::daemon::{
-    CreateSession, DirListing, ExecEvent, ExecRequest, ExecResult, ExtractResult, FileStat, Info, ListDirQuery,
-    MkdirQuery, MoveRequest, OutputChunk, OutputEvent, OutputQuery, PathQuery, ProcessInfo, ProcessList, PtySize,
-    ReadFileQuery, RemoveQuery, SessionInfo, SessionRun, SessionRunResult, SignalRequest, StartProcess, StdinQuery,
-    StdinWrite, WaitRequest, WriteFileQuery,
+    CreateSession, DirListing, ExecEvent, ExecRequest, ExecResult, ExtractQuery, ExtractResult, FileStat, Info,
+    ListDirQuery, MkdirQuery, MoveRequest, OutputChunk, OutputEvent, OutputQuery, PathQuery, ProcessInfo, ProcessList,
+    PtySize, ReadFileQuery, RemoveQuery, SessionInfo, SessionRun, SessionRunResult, SignalRequest, StartProcess,
+    StdinQuery, StdinWrite, WaitRequest, WriteFileQuery,
 };
 
 use crate::body::{ByteStream, NdjsonStream, UploadBody};
@@ -101,6 +101,22 @@ impl Client {
             })
         })
         .await
+    }
+
+    /// Follows a process's output from `query.offset` as [`Client::follow_output`] does, and
+    /// when the stream breaks before the process's `exit` (the connection dropped, the server
+    /// restarted), opens it again where the last event ended: no byte is repeated or lost but
+    /// those retention dropped meanwhile (reported as a `dropped` event). See [`OutputFollow`].
+    pub fn follow_output_resuming(&self, id: &str, process: &str, query: &OutputQuery) -> OutputFollow {
+        OutputFollow {
+            client: self.clone(),
+            id: id.to_owned(),
+            process: process.to_owned(),
+            query: OutputQuery { follow: true, ..query.clone() },
+            stream: None,
+            failures: 0,
+            done: false,
+        }
     }
 
     /// `POST /v1/processes/{process}/stdin`: write to (and maybe close) the process's stdin.
@@ -217,7 +233,7 @@ impl Client {
         mode: Option<u32>,
         body: impl Into<UploadBody>,
     ) -> Result<FileStat, ClientError> {
-        let query = WriteFileQuery { path: path.to_owned(), mode: octal(mode) };
+        let query = WriteFileQuery { path: path.to_owned(), mode: octal(mode), user: None };
         self.json(Req::new(Method::PUT, sandbox_path(id, "/files")).query(&query)?.upload(body.into())).await
     }
 
@@ -235,7 +251,7 @@ impl Client {
 
     /// `POST /v1/dir`: `mkdir -p`.
     pub async fn mkdir(&self, id: &str, path: &str, mode: Option<u32>) -> Result<FileStat, ClientError> {
-        let query = MkdirQuery { path: path.to_owned(), mode: octal(mode) };
+        let query = MkdirQuery { path: path.to_owned(), mode: octal(mode), user: None };
         self.json(Req::new(Method::POST, sandbox_path(id, "/dir")).query(&query)?).await
     }
 
@@ -260,7 +276,7 @@ impl Client {
         path: &str,
         body: impl Into<UploadBody>,
     ) -> Result<ExtractResult, ClientError> {
-        let query = PathQuery { path: path.to_owned() };
+        let query = ExtractQuery { path: path.to_owned(), user: None };
         self.json(Req::new(Method::PUT, sandbox_path(id, "/archive")).query(&query)?.upload_tar(body.into())).await
     }
 
@@ -276,4 +292,90 @@ impl Client {
 fn read_req(id: &str, path: &str, offset: u64, length: Option<u64>) -> Result<Req, ClientError> {
     let query = ReadFileQuery { path: path.to_owned(), offset, length };
     Ok(Req::new(Method::GET, sandbox_path(id, "/files")).query(&query)?.accept("application/octet-stream"))
+}
+
+/// How many times in a row a followed output is opened again without an event coming, before
+/// the failure is the caller's.
+const FOLLOW_ATTEMPTS: u32 = 5;
+/// The wait before the first reopening; it doubles with each failure in a row.
+const FOLLOW_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// A process's followed output that survives a broken connection ([`Client::follow_output_resuming`]):
+/// it keeps the byte offset where the last event ended (a `data` event's `next_offset`, the end
+/// of a `dropped` gap) and, when the stream breaks or ends before `exit`, opens a new one there.
+/// After [`FOLLOW_ATTEMPTS`] failures in a row with no event between, the last error is
+/// answered; an error answer of the server (the process is not found, the sandbox is gone) is
+/// answered at once.
+#[derive(Debug)]
+pub struct OutputFollow {
+    client: Client,
+    id: String,
+    process: String,
+    /// What the next opening asks for; its `offset` is where the last event ended.
+    query: OutputQuery,
+    stream: Option<NdjsonStream<OutputEvent>>,
+    /// Openings in a row that ended with no event.
+    failures: u32,
+    /// The `exit` event came, or an error was answered.
+    done: bool,
+}
+
+impl OutputFollow {
+    /// Where the output read so far ends: the offset a new follow would start at.
+    pub fn offset(&self) -> u64 {
+        self.query.offset
+    }
+
+    /// The next `data`, `dropped` or `exit` event; `None` after `exit` (or after an error).
+    pub async fn next(&mut self) -> Option<Result<OutputEvent, ClientError>> {
+        use futures_util::StreamExt;
+        while !self.done {
+            let stream = match &mut self.stream {
+                Some(stream) => stream,
+                None => match self.client.follow_output(&self.id, &self.process, &self.query).await {
+                    Ok(stream) => self.stream.insert(stream),
+                    Err(err) => match self.retry(err).await {
+                        Some(err) => return Some(Err(err)),
+                        None => continue,
+                    },
+                },
+            };
+            let err = match stream.next().await {
+                Some(Ok(event)) => {
+                    self.failures = 0;
+                    match &event {
+                        OutputEvent::Data { next_offset, .. } => self.query.offset = *next_offset,
+                        OutputEvent::Dropped { offset, bytes } => self.query.offset = offset.saturating_add(*bytes),
+                        OutputEvent::Exit { next_offset, .. } => {
+                            self.query.offset = *next_offset;
+                            self.done = true;
+                        }
+                        OutputEvent::Keepalive => {}
+                    }
+                    return Some(Ok(event));
+                }
+                Some(Err(err)) => err,
+                None => ClientError::StreamEnded {
+                    call: format!("GET /v1/sandboxes/{}/processes/{}/output", self.id, self.process),
+                },
+            };
+            self.stream = None;
+            if let Some(err) = self.retry(err).await {
+                return Some(Err(err));
+            }
+        }
+        None
+    }
+
+    /// After a failed opening or a broken stream: waits before the next attempt and answers
+    /// `None`, or answers the error when it is not worth another attempt.
+    async fn retry(&mut self, err: ClientError) -> Option<ClientError> {
+        self.failures += 1;
+        if !err.is_broken_connection() || self.failures >= FOLLOW_ATTEMPTS {
+            self.done = true;
+            return Some(err);
+        }
+        tokio::time::sleep(FOLLOW_BACKOFF * 2u32.pow(self.failures - 1)).await;
+        None
+    }
 }

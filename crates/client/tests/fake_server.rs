@@ -50,6 +50,8 @@ struct Shared {
     uploaded: Mutex<Option<Upload>>,
     /// Held by the exec stream after its first chunk until the test has read the first event.
     gate: tokio::sync::Mutex<Option<mpsc::Receiver<()>>>,
+    /// The queries of every follow of `p-resume`'s output.
+    follows: Mutex<Vec<String>>,
 }
 
 #[derive(Debug, Clone)]
@@ -125,11 +127,21 @@ async fn events(RawQuery(query): RawQuery) -> Response {
     }
 }
 
-async fn output(RawQuery(query): RawQuery) -> Response {
+async fn output(
+    State(shared): State<Arc<Shared>>,
+    Path((_, process)): Path<(String, String)>,
+    RawQuery(query): RawQuery,
+) -> Response {
     let query = query.unwrap_or_default();
+    if process == "p-resume" {
+        return resumed_output(&shared, &query);
+    }
+    if process == "p-missing" {
+        return json(StatusCode::NOT_FOUND, r#"{"error":{"code":"not_found","message":"no process `p-missing`"}}"#);
+    }
     if query.contains("follow=true") {
         ndjson(Body::from(concat!(
-            "{\"event\":\"data\",\"offset\":0,\"data\":\"a\"}\n",
+            "{\"event\":\"data\",\"offset\":0,\"next_offset\":1,\"data\":\"a\"}\n",
             "{\"event\":\"keepalive\"}\n",
             "{\"event\":\"dropped\",\"offset\":1,\"bytes\":10}\n",
             "{\"event\":\"exit\",\"exit_code\":0,\"signal\":null,\"timed_out\":false,\"duration_ms\":1,",
@@ -141,6 +153,24 @@ async fn output(RawQuery(query): RawQuery) -> Response {
             &format!(r#"{{"stream":"stderr","offset":5,"next_offset":6,"dropped":0,"data":"{query}","eof":true}}"#),
         )
     }
+}
+
+/// A followed output whose first answer breaks off before `exit`: `x`, an invalid byte (U+FFFD,
+/// three bytes of text for one of output) and `y` cover bytes 0 to 3. Every query is recorded.
+fn resumed_output(shared: &Shared, query: &str) -> Response {
+    let first = {
+        let mut asked = shared.follows.lock().unwrap();
+        asked.push(query.to_owned());
+        asked.len() == 1
+    };
+    if first {
+        return ndjson(Body::from("{\"event\":\"data\",\"offset\":0,\"next_offset\":3,\"data\":\"x\u{FFFD}y\"}\n"));
+    }
+    ndjson(Body::from(concat!(
+        "{\"event\":\"data\",\"offset\":3,\"next_offset\":5,\"data\":\"z\\n\"}\n",
+        "{\"event\":\"exit\",\"exit_code\":0,\"signal\":null,\"timed_out\":false,\"duration_ms\":1,",
+        "\"usage\":{\"cpu_user_ms\":0,\"cpu_system_ms\":0,\"max_rss_kib\":0},\"next_offset\":5}\n",
+    )))
 }
 
 async fn process(Path((_, process)): Path<(String, String)>) -> Response {
@@ -292,6 +322,7 @@ async fn process_output_read_and_followed() {
     let events: Vec<OutputEvent> =
         client.follow_output("sb-1", "p-1", &query).await.unwrap().map(Result::unwrap).collect().await;
     assert_eq!(events.len(), 3);
+    assert_eq!(events[0], OutputEvent::Data { offset: 0, next_offset: 1, data: "a".into() });
     assert_eq!(events[1], OutputEvent::Dropped { offset: 1, bytes: 10 });
     assert!(matches!(events[2], OutputEvent::Exit { next_offset: 11, .. }));
 }
@@ -346,4 +377,41 @@ async fn a_closed_port_is_connection_refused() {
     assert!(err.is_connection_refused(), "{err:?}");
     assert!(err.is_connect());
     assert_eq!(err.code(), None);
+}
+
+/// A follow whose connection breaks before the process's exit opens again where the last event
+/// ended, by its `next_offset` (not by the length of its text, which an invalid byte makes 5
+/// where the output had 3), and neither repeats nor loses a byte.
+#[tokio::test]
+async fn a_broken_follow_resumes_at_the_next_offset_of_its_last_event() {
+    let (client, shared) = start().await;
+    let query = OutputQuery { offset: 0, stream: StreamName::Stdout, follow: false, max_bytes: None };
+    let mut follow = client.follow_output_resuming("sb-1", "p-resume", &query);
+    let mut events = Vec::new();
+    while let Some(event) = follow.next().await {
+        events.push(event.unwrap());
+    }
+    assert_eq!(
+        events[..2],
+        [
+            OutputEvent::Data { offset: 0, next_offset: 3, data: "x\u{FFFD}y".into() },
+            OutputEvent::Data { offset: 3, next_offset: 5, data: "z\n".into() },
+        ]
+    );
+    assert!(matches!(events[2], OutputEvent::Exit { next_offset: 5, .. }), "{events:?}");
+    assert_eq!(events.len(), 3);
+    assert_eq!(follow.offset(), 5);
+    let asked = shared.follows.lock().unwrap().clone();
+    assert_eq!(asked, ["offset=0&stream=stdout&follow=true", "offset=3&stream=stdout&follow=true"]);
+}
+
+/// An error answer (the process is gone) is not a broken connection: it is answered at once.
+#[tokio::test]
+async fn a_follow_refused_by_the_server_is_not_reopened() {
+    let (client, _) = start().await;
+    let query = OutputQuery::default();
+    let mut follow = client.follow_output_resuming("sb-1", "p-missing", &query);
+    let err = follow.next().await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::NotFound), "{err}");
+    assert!(follow.next().await.is_none());
 }

@@ -86,7 +86,8 @@ where
             let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
                 app.clone().oneshot(req.map(Body::new))
             });
-            // Upgrades (a WebSocket to a port in a sandbox) take the connection over once answered.
+            // With upgrades: a WebSocket to a port in a sandbox switches protocols on this
+            // connection, and the proxy and the daemon take it over once it has.
             let conn = builder.serve_connection(TokioIo::new(io), service).with_upgrades();
             tokio::pin!(conn);
             let ended = tokio::select! {
@@ -119,11 +120,27 @@ mod tests {
     async fn start(edge: Edge) -> (std::net::SocketAddr, CancellationToken, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
         let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
-        let app = Router::new().route("/", get(|| async { "ok" }));
+        let app = Router::new().route("/", get(|| async { "ok" })).route("/echo", get(echo_upgrade));
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         let task = tokio::spawn(serve(listener, app, edge, async move { stopped.cancelled().await }));
         (addr, stop, task)
+    }
+
+    /// Switches to a protocol that echoes every byte back, as a WebSocket proxy's far end would.
+    async fn echo_upgrade(mut req: axum::extract::Request) -> axum::response::Response {
+        let upgraded = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            let Ok(upgraded) = upgraded.await else { return };
+            let (mut rd, mut wr) = tokio::io::split(TokioIo::new(upgraded));
+            let _ = tokio::io::copy(&mut rd, &mut wr).await;
+        });
+        axum::response::Response::builder()
+            .status(101)
+            .header("connection", "upgrade")
+            .header("upgrade", "echo")
+            .body(Body::empty())
+            .unwrap_or_default()
     }
 
     async fn get_ok(addr: std::net::SocketAddr) -> String {
@@ -176,49 +193,29 @@ mod tests {
         let _ = task.await;
     }
 
-    /// Regression: the WebSocket through the port proxy was reset; connections did not allow
-    /// upgrades.
+    /// Before, connections were served without upgrades: a WebSocket through the server or the
+    /// daemon got its `101` and then a closed connection.
     #[tokio::test]
-    async fn an_upgraded_connection_is_handed_to_the_handler() {
-        use axum::extract::Request;
-        use axum::http::{StatusCode, header};
-        let app = Router::new().route(
-            "/up",
-            get(|mut req: Request| async move {
-                let upgrade = hyper::upgrade::on(&mut req);
-                tokio::spawn(async move {
-                    let Ok(up) = upgrade.await else { return };
-                    let mut io = TokioIo::new(up);
-                    let mut buf = [0u8; 4];
-                    if io.read_exact(&mut buf).await.is_ok() {
-                        let _ = io.write_all(&buf).await;
-                    }
-                });
-                (StatusCode::SWITCHING_PROTOCOLS, [(header::CONNECTION, "upgrade"), (header::UPGRADE, "echo")])
-            }),
-        );
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
-        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
-        let stop = CancellationToken::new();
-        let stopped = stop.clone();
+    async fn a_connection_that_switches_protocols_is_handed_over() {
         let edge =
-            Edge { header_read_timeout: Duration::from_secs(5), max_connections: 8, drain: Duration::from_secs(1) };
-        let task = tokio::spawn(serve(listener, app, edge, async move { stopped.cancelled().await }));
+            Edge { header_read_timeout: Duration::from_secs(5), max_connections: 4, drain: Duration::from_secs(1) };
+        let (addr, stop, task) = start(edge).await;
         let mut s = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
-        s.write_all(b"GET /up HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n")
+        s.write_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n")
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let mut head = Vec::new();
         while !head.ends_with(b"\r\n\r\n") {
-            let mut b = [0u8; 1];
-            s.read_exact(&mut b).await.unwrap_or_else(|e| panic!("{e}"));
-            head.push(b[0]);
+            let mut byte = [0u8; 1];
+            let n = s.read(&mut byte).await.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(n, 1, "closed after {:?}", String::from_utf8_lossy(&head));
+            head.push(byte[0]);
         }
         assert!(head.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&head));
         s.write_all(b"ping").await.unwrap_or_else(|e| panic!("{e}"));
-        let mut back = [0u8; 4];
-        s.read_exact(&mut back).await.unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(&back, b"ping");
+        let mut echoed = [0u8; 4];
+        s.read_exact(&mut echoed).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&echoed, b"ping");
         stop.cancel();
         let _ = task.await;
     }

@@ -16,13 +16,14 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use sandman_wire::bounds;
-use sandman_wire::daemon::{ExtractResult, PathQuery};
+use sandman_wire::daemon::{ExtractQuery, ExtractResult, PathQuery};
 use tokio::io::DuplexStream;
 use tokio_util::io::{ReaderStream, StreamReader, SyncIoBridge};
 
 use crate::error::{DaemonError, DaemonResult};
 use crate::extract::{ApiQuery, BodyStalled, is_length_limit, is_stalled, unstalled};
-use crate::files::{DEFAULT_DIR_MODE, absolute, blocking, shown, sorted_names};
+use crate::files::{absolute, blocking, shown, sorted_names};
+use crate::owner::{self, Owner};
 use crate::state::Daemon;
 
 /// Bytes in flight between the tar writer thread and the response body: enough to keep both
@@ -36,13 +37,14 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// `PUT /v1/archive?path=`: unpacks a tar (or gzipped tar) body into the directory `path`,
 /// created if missing. Permissions and modification times are kept, existing files are
 /// replaced, symlinks stay symlinks. Stops at the first entry that would land outside `path`.
+/// The archive's owners are not kept: what it creates is the daemon's, or `user`'s.
 pub async fn extract(
     State(daemon): State<Arc<Daemon>>,
-    ApiQuery(q): ApiQuery<PathQuery>,
+    ApiQuery(q): ApiQuery<ExtractQuery>,
     body: Body,
 ) -> DaemonResult<Json<ExtractResult>> {
     let target = absolute(&q.path)?;
-    let limits = Unpacking::of(&daemon.config.limits);
+    let limits = Unpacking { owner: Owner::of(&daemon, q.user.as_deref())?, ..Unpacking::of(&daemon.config.limits) };
     extract_into(target, body, daemon.config.max_upload_bytes, limits).await.map(Json)
 }
 
@@ -55,11 +57,13 @@ struct Unpacking {
     /// A gzipped upload may unpack to this many times the compressed bytes read so far (plus
     /// [`EXPANSION_SLACK`]); 0 = no limit.
     ratio: u64,
+    /// Who what the extraction creates belongs to; the daemon when `None`.
+    owner: Option<Owner>,
 }
 
 impl Unpacking {
     fn of(limits: &crate::Limits) -> Self {
-        Unpacking { disk: limits.disk_bytes, ratio: limits.expansion_ratio }
+        Unpacking { disk: limits.disk_bytes, ratio: limits.expansion_ratio, owner: None }
     }
 }
 
@@ -150,12 +154,8 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     if limit > 0 && body.size_hint().lower() > limit {
         return Err(DaemonError::TooLarge { limit });
     }
-    tokio::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(DEFAULT_DIR_MODE)
-        .create(&target)
-        .await
-        .map_err(|e| DaemonError::io("create directory", shown(&target), e))?;
+    let made = target.clone();
+    blocking(move || owner::create_dirs(&made, limits.owner)).await?;
     // Set by the body stream when the upload passes the limit; read after the unpacking thread
     // has been joined, which orders it.
     let over_limit = Arc::new(AtomicBool::new(false));
@@ -167,9 +167,10 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     let unpacked = blocking(move || {
         let mut raw = Counting { inner: upload, progress: Arc::clone(&shared), tar: false, ratio: None };
         let unpacked = unpack(BufReader::with_capacity(READ_AHEAD, &mut raw), &dst, limits, &shared);
-        if unpacked.is_err() {
-            linger(&mut raw);
-        }
+        // What follows the archive's end (a refused one's rest, or the padding of a whole one:
+        // tar writers pad to a record of 10 KiB) is read before the answer, so that the client
+        // is not cut off while it still sends it.
+        linger(&mut raw);
         Ok(unpacked)
     })
     .await?;
@@ -183,13 +184,13 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     }
 }
 
-/// The most of a refused upload read and thrown away before the answer: a client still sending
-/// its body when the daemon refuses it gets the answer, rather than a connection closed under
-/// its write, when what is left is no more than this.
+/// The most of an upload read and thrown away after the archive (refused, or ended before the
+/// body did) and before the answer: a client still sending its body gets the answer, rather
+/// than a connection closed under its write, when what is left is no more than this.
 pub const LINGER_BYTES: u64 = 16 << 20;
 
-/// Reads what is left of a refused upload, up to [`LINGER_BYTES`], and throws it away; stops at
-/// its end, at an error (a stall, the client gone) or at the cap.
+/// Reads what is left of an upload, up to [`LINGER_BYTES`], and throws it away; stops at its
+/// end, at an error (a stall, the client gone) or at the cap.
 fn linger(upload: impl Read) {
     let _ = io::copy(&mut upload.take(LINGER_BYTES), &mut io::sink());
 }
@@ -365,11 +366,36 @@ fn unpack_tar(source: impl Read, dst: &Path, limits: Unpacking) -> Result<Counts
         if limits.disk > 0 && cost > limits.disk {
             return Err(Refusal::Disk { entry: shown(&name), limit: limits.disk });
         }
+        // What this entry creates, to give to the owner once it is unpacked: the directories
+        // `unpack_in` makes on the way, and the entry itself unless it is a directory that
+        // was there.
+        let created = limits.owner.filter(|_| !kind.is_pax_global_extensions()).map(|_| {
+            let path = dst.join(name.components().filter(|c| matches!(c, Component::Normal(_))).collect::<PathBuf>());
+            let mut created = owner::missing_ancestors(&path, dst);
+            if !kind.is_dir() && path != dst && created.first() != Some(&path) {
+                created.insert(0, path);
+            }
+            created
+        });
         // `unpack_in` also refuses to write through a symlink that leads outside `dst`.
         match entry.unpack_in(dst) {
             Ok(true) => {}
             Ok(false) => return Err(escapes(None)),
             Err(source) => return Err(Refusal::Unpack { entry: name, source }),
+        }
+        if let (Some(owner), Some(created)) = (limits.owner, created) {
+            let mode = entry.header().mode().ok();
+            for (i, path) in created.iter().enumerate() {
+                // The entry itself (first) keeps its setuid and setgid bits.
+                let kept = if i == 0 && !kind.is_symlink() { mode } else { None };
+                match owner::give_keeping_mode(owner, path, kept) {
+                    // An entry of a kind that is not unpacked (a device) made nothing.
+                    Err(source) if source.kind() != io::ErrorKind::NotFound => {
+                        return Err(Refusal::Unpack { entry: name.clone(), source });
+                    }
+                    _ => {}
+                }
+            }
         }
         if kind.is_pax_global_extensions() {
             continue;
@@ -661,7 +687,7 @@ mod tests {
         let bomb = zeros_gz(16 << 20)?;
         assert!(bomb.len() < 64 << 10, "{}", bomb.len());
         let dst = tempfile::tempdir()?;
-        let limits = Unpacking { disk: 1 << 20, ratio: 0 };
+        let limits = Unpacking { disk: 1 << 20, ratio: 0, owner: None };
         let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
         let msg = refused.map(|r| r.into_error(dst.path()).to_string()).unwrap_or_default();
         assert!(msg.contains("disk limit of 1048576 bytes") && msg.contains("`zeros`"), "{msg}");
@@ -674,7 +700,7 @@ mod tests {
     fn a_gzip_bomb_stops_at_the_expansion_ratio() -> io::Result<()> {
         let bomb = zeros_gz(32 << 20)?;
         let dst = tempfile::tempdir()?;
-        let limits = Unpacking { disk: 0, ratio: 100 };
+        let limits = Unpacking { disk: 0, ratio: 100, owner: None };
         let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
         let err = refused.map(|r| r.into_error(dst.path()));
         assert!(matches!(err, Some(DaemonError::Expansion { ratio: 100 })), "{err:?}");
@@ -774,6 +800,28 @@ mod tests {
         let wrapped = io::Error::other(stalled);
         assert!(Refusal::Read(wrapped).is_stall());
         assert!(!Refusal::Read(io::Error::other("bad header")).is_stall());
+    }
+
+    /// Before, the answer went out once tar read the archive's end, and the padding after it
+    /// (Python's tarfile and GNU tar pad to 10 KiB) was left unread: the daemon closed the
+    /// connection while the client (the server's proxy) was still writing it, and the call
+    /// failed with a broken pipe about one time in five.
+    #[tokio::test]
+    async fn what_follows_the_archives_end_is_read_before_the_answer() -> Result<(), Box<dyn std::error::Error>> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        let pulled = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&pulled);
+        let chunks = [Bytes::from(tar), Bytes::from(vec![0u8; 8192]), Bytes::from(vec![0u8; 8192])];
+        let body = Body::from_stream(futures_util::stream::iter(chunks).map(move |c| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            Ok::<_, io::Error>(c)
+        }));
+        let dst = tempfile::tempdir()?;
+        let done = extract_into(dst.path().to_path_buf(), body, 0, Unpacking::default()).await?;
+        assert_eq!(done.entries, 5);
+        assert_eq!(pulled.load(Ordering::Relaxed), 3, "the padding after the archive was not read");
+        Ok(())
     }
 
     #[tokio::test]

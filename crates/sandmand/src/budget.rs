@@ -1,8 +1,8 @@
 //! `OutputBudget`: the daemon-wide bound on command output held in memory at once, shared by
-//! the output `/v1/exec` collects and the output background processes retain
-//! (`--max-buffered-output`). Each holder takes bytes before it keeps them and gives them back
+//! the output `/v1/exec` collects, the output background processes retain and the output a
+//! session run keeps until it ends (`--max-buffered-output`). Each holder takes bytes before it keeps them and gives them back
 //! when it drops them (their capacity, not only their length: see [`OutputBudget::grow`]); what
-//! the budget cannot grant is not kept (an exec's output is cut and
+//! the budget cannot grant is not kept (an exec's or a session run's output is cut and
 //! marked truncated, a process's oldest output is dropped and counted).
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -47,7 +47,7 @@ struct Args {
     #[arg(long, value_name = "BYTES", default_value_t = sandman_wire::bounds::MAX_OUTPUT_BYTES.max,
           value_parser = clap::value_parser!(u64).range(0..=sandman_wire::bounds::MAX_OUTPUT_BYTES.max))]
     max_output_bytes: u64,
-    /// Command output held in memory at once, over every exec and background process.
+    /// Command output held in memory at once, over every exec, background process and session run.
     #[arg(long, value_name = "BYTES", default_value_t = crate::budget::DEFAULT_MAX_BUFFERED_OUTPUT)]
     max_buffered_output: u64,
     /// Connections served at once; past it, new ones wait until one closes.

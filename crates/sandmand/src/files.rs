@@ -26,6 +26,7 @@ use tokio_util::io::ReaderStream;
 
 use crate::error::{DaemonError, DaemonResult};
 use crate::extract::{ApiJson, ApiQuery, is_length_limit, is_stalled, unstalled};
+use crate::owner::{self, Owner};
 use crate::state::Daemon;
 use crate::sys::random_hex;
 
@@ -141,7 +142,8 @@ fn octet_stream(body: Body, len: Option<u64>) -> Response {
 /// `PUT /v1/files?path=&mode=`: writes the body to a temporary file beside the target and
 /// renames it over the target, so readers see the old contents or the new, never a part.
 /// Missing parents are created. A symlink to an existing file is written through (the file it
-/// points to is replaced); a dangling one is replaced itself. Answers the written file's stat.
+/// points to is replaced); a dangling one is replaced itself. With `user`, the file and the
+/// parents created belong to that user. Answers the written file's stat.
 pub async fn write_file(
     State(daemon): State<Arc<Daemon>>,
     ApiQuery(q): ApiQuery<WriteFileQuery>,
@@ -149,8 +151,9 @@ pub async fn write_file(
 ) -> DaemonResult<Json<FileStat>> {
     let requested = absolute(&q.path)?;
     let mode = parse_mode(q.mode.as_deref(), DEFAULT_FILE_MODE)?;
+    let owner = Owner::of(&daemon, q.user.as_deref())?;
     let limit = Upload { max: daemon.config.max_upload_bytes, disk: daemon.config.limits.disk_bytes };
-    write_atomically(&requested, mode, body, limit).await.map(Json)
+    write_atomically(&requested, mode, owner, body, limit).await.map(Json)
 }
 
 /// How much an upload may write: the largest upload and the sandbox's disk (0 = no limit).
@@ -173,19 +176,22 @@ impl Upload {
     }
 }
 
-/// The work of [`write_file`]: `body` into `requested` with `mode`, within `limit`.
-async fn write_atomically(requested: &Path, mode: u32, body: Body, limit: Upload) -> DaemonResult<FileStat> {
+/// The work of [`write_file`]: `body` into `requested` with `mode`, given to `owner`, within
+/// `limit`.
+async fn write_atomically(
+    requested: &Path,
+    mode: u32,
+    owner: Option<Owner>,
+    body: Body,
+    limit: Upload,
+) -> DaemonResult<FileStat> {
     if let Some(refused) = limit.refuse(body.size_hint().lower()) {
         return Err(refused);
     }
     let target = write_target(requested).await?;
     let (dir, name) = split(&target)?;
-    tokio::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(DEFAULT_DIR_MODE)
-        .create(dir)
-        .await
-        .map_err(|e| DaemonError::io("create directory", shown(dir), e))?;
+    let parents = dir.to_path_buf();
+    blocking(move || owner::create_dirs(&parents, owner)).await?;
     let temp = dir.join(temp_name(name));
     let mut file = tokio::fs::OpenOptions::new()
         .write(true)
@@ -197,6 +203,10 @@ async fn write_atomically(requested: &Path, mode: u32, body: Body, limit: Upload
     // From here on every way out, an error or the request being dropped, removes the file.
     let mut guard = TempFile::new(temp.clone());
     copy_body(body, &mut file, limit, &temp).await?;
+    // Before the mode: a change of owner clears the setuid and setgid bits.
+    if let Some(owner) = owner {
+        owner.give_file(&file, &temp)?;
+    }
     // chmod rather than the create mode, so that the umask does not apply.
     file.set_permissions(Permissions::from_mode(mode))
         .await
@@ -376,26 +386,27 @@ pub(crate) fn sorted_names(dir: &Path) -> io::Result<Vec<OsString>> {
     Ok(names)
 }
 
-/// `POST /v1/dir?path=&mode=`: mkdir -p. Parents are created 0755 and the directory itself with
-/// `mode` (default 0755); an existing directory is left as it is.
-pub async fn mkdir(ApiQuery(q): ApiQuery<MkdirQuery>) -> DaemonResult<Json<FileStat>> {
+/// `POST /v1/dir?path=&mode=&user=`: mkdir -p. Parents are created 0755 and the directory itself
+/// with `mode` (default 0755), those created given to `user`; an existing directory is left as
+/// it is.
+pub async fn mkdir(
+    State(daemon): State<Arc<Daemon>>,
+    ApiQuery(q): ApiQuery<MkdirQuery>,
+) -> DaemonResult<Json<FileStat>> {
     let path = absolute(&q.path)?;
     let mode = parse_mode(q.mode.as_deref(), DEFAULT_DIR_MODE)?;
-    blocking(move || make_dir(&path, mode).map(Json)).await
+    let owner = Owner::of(&daemon, q.user.as_deref())?;
+    blocking(move || make_dir(&path, mode, owner).map(Json)).await
 }
 
-fn make_dir(path: &Path, mode: u32) -> DaemonResult<FileStat> {
+fn make_dir(path: &Path, mode: u32, owner: Option<Owner>) -> DaemonResult<FileStat> {
     match fs::metadata(path) {
         Ok(meta) if meta.is_dir() => {}
         Ok(_) => {
             return Err(DaemonError::Conflict(format!("`{}` exists and is not a directory", shown(path))));
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(DEFAULT_DIR_MODE)
-                .create(path)
-                .map_err(|e| DaemonError::io("create directory", shown(path), e))?;
+            owner::create_dirs(path, owner)?;
             // chmod rather than the create mode, so that the umask does not apply.
             fs::set_permissions(path, Permissions::from_mode(mode))
                 .map_err(|e| DaemonError::io("set the mode of", shown(path), e))?;
@@ -670,10 +681,10 @@ mod tests {
     fn make_dir_is_mkdir_p_and_conflicts_with_files() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tree()?;
         let deep = dir.path().join("x/y/z");
-        let s = make_dir(&deep, 0o700)?;
+        let s = make_dir(&deep, 0o700, None)?;
         assert_eq!((s.kind, s.mode), (FileKind::Dir, 0o700));
-        make_dir(&deep, 0o755)?;
-        let err = make_dir(&dir.path().join("a"), 0o755).err();
+        make_dir(&deep, 0o755, None)?;
+        let err = make_dir(&dir.path().join("a"), 0o755, None).err();
         assert!(matches!(err, Some(DaemonError::Conflict(_))), "{err:?}");
         Ok(())
     }
@@ -755,11 +766,12 @@ mod tests {
     async fn write_creates_parents_and_sets_the_mode() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
         let target = dir.path().join("a/b/c.txt");
-        let s = write_atomically(&target, 0o600, Body::from("hello"), Upload { max: 0, disk: 0 }).await?;
+        let s = write_atomically(&target, 0o600, None, Body::from("hello"), Upload { max: 0, disk: 0 }).await?;
         assert_eq!((s.kind, s.size, s.mode), (FileKind::File, 5, 0o600));
         assert_eq!(fs::read(&target)?, b"hello");
         assert!(fs::metadata(dir.path().join("a/b"))?.is_dir());
-        let s = write_atomically(&target, DEFAULT_FILE_MODE, Body::from("bye"), Upload { max: 0, disk: 0 }).await?;
+        let s =
+            write_atomically(&target, DEFAULT_FILE_MODE, None, Body::from("bye"), Upload { max: 0, disk: 0 }).await?;
         assert_eq!((s.size, s.mode), (3, 0o644));
         assert!(leftovers(&dir.path().join("a/b"))?.is_empty());
         Ok(())
@@ -772,12 +784,14 @@ mod tests {
         // A body of unknown length, so that the limit is found while streaming it.
         let chunks =
             futures_util::stream::iter(["12345", "67890", "abcde"].map(|c| Ok::<_, io::Error>(Bytes::from(c))));
-        let err = write_atomically(&target, 0o644, Body::from_stream(chunks), Upload { max: 8, disk: 0 }).await.err();
+        let err =
+            write_atomically(&target, 0o644, None, Body::from_stream(chunks), Upload { max: 8, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 8 })), "{err:?}");
         assert!(!target.exists());
         assert!(leftovers(dir.path())?.is_empty());
         // A body whose length is known is refused before anything is created.
-        let err = write_atomically(&target, 0o644, Body::from("123456789"), Upload { max: 8, disk: 0 }).await.err();
+        let err =
+            write_atomically(&target, 0o644, None, Body::from("123456789"), Upload { max: 8, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 8 })), "{err:?}");
         assert!(sorted_names(dir.path())?.is_empty());
         Ok(())
@@ -788,7 +802,8 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let target = dir.path().join("big");
         let chunks = futures_util::stream::iter(["12345", "67890"].map(|c| Ok::<_, io::Error>(Bytes::from(c))));
-        let err = write_atomically(&target, 0o644, Body::from_stream(chunks), Upload { max: 0, disk: 8 }).await.err();
+        let err =
+            write_atomically(&target, 0o644, None, Body::from_stream(chunks), Upload { max: 0, disk: 8 }).await.err();
         assert!(matches!(err, Some(DaemonError::DiskLimit { limit: 8, .. })), "{err:?}");
         assert_eq!(err.map(|e| e.code().http_status()), Some(413));
         assert!(leftovers(dir.path())?.is_empty());
@@ -803,7 +818,7 @@ mod tests {
         let target = dir.path().join("slow");
         let first = futures_util::stream::once(async { Ok::<_, io::Error>(Bytes::from_static(b"half")) });
         let body = Body::from_stream(first.chain(futures_util::stream::pending()));
-        let err = write_atomically(&target, 0o644, body, Upload::default()).await.err();
+        let err = write_atomically(&target, 0o644, None, body, Upload::default()).await.err();
         assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::Timeout));
         assert!(!target.exists());
         assert!(leftovers(dir.path())?.is_empty());
@@ -813,12 +828,13 @@ mod tests {
     #[tokio::test]
     async fn write_refuses_a_directory_and_writes_through_a_symlink() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tree()?;
-        let err =
-            write_atomically(&dir.path().join("b"), 0o644, Body::from("x"), Upload { max: 0, disk: 0 }).await.err();
+        let err = write_atomically(&dir.path().join("b"), 0o644, None, Body::from("x"), Upload { max: 0, disk: 0 })
+            .await
+            .err();
         assert!(matches!(err, Some(DaemonError::InvalidArgument(_))), "{err:?}");
         symlink("a", dir.path().join("to-a"))?;
-        let s =
-            write_atomically(&dir.path().join("to-a"), 0o644, Body::from("new"), Upload { max: 0, disk: 0 }).await?;
+        let s = write_atomically(&dir.path().join("to-a"), 0o644, None, Body::from("new"), Upload { max: 0, disk: 0 })
+            .await?;
         assert_eq!(s.path, shown(&dir.path().join("a")));
         assert_eq!(fs::read(dir.path().join("a"))?, b"new");
         assert!(fs::symlink_metadata(dir.path().join("to-a"))?.file_type().is_symlink());

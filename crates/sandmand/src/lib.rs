@@ -16,6 +16,7 @@ pub mod lease;
 pub mod observe;
 #[cfg(feature = "openapi")]
 pub mod openapi;
+pub mod owner;
 pub mod ports;
 pub mod processes;
 pub mod run;

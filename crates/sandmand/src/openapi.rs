@@ -119,7 +119,7 @@ fn dir_list() {}
 fn dir_make() {}
 #[utoipa::path(post, path = "/v1/move", request_body = MoveRequest, responses((status = 200, body = FileStat), (status = 409, body = ErrorBody)))]
 fn move_path() {}
-#[utoipa::path(put, path = "/v1/archive", params(PathQuery), request_body(content = Vec<u8>, content_type = "application/x-tar", description = "a tar, optionally gzipped"),
+#[utoipa::path(put, path = "/v1/archive", params(ExtractQuery), request_body(content = Vec<u8>, content_type = "application/x-tar", description = "a tar, optionally gzipped"),
     responses((status = 200, body = ExtractResult), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody)))]
 fn archive_put() {}
 #[utoipa::path(get, path = "/v1/archive", params(PathQuery),

@@ -380,12 +380,19 @@ pub async fn output(
     Ok(Json(chunk).into_response())
 }
 
-/// Streams output from `offset` as it arrives, ending with the exit event.
+/// Streams output from `offset` as it arrives, ending with the exit event. Each `data` event
+/// says which bytes its text is (`offset` to `next_offset`): the end of a character cut by a
+/// read is carried into the next event, so that a client resuming at `next_offset` reads on
+/// exactly after the text it has.
 fn follow(daemon: &Daemon, process: Arc<Process>, stream: StreamName, mut offset: u64) -> Response {
     let (tx, rx) = mpsc::channel(FOLLOW_EVENTS);
     let mut changed = process.changed.subscribe();
     daemon.tasks.spawn(async move {
         let mut utf8 = Utf8Chunks::default();
+        // `offset` is where the next read starts; the bytes just before it that `utf8` carries
+        // are read but in no event yet.
+        let data_event =
+            |start: u64, next_offset: u64, data: String| OutputEvent::Data { offset: start, next_offset, data };
         loop {
             // Mark the current version seen before reading, so a change after the read wakes us.
             changed.borrow_and_update();
@@ -395,23 +402,34 @@ fn follow(daemon: &Daemon, process: Arc<Process>, stream: StreamName, mut offset
                 let (from, dropped, data) = ring.read(offset, DEFAULT_CHUNK);
                 (from, dropped, data, out.exit.clone(), ring.total())
             };
-            if dropped > 0 && tx.send(OutputEvent::Dropped { offset, bytes: dropped }).await.is_err() {
-                return;
+            if dropped > 0 {
+                // The carried start of a character will never be finished: what was read before
+                // the gap goes out as it is.
+                let carried = utf8.carried() as u64;
+                let tail = utf8.finish();
+                if !tail.is_empty() && tx.send(data_event(offset - carried, offset, tail)).await.is_err() {
+                    return;
+                }
+                if tx.send(OutputEvent::Dropped { offset, bytes: dropped }).await.is_err() {
+                    return;
+                }
             }
             if !data.is_empty() {
+                let start = from - utf8.carried() as u64;
                 let text = utf8.push(&data);
-                let at = from;
                 offset = from + data.len() as u64;
-                if !text.is_empty() && tx.send(OutputEvent::Data { offset: at, data: text }).await.is_err() {
+                let next = offset - utf8.carried() as u64;
+                if !text.is_empty() && tx.send(data_event(start, next, text)).await.is_err() {
                     return;
                 }
                 continue;
             }
             offset = offset.max(from);
             if let Some(status) = exit {
+                let carried = utf8.carried() as u64;
                 let tail = utf8.finish();
                 if !tail.is_empty() {
-                    let _ = tx.send(OutputEvent::Data { offset, data: tail }).await;
+                    let _ = tx.send(data_event(offset - carried, offset, tail)).await;
                 }
                 let _ = tx.send(OutputEvent::Exit { status, next_offset: total }).await;
                 return;

@@ -239,6 +239,11 @@ impl Utf8Chunks {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    /// Bytes held back: the start of a character whose end has not come yet (at most 3).
+    pub fn carried(&self) -> usize {
+        self.carry.len()
+    }
+
     /// Whatever is left at the end of the stream.
     pub fn finish(&mut self) -> String {
         String::from_utf8_lossy(&std::mem::take(&mut self.carry)).into_owned()

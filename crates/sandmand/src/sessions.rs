@@ -17,6 +17,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::budget::OutputBudget;
 use crate::children::Children;
 use crate::error::{DaemonError, DaemonResult};
 use crate::extract::ApiJson;
@@ -60,16 +61,23 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 const SETUP_OUTPUT_BYTES: usize = 4096;
 
 /// Every session the daemon remembers, alive or ended, until it is deleted.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Sessions {
     /// Session number (the `N` of `s-N`) → session. Locked only to look up, add or remove, never
     /// across an `.await`; lock order is this table, then a session's state.
     table: Mutex<BTreeMap<u64, Arc<Session>>>,
     /// The last session number handed out.
     last_id: AtomicU64,
+    /// The daemon's output budget, shared with execs and background processes: the output a
+    /// run keeps until it ends is taken from it.
+    budget: Arc<OutputBudget>,
 }
 
 impl Sessions {
+    pub fn new(budget: Arc<OutputBudget>) -> Self {
+        Sessions { table: Mutex::default(), last_id: AtomicU64::new(0), budget }
+    }
+
     /// How many sessions the daemon remembers (ended ones included, until deleted).
     pub fn count(&self) -> usize {
         self.table().len()
@@ -146,7 +154,14 @@ impl Sessions {
         let n = self.last_id.fetch_add(1, Ordering::Relaxed) + 1;
         // Dropped before it is in the table (a failed setup, a client that went away), the
         // session kills its shell.
-        let session = Arc::new(Session { id: format!("s-{n}"), shell, pid, shared, _tasks: tasks });
+        let session = Arc::new(Session {
+            id: format!("s-{n}"),
+            shell,
+            pid,
+            shared,
+            budget: Arc::clone(&self.budget),
+            _tasks: tasks,
+        });
         session.set_up().await?;
         let info = session.info();
         self.table().insert(n, session);
@@ -254,6 +269,8 @@ struct Session {
     /// The shell's pid, which also names its process group.
     pid: i32,
     shared: Arc<Shared>,
+    /// Where a run's kept output is charged (the daemon's output budget).
+    budget: Arc<OutputBudget>,
     /// The two output readers and the exit watcher: owned here, aborted when the session is
     /// forgotten (its shell is killed first, so they would end anyway).
     _tasks: [AbortOnDropHandle<()>; 3],
@@ -402,15 +419,22 @@ impl SessionState {
         }
     }
 
-    /// Hands the shell's stdin to a new run and arms both streams for its markers.
-    fn begin_run(&mut self, id: &str, nonce: &str, cap: usize) -> DaemonResult<pipe::Sender> {
+    /// Hands the shell's stdin to a new run and arms both streams for its markers, their kept
+    /// output charged to `budget`.
+    fn begin_run(
+        &mut self,
+        id: &str,
+        nonce: &str,
+        cap: usize,
+        budget: &Arc<OutputBudget>,
+    ) -> DaemonResult<pipe::Sender> {
         let end = self.end();
         match std::mem::replace(&mut self.phase, Phase::Running) {
             Phase::Running => Err(DaemonError::Conflict(format!("session `{id}` is busy running a command"))),
             Phase::Idle(stdin) if end.is_none() => {
                 // Output that arrived since the last run (background jobs) is nobody's.
-                self.stdout.arm(nonce, cap);
-                self.stderr.arm(nonce, cap);
+                self.stdout.arm(nonce, cap, Arc::clone(budget));
+                self.stderr.arm(nonce, cap, Arc::clone(budget));
                 Ok(stdin)
             }
             Phase::Idle(_) | Phase::Ended => {
@@ -472,7 +496,7 @@ struct Outcome {
 
 impl RunSlot {
     fn begin(session: Arc<Session>, nonce: &str, cap: usize) -> DaemonResult<RunSlot> {
-        let stdin = session.shared.lock().begin_run(&session.id, nonce, cap)?;
+        let stdin = session.shared.lock().begin_run(&session.id, nonce, cap, &session.budget)?;
         Ok(RunSlot { session, stdin: Some(stdin), sent: 0, script_len: 0, finished: false, spared: Vec::new() })
     }
 
@@ -646,8 +670,9 @@ struct Capture {
     skip: Option<String>,
     /// At most this many bytes of the run's output are kept.
     cap: usize,
-    /// The first `cap` bytes the stream carried during the run.
-    kept: Vec<u8>,
+    /// The first `cap` bytes the stream carried during the run (fewer when the daemon's output
+    /// budget had no more room).
+    kept: Kept,
     /// How many bytes the stream carried during the run.
     seen: usize,
     /// The last bytes seen (at most `MARKER_WINDOW`), where a marker cut by a read starts.
@@ -659,12 +684,19 @@ struct Capture {
 }
 
 impl Capture {
-    fn arm(&mut self, nonce: &str, cap: usize) {
+    fn arm(&mut self, nonce: &str, cap: usize, budget: Arc<OutputBudget>) {
         let skip = self.skip.take();
         // A marker being skipped may have started in the window already.
         let window = if skip.is_some() { std::mem::take(&mut self.window) } else { Vec::new() };
-        *self =
-            Capture { nonce: Some(nonce.to_string()), skip, cap, window, closed: self.closed, ..Capture::default() };
+        *self = Capture {
+            nonce: Some(nonce.to_string()),
+            skip,
+            cap,
+            kept: Kept { buf: Vec::new(), budget: Some(budget), charged: 0 },
+            window,
+            closed: self.closed,
+            ..Capture::default()
+        };
     }
 
     fn disarm(&mut self) {
@@ -698,8 +730,7 @@ impl Capture {
             // After the marker: background jobs writing after their command finished.
             return;
         }
-        let room = self.cap.saturating_sub(self.kept.len()).min(data.len());
-        self.kept.extend_from_slice(&data[..room]);
+        self.kept.push(data, self.cap);
         let window_start = self.seen - self.window.len();
         self.seen += data.len();
         self.window.extend_from_slice(data);
@@ -721,8 +752,42 @@ impl Capture {
     /// and whether it was cut at the cap.
     fn output(&self) -> (String, bool) {
         let len = self.marker.map_or(self.seen, |(at, _)| at);
-        let kept = &self.kept[..len.min(self.kept.len())];
-        (String::from_utf8_lossy(kept).into_owned(), len > self.cap)
+        let kept = &self.kept.buf[..len.min(self.kept.buf.len())];
+        (String::from_utf8_lossy(kept).into_owned(), len > kept.len())
+    }
+}
+
+/// A run's kept output, whose capacity is taken from the daemon's output budget as it grows and
+/// given back when it is dropped (the run's end, or the next run).
+#[derive(Debug, Default)]
+struct Kept {
+    buf: Vec<u8>,
+    /// The budget it is charged to; `None` between runs, when nothing is kept.
+    budget: Option<Arc<OutputBudget>>,
+    /// Bytes of capacity taken from the budget.
+    charged: u64,
+}
+
+impl Kept {
+    /// Keeps as much of `data` as `cap` and the budget allow; the rest is dropped.
+    fn push(&mut self, data: &[u8], cap: usize) {
+        let Some(budget) = &self.budget else { return };
+        let len = self.buf.len();
+        let max_len = budget.grow(&mut self.charged, len as u64, data.len() as u64, cap as u64);
+        let max_len = usize::try_from(max_len).unwrap_or(usize::MAX);
+        if max_len > self.buf.capacity() {
+            self.buf.reserve_exact(max_len - len);
+        }
+        let room = max_len.saturating_sub(len).min(data.len());
+        self.buf.extend_from_slice(&data[..room]);
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        if let Some(budget) = &self.budget {
+            budget.give_back(self.charged);
+        }
     }
 }
 
@@ -840,7 +905,7 @@ mod tests {
         assert_eq!(found, Some(Marker { at: printed.len(), end: stream.len(), status: Some(7) }));
 
         let mut capture = Capture::default();
-        capture.arm(NONCE, 1 << 20);
+        capture.arm(NONCE, 1 << 20, unlimited());
         capture.push(Stream::Stdout, stream.as_bytes());
         assert_eq!(capture.marker.map(|(_, code)| code), Some(Some(7)));
         assert_eq!(capture.output(), (printed, false));
@@ -850,7 +915,7 @@ mod tests {
     fn a_marker_split_across_reads_is_found() {
         let stream = format!("line one\nline two\n{NONCE} 0\n");
         let mut capture = Capture::default();
-        capture.arm(NONCE, 1 << 20);
+        capture.arm(NONCE, 1 << 20, unlimited());
         for b in stream.as_bytes() {
             assert!(capture.marker.is_none());
             capture.push(Stream::Stdout, std::slice::from_ref(b));
@@ -862,7 +927,7 @@ mod tests {
     #[test]
     fn output_past_the_cap_is_dropped_but_the_marker_still_found() {
         let mut capture = Capture::default();
-        capture.arm(NONCE, 10);
+        capture.arm(NONCE, 10, unlimited());
         for _ in 0..1000 {
             capture.push(Stream::Stderr, b"0123456789abcdef");
         }
@@ -878,7 +943,7 @@ mod tests {
     fn output_between_runs_is_dropped() {
         let mut capture = Capture::default();
         capture.push(Stream::Stdout, b"from a background job\n");
-        capture.arm(NONCE, 100);
+        capture.arm(NONCE, 100, unlimited());
         capture.push(Stream::Stdout, format!("mine\n{NONCE} 0\n").as_bytes());
         assert_eq!(capture.output(), ("mine".to_string(), false));
         capture.disarm();
@@ -890,11 +955,11 @@ mod tests {
     fn the_next_run_skips_what_an_abandoned_run_still_prints() {
         let old = "ffffffffffffffffffffffffffffffff";
         let mut capture = Capture::default();
-        capture.arm(old, 100);
+        capture.arm(old, 100, unlimited());
         capture.push(Stream::Stdout, b"abandoned command's output\n");
         capture.disarm();
         capture.push(Stream::Stdout, b"more of it, between runs\n\nffff");
-        capture.arm(NONCE, 100);
+        capture.arm(NONCE, 100, unlimited());
         let rest = format!("ffffffffffffffffffffffffffff 130\nnext\n\n{NONCE} 0\n");
         for b in rest.as_bytes() {
             capture.push(Stream::Stdout, std::slice::from_ref(b));
@@ -904,6 +969,35 @@ mod tests {
         assert!(capture.skip.is_none());
         capture.disarm();
         assert!(capture.skip.is_none());
+    }
+
+    fn unlimited() -> Arc<OutputBudget> {
+        Arc::new(OutputBudget::new(u64::MAX))
+    }
+
+    /// Before, a run kept up to its `max_output_bytes` whatever execs and background processes
+    /// held: sessions were outside the daemon's output budget.
+    #[test]
+    fn a_runs_output_is_held_to_the_daemons_budget_and_given_back() {
+        let budget = Arc::new(OutputBudget::new(1000));
+        assert_eq!(budget.take(400), 400); // what the others hold
+        let mut capture = Capture::default();
+        capture.arm(NONCE, 10_000, Arc::clone(&budget));
+        for _ in 0..100 {
+            capture.push(Stream::Stdout, b"0123456789abcdef");
+        }
+        capture.push(Stream::Stdout, format!("\n{NONCE} 0\n").as_bytes());
+        let (out, truncated) = capture.output();
+        assert_eq!((out.len(), truncated), (600, true));
+        assert_eq!(budget.held(), 1000);
+        capture.disarm();
+        assert_eq!(budget.held(), 400, "the run's share was not given back");
+        // The next run has the room again.
+        capture.arm(NONCE, 10_000, Arc::clone(&budget));
+        capture.push(Stream::Stdout, format!("short\n{NONCE} 0\n").as_bytes());
+        assert_eq!(capture.output(), ("short".to_string(), false));
+        drop(capture);
+        assert_eq!(budget.held(), 400);
     }
 
     #[test]
@@ -942,7 +1036,7 @@ mod tests {
         let mut changed = shared.changed.subscribe();
         loop {
             changed.borrow_and_update();
-            if String::from_utf8_lossy(&shared.lock().stdout.kept).contains(text) {
+            if String::from_utf8_lossy(&shared.lock().stdout.kept.buf).contains(text) {
                 return;
             }
             let _ = changed.changed().await;
@@ -957,7 +1051,7 @@ mod tests {
         let cancel = CancellationToken::new();
         let reaper =
             crate::children::install_reaper(Arc::clone(&children), cancel.clone()).unwrap_or_else(|e| panic!("{e}"));
-        let sessions = Sessions::default();
+        let sessions = Sessions::new(Arc::new(OutputBudget::new(u64::MAX)));
         let d = defaults();
 
         state_survives_between_runs(&sessions, &d, &children).await;

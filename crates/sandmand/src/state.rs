@@ -38,7 +38,7 @@ pub struct Daemon {
     pub defaults: Defaults,
     pub children: Arc<Children>,
     pub processes: Processes,
-    /// Command output held in memory at once, over every exec and background process.
+    /// Command output held in memory at once, over every exec, background process and session run.
     pub output_budget: Arc<OutputBudget>,
     pub sessions: Sessions,
     pub lease: Lease,
@@ -52,13 +52,14 @@ pub struct Daemon {
 impl Daemon {
     pub fn new(config: Config, defaults: Defaults, children: Arc<Children>, lease: Option<Duration>) -> Arc<Self> {
         let output_budget = Arc::new(OutputBudget::new(config.limits.max_buffered_output));
+        let sessions = Sessions::new(Arc::clone(&output_budget));
         Arc::new(Daemon {
             config,
             defaults,
             children,
             output_budget,
             processes: Processes::default(),
-            sessions: Sessions::default(),
+            sessions,
             lease: Lease::new(lease),
             tasks: TaskTracker::new(),
             started: Instant::now(),

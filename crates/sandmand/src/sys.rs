@@ -117,6 +117,12 @@ pub fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// The effective gid of the daemon.
+pub fn egid() -> u32 {
+    // SAFETY: `getegid` takes no arguments and cannot fail.
+    unsafe { libc::getegid() }
+}
+
 /// Fills `buf` from the kernel's random source (no `/dev/urandom` needed in the image).
 pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     let mut filled = 0;

@@ -247,3 +247,95 @@ async fn tar_entries_escaping_the_target_are_refused() {
     r.error(400, "invalid_argument");
     assert!(!d.dir().join("through.txt").exists(), "a file was written through a symlink outside the target");
 }
+
+/// `(uid, gid)` of `path` itself.
+fn owner_of(path: &std::path::Path) -> (u32, u32) {
+    let meta = std::fs::symlink_metadata(path).unwrap();
+    (meta.uid(), meta.gid())
+}
+
+/// Before, files written, directories made and archives unpacked belonged to the daemon (root)
+/// whatever the call's user; now what a call creates belongs to its `user` (the sandbox's
+/// default user, which the server adds), and what was there keeps its owner.
+#[tokio::test]
+async fn files_directories_and_archives_belong_to_the_calls_user() {
+    assert_eq!(sandmand::sys::euid(), 0, "this test needs root to give files away (CI and scripts/test run as root)");
+    let d = Daemon::start().await;
+    let me = owner_of(d.dir());
+    let user = "4242:4343";
+
+    // A file and the parents made for it; the directory that was there keeps its owner.
+    let file = d.dir().join("w/x/f.txt");
+    let r = d
+        .call(
+            "PUT",
+            &format!("/v1/files?path={}&mode=4755&user={user}", q(&file)),
+            Some(TOKEN),
+            Body::Bytes(b"hi".to_vec()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!((r.json()["uid"].as_u64(), r.json()["gid"].as_u64()), (Some(4242), Some(4343)));
+    assert_eq!(owner_of(&file), (4242, 4343));
+    // The change of owner came before the mode: the setuid bit is kept.
+    assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o7777, 0o4755);
+    assert_eq!((owner_of(&d.dir().join("w/x")), owner_of(&d.dir().join("w"))), ((4242, 4343), (4242, 4343)));
+    assert_eq!(owner_of(d.dir()), me);
+    // Written again without a user, the new file is the daemon's.
+    let r =
+        d.call("PUT", &format!("/v1/files?path={}", q(&file)), Some(TOKEN), Body::Bytes(b"2".to_vec())).await.unwrap();
+    assert_eq!((r.status.as_u16(), owner_of(&file)), (200, (0, 0)));
+
+    // mkdir -p: the directories made, not the one that was there.
+    let made = d.dir().join("w/m/n");
+    std::fs::create_dir(d.dir().join("w/m")).unwrap();
+    let r = d.call("POST", &format!("/v1/dir?path={}&user={user}", q(&made)), Some(TOKEN), Body::Empty).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!((owner_of(&made), owner_of(&d.dir().join("w/m"))), ((4242, 4343), (0, 0)));
+
+    // An archive: the target made for it, every entry (a symlink itself, not what it points
+    // to), the directories made on the way; an existing directory in it keeps its owner.
+    let dest = d.dir().join("up");
+    std::fs::create_dir_all(dest.join("pre")).unwrap();
+    let tar = tar_of(
+        &[("bin/run.sh", b"#!/bin/sh\n", 0o4755), ("pre/in.txt", b"x", 0o600), ("a/b/c.txt", b"c", 0o644)],
+        Some(("bin/latest", "run.sh")),
+    );
+    let r = d
+        .call("PUT", &format!("/v1/archive?path={}&user={user}", q(&dest)), Some(TOKEN), Body::Bytes(tar))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    for made in ["bin", "bin/run.sh", "bin/latest", "pre/in.txt", "a", "a/b", "a/b/c.txt"] {
+        assert_eq!(owner_of(&dest.join(made)), (4242, 4343), "{made}");
+    }
+    assert_eq!((owner_of(&dest), owner_of(&dest.join("pre"))), (me, me));
+    assert_eq!(std::fs::metadata(dest.join("bin/run.sh")).unwrap().mode() & 0o7777, 0o4755);
+    let fresh = d.dir().join("fresh/target");
+    let r = d
+        .call(
+            "PUT",
+            &format!("/v1/archive?path={}&user={user}", q(&fresh)),
+            Some(TOKEN),
+            Body::Bytes(tar_of(&[], None)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!((owner_of(&fresh), owner_of(&d.dir().join("fresh"))), ((4242, 4343), (4242, 4343)));
+
+    // A user the daemon does not know is refused, naming it, before anything is written.
+    let nobody = d.dir().join("never/f");
+    let r = d
+        .call(
+            "PUT",
+            &format!("/v1/files?path={}&user=no-such-user", q(&nobody)),
+            Some(TOKEN),
+            Body::Bytes(b"x".to_vec()),
+        )
+        .await
+        .unwrap();
+    assert!(r.error(400, "invalid_argument").contains("no-such-user"));
+    assert!(!d.dir().join("never").exists());
+}

@@ -114,6 +114,58 @@ async fn follow_streams_output_then_the_exit() {
     assert_eq!(exit["next_offset"], 4);
 }
 
+/// Before, a followed `data` event had only its start: a client resuming after it computed the
+/// end from the text, which is wrong where bytes are not UTF-8 (one byte arrives as U+FFFD, three
+/// bytes of text). `next_offset` says where the event's bytes end, and the start of a character
+/// that a read cut is carried into the next event, never counted in this one.
+#[tokio::test]
+async fn followed_data_says_where_its_bytes_end_so_a_follow_resumes_exactly() {
+    let d = Daemon::start().await;
+    // `x`, an invalid byte, `y`, then the first two bytes of `€` (E2 82 AC); the rest once a
+    // line comes on stdin.
+    let script = r"printf 'x\377y\342\202'; read l; printf '\254z'";
+    let r = d.json("POST", "/v1/processes", json!({"command": script, "stdin": true, "tag": "u"})).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let d = &d;
+    let follow = |offset: u64| async move {
+        let mut conn = d.connect().await;
+        let path = format!("/v1/processes/u/output?follow=true&offset={offset}");
+        Events::new(conn.send("GET", &path, Some(TOKEN), Body::Empty).await.unwrap())
+    };
+    let mut events = follow(0).await;
+    let (mut text, mut next) = (String::new(), 0);
+    while !text.contains('y') {
+        let e = events.next().await.unwrap();
+        assert_eq!(e["event"], "data", "{e}");
+        assert_eq!(e["offset"].as_u64(), Some(next), "an event starts where the last ended: {e}");
+        text.push_str(e["data"].as_str().unwrap());
+        next = e["next_offset"].as_u64().unwrap();
+    }
+    assert_eq!(text, "x\u{FFFD}y");
+    // Three bytes of text (`x`, `y` and U+FFFD's three make five) but three bytes of output: the
+    // half of `€` is not in it.
+    assert_eq!(next, 3);
+    drop(events);
+
+    d.json("POST", "/v1/processes/u/stdin", json!({"data": "go\n"})).await;
+    let mut events = follow(next).await;
+    let mut rest = String::new();
+    let exit = loop {
+        let e = events.next().await.unwrap();
+        match e["event"].as_str().unwrap() {
+            "data" => {
+                assert_eq!(e["offset"].as_u64(), Some(next), "{e}");
+                rest.push_str(e["data"].as_str().unwrap());
+                next = e["next_offset"].as_u64().unwrap();
+            }
+            "exit" => break e,
+            other => panic!("unexpected {other}: {e}"),
+        }
+    };
+    assert_eq!((rest.as_str(), next), ("€z", 7));
+    assert_eq!(exit["next_offset"], 7);
+}
+
 #[tokio::test]
 async fn stdin_is_written_then_closed() {
     let d = Daemon::start().await;

@@ -105,3 +105,25 @@ async fn sessions_are_listed_and_deleted() {
     d.json("POST", &format!("/v1/sessions/{id}/run"), json!({"command": "true"})).await.error(404, "not_found");
     d.json("POST", "/v1/sessions", json!({"shell": "/no/shell"})).await.error(400, "invalid_argument");
 }
+
+/// Before, a session run kept up to its `max_output_bytes` outside `--max-buffered-output`, the
+/// bound execs and background processes share. A run now takes what it keeps from the same
+/// budget, and its output is cut (`stdout_truncated`) when the others hold the rest.
+#[tokio::test]
+async fn a_session_runs_output_shares_the_daemons_output_budget() {
+    let d = Daemon::start_with(&["--max-buffered-output", "3000"], None).await;
+    let r = d.json("POST", "/v1/processes", json!({"command": "seq 1 10000", "retain_bytes": 2000, "tag": "p"})).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    d.json("POST", "/v1/processes/p/wait", json!({})).await;
+    let id = session(&d).await;
+    let big = json!({"command": "head -c 5000 /dev/zero | tr '\\0' x", "max_output_bytes": 2500});
+    let r = d.json("POST", &format!("/v1/sessions/{id}/run"), big.clone()).await.json();
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert_eq!((r["stdout"].as_str().map(str::len), &r["stdout_truncated"]), (Some(1000), &json!(true)));
+    // The run gave its share back, and deleting the process gives back its own.
+    d.call("DELETE", "/v1/processes/p", Some(TOKEN), Body::Empty).await.unwrap();
+    let r = d.json("POST", &format!("/v1/sessions/{id}/run"), big).await.json();
+    assert_eq!((r["stdout"].as_str().map(str::len), &r["stdout_truncated"]), (Some(2500), &json!(true)));
+    let r = run(&d, &id, "echo small").await;
+    assert_eq!((r["stdout"].as_str(), &r["stdout_truncated"]), (Some("small\n"), &json!(false)));
+}

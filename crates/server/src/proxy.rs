@@ -6,7 +6,9 @@
 //! `/run`, read to hold its `max_output_bytes` to the server's ceiling. Bodies read whole share one
 //! budget ([`Service::hold_body`]), so that many large ones at once are refused rather than held.
 //! An HTTP/1.1 upgrade (a WebSocket to a port in the sandbox, `…/ports/{port}/…`) is passed on,
-//! and once the daemon answers 101 both connections are spliced.
+//! and once the daemon answers 101 both connections are spliced. A sandbox's default user is
+//! added to the calls that start commands (in their JSON body) and to those that create files
+//! (`PUT /files`, `POST /dir`, `PUT /archive`: a `user` query parameter), where they name none.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -42,7 +44,11 @@ pub async fn forward(
     let inbound = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (endpoint, token) = (target.endpoint, target.token);
     service.metrics.proxied.inc();
-    let path_and_query = match req.uri().query() {
+    let query = match (&target.user, creates_files(req.method(), &rest)) {
+        (Some(user), true) => Some(with_user(req.uri().query(), user)),
+        _ => req.uri().query().map(str::to_string),
+    };
+    let path_and_query = match query {
         Some(q) => format!("/v1/{rest}?{q}"),
         None => format!("/v1/{rest}"),
     };
@@ -96,7 +102,7 @@ pub async fn forward(
         .daemons
         .request(out)
         .await
-        .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {e}")))?;
+        .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {}", with_causes(&e))))?;
     let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(inbound)) = (switching, inbound) {
         let outbound = hyper::upgrade::on(&mut resp);
@@ -121,6 +127,19 @@ pub async fn forward(
     Ok(Response::from_parts(parts, Body::new(body)).into_response())
 }
 
+/// An error and its causes, `: `-separated: hyper's own message (`client error (SendRequest)`)
+/// says little without them.
+fn with_causes(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
+}
+
 /// Whether a request asks to switch protocols (`Connection: upgrade` with `Upgrade`).
 fn is_upgrade(headers: &http::HeaderMap) -> bool {
     headers.contains_key(header::UPGRADE)
@@ -142,6 +161,25 @@ fn keep_upgrade(from: &http::HeaderMap, to: &mut http::HeaderMap) {
 /// The daemon calls whose JSON body has an `env` for the command they start.
 fn starts_command(call: &str) -> bool {
     matches!(call.trim_end_matches('/'), "exec" | "exec/stream" | "processes" | "sessions")
+}
+
+/// The daemon calls that create files, whose `user` query parameter names who owns them.
+fn creates_files(method: &http::Method, call: &str) -> bool {
+    matches!(
+        (method, call.trim_end_matches('/')),
+        (&http::Method::PUT, "files" | "archive") | (&http::Method::POST, "dir")
+    )
+}
+
+/// `query` with `user=<user>` added, unless it names a `user` of its own (which wins, as a
+/// command's own `user` does).
+fn with_user(query: Option<&str>, user: &str) -> String {
+    let query = query.unwrap_or_default();
+    if form_urlencoded::parse(query.as_bytes()).any(|(k, _)| k == "user") {
+        return query.to_string();
+    }
+    let user: String = form_urlencoded::Serializer::new(String::new()).append_pair("user", user).finish();
+    if query.is_empty() { user } else { format!("{query}&{user}") }
 }
 
 /// The daemon calls that hold a command's output until it ends, up to its `max_output_bytes`:
@@ -234,6 +272,20 @@ mod tests {
         let out = merge_defaults(bytes::Bytes::from_static(br#"{"argv":["id"],"user":null}"#), &none, Some("agent"));
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap_or_default();
         assert_eq!(v["user"], "agent");
+    }
+
+    #[test]
+    fn the_sandboxs_user_is_given_to_calls_that_create_files_and_name_none() {
+        use http::Method;
+        assert!(creates_files(&Method::PUT, "files") && creates_files(&Method::PUT, "archive"));
+        assert!(creates_files(&Method::POST, "dir") && creates_files(&Method::POST, "dir/"));
+        assert!(!creates_files(&Method::GET, "files") && !creates_files(&Method::GET, "dir"));
+        assert!(!creates_files(&Method::DELETE, "files") && !creates_files(&Method::POST, "move"));
+        assert_eq!(with_user(Some("path=%2Ftmp%2Fa&mode=644"), "agent"), "path=%2Ftmp%2Fa&mode=644&user=agent");
+        assert_eq!(with_user(None, "a b:c"), "user=a+b%3Ac");
+        // The call's own user wins, root included.
+        assert_eq!(with_user(Some("path=%2Fx&user=0"), "agent"), "path=%2Fx&user=0");
+        assert_eq!(with_user(Some("us%65r=0&path=%2Fx"), "agent"), "us%65r=0&path=%2Fx");
     }
 
     #[test]

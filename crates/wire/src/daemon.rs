@@ -314,8 +314,12 @@ pub struct OutputChunk {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum OutputEvent {
+    /// Output: `data` is the bytes from `offset` up to `next_offset`, as UTF-8 (bytes that are
+    /// not UTF-8 become U+FFFD, so the text's length says nothing of theirs). A follow resumed
+    /// at `next_offset` goes on with the next byte; a character is never split between events.
     Data {
         offset: u64,
+        next_offset: u64,
         data: String,
     },
     /// Bytes dropped by retention before the client could read them.
@@ -453,9 +457,13 @@ pub struct WriteFileQuery {
     /// Octal permission mode (default 0644); missing parents are created 0755.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
+    /// Who owns the file and the parents created for it (`name`, `uid`, `uid:gid` or
+    /// `name:group`, as a command's `user`): that user's uid and gid (the daemon's by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
-/// Query naming one path (`GET /v1/stat`, `PUT`/`GET /v1/archive`).
+/// Query naming one path (`GET /v1/stat`, `GET /v1/archive`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 #[serde(deny_unknown_fields)]
@@ -482,6 +490,22 @@ pub struct MkdirQuery {
     pub path: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
+    /// Who owns the directories created, as `PUT /v1/files`'s `user`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+}
+
+/// Query of `PUT /v1/archive`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct ExtractQuery {
+    /// The directory to unpack into, created if missing.
+    pub path: String,
+    /// Who owns what the extraction creates (the tar's own owners are not kept), as
+    /// `PUT /v1/files`'s `user`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// Query of `DELETE /v1/files`.

@@ -784,10 +784,13 @@ class AsyncSandbox:
     async def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return (await self.read_file(path)).decode(encoding)
 
-    async def write_file(self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None) -> FileStat:
+    async def write_file(
+        self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, user: Optional[str] = None
+    ) -> FileStat:
         """Writes `data` (text is UTF-8) to `path` atomically, creating parent directories;
-        `mode` defaults to `0o644`."""
-        return FileStat.from_dict(await self.client._json(_core.write_file_call(self.id, path, data, mode)))
+        `mode` defaults to `0o644`. The file and the directories made belong to `user` (a name,
+        `uid`, `uid:gid`), by default the sandbox's default user (root when it has none)."""
+        return FileStat.from_dict(await self.client._json(_core.write_file_call(self.id, path, data, mode, user)))
 
     async def stat(self, path: str) -> FileStat:
         return FileStat.from_dict(await self.client._json(_core.stat_call(self.id, path)))
@@ -796,9 +799,9 @@ class AsyncSandbox:
         """Entries below `path`, `depth` levels deep (default 1)."""
         return DirListing.from_dict(await self.client._json(_core.list_dir_call(self.id, path, depth)))
 
-    async def mkdir(self, path: str, *, mode: Optional[int] = None) -> FileStat:
-        """`mkdir -p`."""
-        return FileStat.from_dict(await self.client._json(_core.mkdir_call(self.id, path, mode)))
+    async def mkdir(self, path: str, *, mode: Optional[int] = None, user: Optional[str] = None) -> FileStat:
+        """`mkdir -p`; the directories made belong to `user`, as with `write_file`."""
+        return FileStat.from_dict(await self.client._json(_core.mkdir_call(self.id, path, mode, user)))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         """Removes a file, or a directory (a non-empty one needs `recursive=True`)."""
@@ -808,11 +811,14 @@ class AsyncSandbox:
         """Renames `src` to `dst` (an existing `dst` is a `Conflict` unless `overwrite`)."""
         return FileStat.from_dict(await self.client._json(_core.move_call(self.id, src, dst, overwrite)))
 
-    async def upload(self, local: Union[str, "os.PathLike[str]"], path: str) -> ExtractResult:
+    async def upload(
+        self, local: Union[str, "os.PathLike[str]"], path: str, *, user: Optional[str] = None
+    ) -> ExtractResult:
         """Copies the local directory `local` (its contents; or one file) into the directory
-        `path` in the sandbox, created if missing, as one tar."""
+        `path` in the sandbox, created if missing, as one tar; what it creates belongs to
+        `user`, as with `write_file`."""
         data = await _rt.run_blocking(_core.tar_directory, local)
-        return await self.upload_tar(data, path)
+        return await self.upload_tar(data, path, user=user)
 
     async def download(self, path: str, local: Union[str, "os.PathLike[str]"]) -> Path:
         """Copies the directory `path` in the sandbox (its contents; or one file) into the local
@@ -820,9 +826,10 @@ class AsyncSandbox:
         data = await self.download_tar(path)
         return await _rt.run_blocking(_core.extract_tar, data, local)
 
-    async def upload_tar(self, data: bytes, path: str) -> ExtractResult:
-        """Extracts a tar (gzip detected) into the directory `path`."""
-        return ExtractResult.from_dict(await self.client._json(_core.upload_tar_call(self.id, path, data)))
+    async def upload_tar(self, data: bytes, path: str, *, user: Optional[str] = None) -> ExtractResult:
+        """Extracts a tar (gzip detected) into the directory `path`; what it creates belongs to
+        `user`, as with `write_file` (the tar's own owners are not kept)."""
+        return ExtractResult.from_dict(await self.client._json(_core.upload_tar_call(self.id, path, data, user)))
 
     async def download_tar(self, path: str) -> bytes:
         """The directory `path` as a tar of its contents (a file: a tar of that file)."""
@@ -856,9 +863,11 @@ class AsyncProcess:
 
     def follow(self, *, stream: str = "stdout", offset: int = 0) -> "AsyncOutputStream":
         """Output of `stream` as it comes, as `OutputEvent`s (`data`, `dropped`), ending with
-        `exit` when the process exits."""
+        `exit` when the process exits. Each `data` event's bytes end at its `next_offset`, and
+        the stream's `offset` is where those read so far end: follow again from there after a
+        broken connection."""
         call = _core.output_call(self.sandbox.id, self.id, stream=stream, offset=offset, max_bytes=None, follow=True)
-        return AsyncOutputStream(self.sandbox.client, call)
+        return AsyncOutputStream(self.sandbox.client, call, offset)
 
     async def wait(self, timeout: Optional[float] = None) -> ProcessInfo:
         """Waits for the process to exit, at most `timeout` seconds (None: as long as it takes);
@@ -946,7 +955,7 @@ class AsyncPty(AsyncProcess):
         compiled = [p if isinstance(p, re.Pattern) else re.compile(p) for p in patterns]
         deadline = None if timeout is None else time.monotonic() + timeout
         seen = ""
-        start = position = self.offset
+        offsets = _core.TextOffsets(self.offset)
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -955,7 +964,7 @@ class AsyncPty(AsyncProcess):
                     reason="client_timeout",
                 )
             call = _core.output_call(
-                self.sandbox.id, self.id, stream="stdout", offset=position, max_bytes=None, follow=True
+                self.sandbox.id, self.id, stream="stdout", offset=offsets.end, max_bytes=None, follow=True
             )
             if remaining is not None:
                 # A silent terminal sends nothing: wake up in time to give up at the deadline.
@@ -965,11 +974,11 @@ class AsyncPty(AsyncProcess):
                     async for ev in events:
                         if ev.type == "data":
                             seen += ev.data
-                            position = ev.offset + len(ev.data.encode("utf-8"))
+                            offsets.add(ev.offset, ev.next_offset, ev.data)
                             found = _core.first_match(compiled, seen)
                             if found is not None:
                                 index, end = found
-                                self.offset = start + len(seen[:end].encode("utf-8"))
+                                self.offset = offsets.at(end)
                                 return index, seen[:end]
                         elif ev.type == "exit":
                             raise errors.Conflict(
@@ -987,7 +996,7 @@ class AsyncPty(AsyncProcess):
         async with self.follow(offset=self.offset) as events:
             async for ev in events:
                 if ev.type == "data":
-                    self.offset = ev.offset + len(ev.data.encode("utf-8"))
+                    self.offset = ev.next_offset
                     yield ev.data
                 elif ev.type == "exit":
                     self.offset = ev.next_offset
@@ -1216,17 +1225,26 @@ class AsyncExecStream(AsyncStream[ExecEvent]):
 
 
 class AsyncOutputStream(AsyncStream[OutputEvent]):
-    """The events of `AsyncProcess.follow`. After the last one, `exit` is the exit status."""
+    """The events of `AsyncProcess.follow`. After the last one, `exit` is the exit status.
+    `offset` is the byte offset where the events read so far end: a follow that broke resumes
+    there (`process.follow(offset=stream.offset)`) with nothing repeated or lost."""
 
     _what = "output"
 
-    def __init__(self, client: AsyncSandman, call: Call) -> None:
+    def __init__(self, client: AsyncSandman, call: Call, offset: int = 0) -> None:
         super().__init__(client, call, OutputEvent.from_dict)
         self.exit: Optional[ExitStatus] = None
+        #: Where the output read so far ends, in bytes.
+        self.offset = offset
 
     def _seen(self, item: OutputEvent) -> None:
-        if item.type == "exit":
+        if item.type == "data":
+            self.offset = item.next_offset
+        elif item.type == "dropped":
+            self.offset = item.offset + item.bytes
+        elif item.type == "exit":
             self.exit = item.exit
+            self.offset = item.next_offset
 
     def _ended(self) -> None:
         if self.exit is None:

@@ -786,10 +786,13 @@ class Sandbox:
     def read_text(self, path: str, *, encoding: str = "utf-8") -> str:
         return (self.read_file(path)).decode(encoding)
 
-    def write_file(self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None) -> FileStat:
+    def write_file(
+        self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, user: Optional[str] = None
+    ) -> FileStat:
         """Writes `data` (text is UTF-8) to `path` atomically, creating parent directories;
-        `mode` defaults to `0o644`."""
-        return FileStat.from_dict(self.client._json(_core.write_file_call(self.id, path, data, mode)))
+        `mode` defaults to `0o644`. The file and the directories made belong to `user` (a name,
+        `uid`, `uid:gid`), by default the sandbox's default user (root when it has none)."""
+        return FileStat.from_dict(self.client._json(_core.write_file_call(self.id, path, data, mode, user)))
 
     def stat(self, path: str) -> FileStat:
         return FileStat.from_dict(self.client._json(_core.stat_call(self.id, path)))
@@ -798,9 +801,9 @@ class Sandbox:
         """Entries below `path`, `depth` levels deep (default 1)."""
         return DirListing.from_dict(self.client._json(_core.list_dir_call(self.id, path, depth)))
 
-    def mkdir(self, path: str, *, mode: Optional[int] = None) -> FileStat:
-        """`mkdir -p`."""
-        return FileStat.from_dict(self.client._json(_core.mkdir_call(self.id, path, mode)))
+    def mkdir(self, path: str, *, mode: Optional[int] = None, user: Optional[str] = None) -> FileStat:
+        """`mkdir -p`; the directories made belong to `user`, as with `write_file`."""
+        return FileStat.from_dict(self.client._json(_core.mkdir_call(self.id, path, mode, user)))
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         """Removes a file, or a directory (a non-empty one needs `recursive=True`)."""
@@ -810,11 +813,14 @@ class Sandbox:
         """Renames `src` to `dst` (an existing `dst` is a `Conflict` unless `overwrite`)."""
         return FileStat.from_dict(self.client._json(_core.move_call(self.id, src, dst, overwrite)))
 
-    def upload(self, local: Union[str, "os.PathLike[str]"], path: str) -> ExtractResult:
+    def upload(
+        self, local: Union[str, "os.PathLike[str]"], path: str, *, user: Optional[str] = None
+    ) -> ExtractResult:
         """Copies the local directory `local` (its contents; or one file) into the directory
-        `path` in the sandbox, created if missing, as one tar."""
+        `path` in the sandbox, created if missing, as one tar; what it creates belongs to
+        `user`, as with `write_file`."""
         data = _rt.run_blocking(_core.tar_directory, local)
-        return self.upload_tar(data, path)
+        return self.upload_tar(data, path, user=user)
 
     def download(self, path: str, local: Union[str, "os.PathLike[str]"]) -> Path:
         """Copies the directory `path` in the sandbox (its contents; or one file) into the local
@@ -822,9 +828,10 @@ class Sandbox:
         data = self.download_tar(path)
         return _rt.run_blocking(_core.extract_tar, data, local)
 
-    def upload_tar(self, data: bytes, path: str) -> ExtractResult:
-        """Extracts a tar (gzip detected) into the directory `path`."""
-        return ExtractResult.from_dict(self.client._json(_core.upload_tar_call(self.id, path, data)))
+    def upload_tar(self, data: bytes, path: str, *, user: Optional[str] = None) -> ExtractResult:
+        """Extracts a tar (gzip detected) into the directory `path`; what it creates belongs to
+        `user`, as with `write_file` (the tar's own owners are not kept)."""
+        return ExtractResult.from_dict(self.client._json(_core.upload_tar_call(self.id, path, data, user)))
 
     def download_tar(self, path: str) -> bytes:
         """The directory `path` as a tar of its contents (a file: a tar of that file)."""
@@ -858,9 +865,11 @@ class Process:
 
     def follow(self, *, stream: str = "stdout", offset: int = 0) -> "OutputStream":
         """Output of `stream` as it comes, as `OutputEvent`s (`data`, `dropped`), ending with
-        `exit` when the process exits."""
+        `exit` when the process exits. Each `data` event's bytes end at its `next_offset`, and
+        the stream's `offset` is where those read so far end: follow again from there after a
+        broken connection."""
         call = _core.output_call(self.sandbox.id, self.id, stream=stream, offset=offset, max_bytes=None, follow=True)
-        return OutputStream(self.sandbox.client, call)
+        return OutputStream(self.sandbox.client, call, offset)
 
     def wait(self, timeout: Optional[float] = None) -> ProcessInfo:
         """Waits for the process to exit, at most `timeout` seconds (None: as long as it takes);
@@ -948,7 +957,7 @@ class Pty(Process):
         compiled = [p if isinstance(p, re.Pattern) else re.compile(p) for p in patterns]
         deadline = None if timeout is None else time.monotonic() + timeout
         seen = ""
-        start = position = self.offset
+        offsets = _core.TextOffsets(self.offset)
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -957,7 +966,7 @@ class Pty(Process):
                     reason="client_timeout",
                 )
             call = _core.output_call(
-                self.sandbox.id, self.id, stream="stdout", offset=position, max_bytes=None, follow=True
+                self.sandbox.id, self.id, stream="stdout", offset=offsets.end, max_bytes=None, follow=True
             )
             if remaining is not None:
                 # A silent terminal sends nothing: wake up in time to give up at the deadline.
@@ -967,11 +976,11 @@ class Pty(Process):
                     for ev in events:
                         if ev.type == "data":
                             seen += ev.data
-                            position = ev.offset + len(ev.data.encode("utf-8"))
+                            offsets.add(ev.offset, ev.next_offset, ev.data)
                             found = _core.first_match(compiled, seen)
                             if found is not None:
                                 index, end = found
-                                self.offset = start + len(seen[:end].encode("utf-8"))
+                                self.offset = offsets.at(end)
                                 return index, seen[:end]
                         elif ev.type == "exit":
                             raise errors.Conflict(
@@ -989,7 +998,7 @@ class Pty(Process):
         with self.follow(offset=self.offset) as events:
             for ev in events:
                 if ev.type == "data":
-                    self.offset = ev.offset + len(ev.data.encode("utf-8"))
+                    self.offset = ev.next_offset
                     yield ev.data
                 elif ev.type == "exit":
                     self.offset = ev.next_offset
@@ -1218,17 +1227,26 @@ class ExecStream(Stream[ExecEvent]):
 
 
 class OutputStream(Stream[OutputEvent]):
-    """The events of `Process.follow`. After the last one, `exit` is the exit status."""
+    """The events of `Process.follow`. After the last one, `exit` is the exit status.
+    `offset` is the byte offset where the events read so far end: a follow that broke resumes
+    there (`process.follow(offset=stream.offset)`) with nothing repeated or lost."""
 
     _what = "output"
 
-    def __init__(self, client: Sandman, call: Call) -> None:
+    def __init__(self, client: Sandman, call: Call, offset: int = 0) -> None:
         super().__init__(client, call, OutputEvent.from_dict)
         self.exit: Optional[ExitStatus] = None
+        #: Where the output read so far ends, in bytes.
+        self.offset = offset
 
     def _seen(self, item: OutputEvent) -> None:
-        if item.type == "exit":
+        if item.type == "data":
+            self.offset = item.next_offset
+        elif item.type == "dropped":
+            self.offset = item.offset + item.bytes
+        elif item.type == "exit":
             self.exit = item.exit
+            self.offset = item.next_offset
 
     def _ended(self) -> None:
         if self.exit is None:

@@ -545,9 +545,9 @@ class _Terminal:
             async for ev in stream:
                 if ev.type == "data" and ev.data:
                     self.buffer += ev.data
-                    # The daemon never splits a character between events; bytes that are not
-                    # UTF-8 arrive as U+FFFD and may count differently (see NEEDS.md).
-                    self.offset = ev.offset + len(ev.data.encode("utf-8"))
+                    # Where the event's bytes end (bytes that are not UTF-8 arrive as U+FFFD,
+                    # whose length is not theirs): the next read starts there.
+                    self.offset = ev.next_offset
                     if done():
                         return "done"
                 elif ev.type == "dropped":
