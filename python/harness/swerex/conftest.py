@@ -76,14 +76,14 @@ class _Command(Command):
 
 
 #: Upstream tests whose outcome turns on a race in bash itself, not on the runtime; each has a
-#: deterministic counterpart in `test_sandman_swerex.py` that checks the same behaviour.
+#: counterpart in `test_sandman_swerex.py` that checks what does not turn on the race.
 _RACY_UPSTREAM = {
     # After `kill -9 %1`, bash prints the job's "Killed" notice before its next prompt when the
     # pager is reaped before that prompt is printed, else before the prompt after the next
     # command; the test expects the latter. On a loaded machine either comes first (about one
-    # run in twelve here), with SWE-ReX's own runtime as with ours.
+    # run in ten here).
     "test_interrupt_pager": "bash prints the pager's `Killed` notice with the interrupt or with the next command, "
-    "whichever the scheduler lets come first; see test_sandman_swerex.py::test_interrupt_pager_kills_it",
+    "whichever the scheduler lets come first; see test_sandman_swerex.py::test_interrupt_pager_gives_the_shell_back",
 }
 
 
