@@ -32,13 +32,36 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// `body`, keeping `held` until it has been sent in full or dropped (its client gone): a guard
-/// that marks a call as under way lives as long as the call's answer streams.
-pub fn holding<T: Send + Sync + 'static>(body: axum::body::Body, held: T) -> axum::body::Body {
-    use http_body_util::BodyExt;
-    axum::body::Body::new(body.map_frame(move |frame| {
-        let _ = &held;
-        frame
-    }))
+/// that marks a call as under way lives as long as the call's answer streams. The body's length
+/// stays known, so an answer of known size keeps its `content-length` (a chunked answer over
+/// TCP waits out Nagle's algorithm and the peer's delayed ACK: 40 ms a call).
+pub fn holding<T: Send + Unpin + 'static>(body: axum::body::Body, held: T) -> axum::body::Body {
+    axum::body::Body::new(Holding { body, _held: held })
+}
+
+struct Holding<T> {
+    body: axum::body::Body,
+    _held: T,
+}
+
+impl<T: Unpin> hyper::body::Body for Holding<T> {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// The token of an `Authorization: Bearer <token>` header value, if that is what it is.
@@ -64,6 +87,8 @@ mod tests {
         let held = std::sync::Arc::new(());
         let body = holding(axum::body::Body::from("answer"), std::sync::Arc::clone(&held));
         assert_eq!(std::sync::Arc::strong_count(&held), 2);
+        // Regression: wrapped, the answer lost its length and went out chunked, 40 ms slower.
+        assert_eq!(hyper::body::Body::size_hint(&body).exact(), Some(6));
         let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
         assert_eq!(&bytes[..], b"answer");
         assert_eq!(std::sync::Arc::strong_count(&held), 1, "released once the body was read and dropped");

@@ -240,6 +240,10 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
                 .map_err(|source| StartError::Listen { addr: addr.clone(), source })?;
             let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| addr.clone());
             tracing::info!(listen = %local, pid = std::process::id(), "sandmand serving");
+            // Streamed answers go out as they come, not held for an ACK.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             tokio::spawn(sandman_http::serve::serve(listener, app, edge, serve_stop.cancelled_owned()))
         }
         Listen::Unix(path) => {
