@@ -19,7 +19,7 @@ let view = null; // { refresh(), stop() } of the page shown
 let dirty = false;
 let lastRefresh = 0;
 const recent = []; // the latest events, newest last
-const history = []; // metrics samples
+const samples = []; // metrics samples
 let follower = null;
 let metricsTimer = null;
 
@@ -38,7 +38,7 @@ function h(tag, attrs, ...children) {
 }
 
 function append(el, children) {
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === undefined || c === null || c === false) continue;
     el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
@@ -79,6 +79,7 @@ function fmtTime(ms) {
 
 function fmtBytes(kib) {
   if (kib === undefined || kib === null) return '–';
+  if (!kib) return '–';
   const units = ['KiB', 'MiB', 'GiB', 'TiB'];
   let v = kib;
   let i = 0;
@@ -177,12 +178,12 @@ async function scrape() {
     waitP95: quantile(m, 'sandman_admission_queue_wait_seconds', 0.95),
     claimP50: quantile(m, 'sandman_pool_claim_seconds', 0.5),
   };
-  const prev = history[history.length - 1];
+  const prev = samples[samples.length - 1];
   const dt = prev ? (t - prev.t) / 1000 : 0;
   sample.claimRate = prev && dt > 0 ? Math.max(0, (sample.claims - prev.claims) / dt) : 0;
   sample.coldRate = prev && dt > 0 ? Math.max(0, (sample.admitted - prev.admitted) / dt) : 0;
-  history.push(sample);
-  if (history.length > HISTORY) history.shift();
+  samples.push(sample);
+  if (samples.length > HISTORY) samples.shift();
   if (view && view.onMetrics) view.onMetrics(sample);
 }
 
@@ -250,14 +251,13 @@ function niceMax(v) {
   return 10 * p;
 }
 
+// Swatches get their colour through the CSSOM: the CSP allows no inline style attribute.
 function legend(items) {
-  return h('div', { class: 'legend' }, items.map(([name, color]) => h('span', {}, h('i', { class: 'sw', 'data-color': color }), name)));
-}
-
-// The swatches get their colour through the CSSOM (no inline style attribute under the CSP).
-function paint(root) {
-  for (const el of root.querySelectorAll('[data-color]')) el.style.background = el.getAttribute('data-color');
-  return root;
+  return h('div', { class: 'legend' }, items.map(([name, color]) => {
+    const sw = h('i');
+    sw.style.background = color;
+    return h('span', {}, sw, name);
+  }));
 }
 
 // Lines over time: series = [{name, color, points: [[t, v]...]}].
@@ -289,7 +289,7 @@ function lineChart(series, opts = {}) {
     const d = x.points.map((p, i) => `${i ? 'L' : 'M'}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join('');
     svg.append(s('path', { d, fill: 'none', stroke: x.color, 'stroke-width': 2, 'stroke-dasharray': x.dash }));
   }
-  return paint(h('div', {}, svg, legend(series.map((x) => [x.name, x.color]))));
+  return h('div', {}, svg, legend(series.map((x) => [x.name, x.color])));
 }
 
 // Stacked columns: labels = bucket labels; series = [{name, color, values: [...] }].
@@ -324,7 +324,7 @@ function stackedColumns(labels, series, opts = {}) {
   svg.append(s('text', { x: L, y: H - 4 }, labels[0]));
   svg.append(s('text', { x: W - 8, y: H - 4, 'text-anchor': 'end' }, labels[n - 1]));
   if (!series.length) svg.append(s('text', { x: W / 2, y: H / 2, 'text-anchor': 'middle' }, opts.empty || 'none'));
-  return paint(h('div', {}, svg, legend(series.map((x) => [x.name, x.color]))));
+  return h('div', {}, svg, legend(series.map((x) => [x.name, x.color])));
 }
 
 // A horizontal bar split by state.
@@ -384,7 +384,7 @@ function overviewPage() {
       h('div', { class: 'tile' }, h('div', { class: 'n' }, fmtNum(live)), h('div', { class: 'l' }, 'live sandboxes')),
       STATES.map((st) => h('a', { class: `tile ${st}`, href: `#/sandboxes?state=${st}` },
         h('div', { class: 'n', 'data-state': st }, fmtNum(bs[st] || 0)), h('div', { class: 'l' }, st))));
-    const last = history[history.length - 1] || {};
+    const last = samples[samples.length - 1] || {};
     const oldest = summary.oldest_queued_ms ? summary.now_ms - summary.oldest_queued_ms : null;
 
     const jobs = summary.jobs.slice(0, 15);
@@ -404,8 +404,8 @@ function overviewPage() {
         h('div', {}, h('div', { class: 'big' }, fmtNum(last.achieved, 1)), h('div', { class: 'l' }, 'achieved')),
         h('div', {}, h('div', { class: 'big' }, last.allowed ? fmtNum(last.allowed, 1) : 'unlimited'), h('div', { class: 'l' }, 'allowed'))),
       lineChart([
-        { name: 'allowed', color: '#94a3b8', dash: '5 4', points: history.filter((x) => x.allowed > 0).map((x) => [x.t, x.allowed]) },
-        { name: 'achieved', color: '#34d399', points: history.map((x) => [x.t, x.achieved]) },
+        { name: 'allowed', color: '#94a3b8', dash: '5 4', points: samples.filter((x) => x.allowed > 0).map((x) => [x.t, x.allowed]) },
+        { name: 'achieved', color: '#34d399', points: samples.map((x) => [x.t, x.achieved]) },
       ], { label: 'create rate' }));
 
     const queue = h('div', { class: 'panel' }, h('h2', {}, 'Admission queue'),
@@ -414,7 +414,7 @@ function overviewPage() {
         h('div', {}, h('div', { class: 'big' }, oldest === null ? '–' : fmtDur(oldest)), h('div', { class: 'l' }, 'oldest wait')),
         h('div', {}, h('div', { class: 'big' }, last.waitP95 === null || last.waitP95 === undefined ? '–' : fmtDur(last.waitP95 * 1000)), h('div', { class: 'l' }, 'queue wait p95')),
         h('div', {}, h('div', { class: 'big' }, fmtNum(last.rejected || 0)), h('div', { class: 'l' }, 'refused (queue full)'))),
-      lineChart([{ name: 'queue depth', color: '#a78bfa', points: history.map((x) => [x.t, x.depth]) }], { label: 'queue depth' }));
+      lineChart([{ name: 'queue depth', color: '#a78bfa', points: samples.map((x) => [x.t, x.depth]) }], { label: 'queue depth' }));
 
     const claims = h('div', { class: 'panel' }, h('h2', {}, 'Warm-pool claims vs cold creates (per second)'),
       h('div', { class: 'stats' },
@@ -423,8 +423,8 @@ function overviewPage() {
         h('div', {}, h('div', { class: 'big' }, last.readyP50 == null ? '–' : fmtDur(last.readyP50 * 1000)), h('div', { class: 'l' }, 'create→ready p50')),
         h('div', {}, h('div', { class: 'big' }, last.readyP95 == null ? '–' : fmtDur(last.readyP95 * 1000)), h('div', { class: 'l' }, 'p95'))),
       lineChart([
-        { name: 'claims', color: '#60a5fa', points: history.slice(1).map((x) => [x.t, x.claimRate]) },
-        { name: 'cold creates', color: '#fbbf24', points: history.slice(1).map((x) => [x.t, x.coldRate]) },
+        { name: 'claims', color: '#60a5fa', points: samples.slice(1).map((x) => [x.t, x.claimRate]) },
+        { name: 'cold creates', color: '#fbbf24', points: samples.slice(1).map((x) => [x.t, x.coldRate]) },
       ], { label: 'claims vs cold creates' }));
 
     const f = summary.failures;
@@ -546,7 +546,7 @@ function sandboxesPage(_, params) {
     if (state.job) p.set('job', state.job);
     if (state.state) p.set('state', state.state);
     if (state.page) p.set('page', state.page);
-    history_replace(`#/sandboxes${p.toString() ? `?${p}` : ''}`);
+    replaceAddress(`#/sandboxes${p.toString() ? `?${p}` : ''}`);
     load().catch(showError);
   }
 
@@ -591,7 +591,7 @@ function sandboxesPage(_, params) {
   return { refresh: load, stop() { clearTimeout(timer); } };
 }
 
-function history_replace(hash) {
+function replaceAddress(hash) {
   // replaceState does not fire hashchange: the page stays, only the address follows it.
   window.history.replaceState(null, '', hash);
 }
