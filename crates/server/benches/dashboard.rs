@@ -76,7 +76,7 @@ fn main() {
         };
         let cells = [
             median(|| page(PageQuery::default())),
-            median(|| page(PageQuery { job: Some("job-3".into()), q: Some("T42".into()), ..PageQuery::default() })),
+            median(|| page(PageQuery { job: Some("job-2".into()), q: Some("T42".into()), ..PageQuery::default() })),
             median(|| page(PageQuery { offset: Some(n - 50), ..PageQuery::default() })),
             median(|| {
                 let s = view::summarize(&service.snapshot(), 0);

@@ -145,8 +145,8 @@ impl Page {
             })
     }
 
-    /// The page of `all`: one pass to filter, a linear selection of the first `offset + limit`
-    /// rows, a sort of those alone, and `to_wire` for the page's rows only.
+    /// The page of `all`: one pass to filter, linear selections of the page's rows, a sort of
+    /// those alone, and `to_wire` for the page's rows only.
     pub fn apply(&self, all: &[Arc<Sandbox>]) -> PageOf {
         let mut rows: Vec<Row<'_>> = all
             .iter()
@@ -162,12 +162,22 @@ impl Page {
             (b.sb.spec.created_at_ms, &a.sb.spec.id).cmp(&(a.sb.spec.created_at_ms, &b.sb.spec.id))
         };
         let end = self.offset.saturating_add(self.limit).min(total);
-        if end < total && end > 0 {
-            rows.select_nth_unstable_by(end - 1, order);
-            rows.truncate(end);
-        }
-        rows.sort_unstable_by(order);
-        let sandboxes = rows.iter().skip(self.offset).map(|r| r.sb.to_wire()).collect();
+        let sandboxes = if self.offset >= end {
+            Vec::new()
+        } else {
+            // Two linear selections put the page's rows, ranks `offset..end`, in place; only they
+            // are sorted: O(n + limit log limit), whatever the page.
+            if end < total {
+                rows.select_nth_unstable_by(end - 1, order);
+            }
+            let head = &mut rows[..end];
+            if self.offset > 0 {
+                head.select_nth_unstable_by(self.offset, order);
+            }
+            let page = &mut head[self.offset..];
+            page.sort_unstable_by(order);
+            page.iter().map(|r| r.sb.to_wire()).collect()
+        };
         PageOf { total, offset: self.offset, limit: self.limit, sandboxes }
     }
 }
