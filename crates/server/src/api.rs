@@ -79,6 +79,7 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .route("/v1/prepare", post(prepare))
         .route("/v1/verify", post(verify))
         .route("/v1/events", get(events))
+        .merge(crate::ui::api())
         .layer(ServiceBuilder::new().layer(HandleErrorLayer::new(edge_error)).timeout(limits.request_timeout));
     // Proxied calls carry their own timeouts (the daemon enforces `timeout_ms`), and streams may
     // run for long; they get no edge timeout.
@@ -87,6 +88,8 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .merge(control)
         .merge(proxied)
         .route_layer(middleware::from_fn_with_state(service.clone(), authorize))
+        // The dashboard's pages carry no data: they load without the token, then ask for it.
+        .merge(crate::ui::assets())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::disable())

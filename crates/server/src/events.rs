@@ -111,6 +111,12 @@ impl Events {
         ring.0.iter().filter(|e| e.seq > after && filter.takes(e)).cloned().collect()
     }
 
+    /// The sequence number of the latest event (0 before the first): where a follower that
+    /// wants no backlog starts (`after=`).
+    pub fn last_seq(&self) -> u64 {
+        self.ring.lock().unwrap_or_else(PoisonError::into_inner).1
+    }
+
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.tx.subscribe()
     }

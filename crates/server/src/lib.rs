@@ -20,6 +20,7 @@ pub mod proxy;
 pub mod sandbox;
 pub mod service;
 mod sys;
+pub mod ui;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -30,6 +30,12 @@ pub struct JobLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct JobStateLabel {
+    pub job: String,
+    pub state: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct JobReasonLabel {
     pub job: String,
     pub reason: String,
@@ -79,6 +85,11 @@ pub struct Metrics {
     pub job_sandbox_seconds: Family<JobLabel, FloatCounter>,
     pub job_cpu_seconds: Family<JobLabel, FloatCounter>,
     pub job_ended: Family<JobReasonLabel, Counter>,
+    /// Live sandboxes of each job by state, set at each scrape (see [`Metrics::job_states`]).
+    pub job_sandboxes: Family<JobStateLabel, Gauge>,
+    /// Ready sandboxes a timer should have ended a while ago, set at each scrape: non-zero
+    /// means the reaper is behind or stuck.
+    pub past_deadline: Gauge,
 }
 
 impl Default for Metrics {
@@ -155,6 +166,18 @@ impl Default for Metrics {
             job_cpu_seconds.clone(),
         );
         registry.register("job_sandboxes_ended", "Ended sandboxes, by job and reason", job_ended.clone());
+        let job_sandboxes = Family::<JobStateLabel, Gauge>::default();
+        registry.register(
+            "job_sandboxes",
+            "Live sandboxes of each job, by state (queued, creating, ready, releasing)",
+            job_sandboxes.clone(),
+        );
+        let past_deadline = Gauge::default();
+        registry.register(
+            "sandboxes_past_deadline",
+            "Ready sandboxes whose lease, idle timeout or lifetime passed over a minute ago and that are not reclaimed",
+            past_deadline.clone(),
+        );
         // Every state shows, at zero when empty.
         for s in SandboxState::ALL {
             let _ = sandboxes.get_or_create(&StateLabel { state: s.as_str().into() });
@@ -179,6 +202,8 @@ impl Default for Metrics {
             job_sandbox_seconds,
             job_cpu_seconds,
             job_ended,
+            job_sandboxes,
+            past_deadline,
         }
     }
 }
@@ -222,6 +247,19 @@ impl Metrics {
     pub fn pool_removed(&self, pool: &str) {
         for state in ["ready", "creating", "claimed"] {
             self.pool_sandboxes.remove(&PoolStateLabel { pool: pool.into(), state: state.into() });
+        }
+    }
+
+    /// Sets the per-job gauges from every sandbox's (job, state): only live states count, and a
+    /// job with no live sandbox drops out.
+    pub fn job_states<'a>(&self, sandboxes: impl Iterator<Item = (&'a str, SandboxState)>) {
+        let mut counts: std::collections::BTreeMap<(&str, &str), i64> = Default::default();
+        for (job, state) in sandboxes.filter(|(_, s)| !s.is_terminal()) {
+            *counts.entry((job, state.as_str())).or_default() += 1;
+        }
+        self.job_sandboxes.clear();
+        for ((job, state), n) in counts {
+            self.job_sandboxes.get_or_create(&JobStateLabel { job: job.into(), state: state.into() }).set(n);
         }
     }
 

@@ -99,6 +99,9 @@ const QUEUE_PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// Output kept from a setup command, and how much of its tail a failure message shows.
 const SETUP_OUTPUT_BYTES: u64 = 64 * 1024;
 const SETUP_TAIL_CHARS: usize = 2000;
+/// How long past a timer's deadline a ready sandbox counts as missed by the reaper (the
+/// `sandman_sandboxes_past_deadline` gauge).
+const REAPER_GRACE: Duration = Duration::from_secs(60);
 /// How long a release waits for the daemon's usage figures before going on without them.
 const USAGE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -1588,6 +1591,20 @@ impl Service {
         self.metrics.queue_depth.set(self.admission().queued() as i64);
         self.metrics.create_rate_achieved.set(self.meter().rate(Instant::now()));
         let _ = self.pool_list();
+        let all = self.snapshot();
+        self.metrics.job_states(all.iter().filter_map(|sb| sb.spec.job.as_deref().map(|j| (j, sb.state()))));
+        // A timer's deadline a minute past with the sandbox still ready: the reaper missed it.
+        let now = Instant::now();
+        let overdue = all
+            .iter()
+            .filter(|sb| !sb.is_unclaimed_pool_member())
+            .filter(|sb| {
+                let inner = sb.lock();
+                inner.state == SandboxState::Ready
+                    && crate::sandbox::later(inner.timers.next_deadline().0, REAPER_GRACE) <= now
+            })
+            .count();
+        self.metrics.past_deadline.set(overdue as i64);
     }
 
     // ---- recovery and provider events ----
@@ -1846,6 +1863,19 @@ impl Service {
     /// Creates waiting for admission.
     pub fn queued(&self) -> usize {
         self.admission().queued()
+    }
+
+    /// Every sandbox known, ended ones included: a snapshot of the table for the dashboard's
+    /// listing and summaries (`crate::ui`), which read it without holding the table's lock.
+    pub fn snapshot(&self) -> Vec<Arc<Sandbox>> {
+        self.table().by_id.values().cloned().collect()
+    }
+
+    /// Every job with a quota (PUT) or with sandboxes still known, by name.
+    pub fn job_names(&self) -> Vec<String> {
+        let mut names: BTreeSet<String> = self.table().by_job.keys().cloned().collect();
+        names.extend(self.jobs().keys().cloned());
+        names.into_iter().collect()
     }
 }
 
