@@ -716,13 +716,18 @@ def read_file_call(sandbox_id: str, path: str, offset: int, length: Optional[int
 
 
 def write_file_call(
-    sandbox_id: str, path: str, data: Union[str, bytes], mode: Optional[int], user: Optional[str] = None
+    sandbox_id: str,
+    path: str,
+    data: Union[str, bytes],
+    mode: Optional[int],
+    user: Optional[str] = None,
+    fsync: bool = False,
 ) -> Call:
     # An atomic write of the whole body: sending it again writes the same file.
     return Call(
         "PUT",
         sandbox_path(sandbox_id, "/files"),
-        params=_drop_none({"path": path, "mode": octal(mode), "user": user}),
+        params=_drop_none({"path": path, "mode": octal(mode), "user": user, "fsync": "true" if fsync else None}),
         content=text_bytes(data),
         content_type="application/octet-stream",
         idempotent=True,
@@ -758,11 +763,13 @@ def move_call(sandbox_id: str, src: str, dst: str, overwrite: bool) -> Call:
     return Call("POST", sandbox_path(sandbox_id, "/move"), json=body)
 
 
-def upload_tar_call(sandbox_id: str, path: str, data: bytes, user: Optional[str] = None) -> Call:
+def upload_tar_call(
+    sandbox_id: str, path: str, data: bytes, user: Optional[str] = None, fsync: bool = False
+) -> Call:
     return Call(
         "PUT",
         sandbox_path(sandbox_id, "/archive"),
-        params=_drop_none({"path": path, "user": user}),
+        params=_drop_none({"path": path, "user": user, "fsync": "true" if fsync else None}),
         content=data,
         content_type="application/x-tar",
         idempotent=True,

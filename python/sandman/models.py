@@ -50,7 +50,9 @@ __all__ = [
 #: enum has them. `conditions_mismatch`: an `eval` sandbox whose daemon observed other limits,
 #: network, timezone or locale than the provider applied (the message names each difference).
 #: `create_interrupted`: the server stopped while creating it; a retry of the create with the same
-#: idempotency key makes a new one. A newer server may send a reason not listed here; the SDK passes it through as a string.
+#: idempotency key makes a new one. `resource_exhausted`: the server or the machine could not hold
+#: one more sandbox (the message names the limit); a retry after others are released may succeed.
+#: A newer server may send a reason not listed here; the SDK passes it through as a string.
 REASONS = (
     "released",
     "lease_expired",
@@ -69,6 +71,7 @@ REASONS = (
     "queue_timeout",
     "conditions_mismatch",
     "create_interrupted",
+    "resource_exhausted",
 )
 
 #: Where the preparation of an image is (`Event.phase` of a `prepare` event): `started`, then

@@ -271,6 +271,9 @@ async def test_files(api: Any) -> None:
             await sb.read_file("/tmp/w/a/b.txt")
         with pytest.raises(sandman.InvalidArgument, match="not absolute"):
             await sb.write_file("relative.txt", "x")
+        # Durable on request: the daemon takes `fsync` (an unknown parameter would be refused).
+        st = await sb.write_file("/tmp/w/durable.txt", "kept", fsync=True)
+        assert st.size == 4 and await sb.read_text("/tmp/w/durable.txt") == "kept"
 
 
 def _tree(root: Path) -> None:
@@ -317,6 +320,8 @@ async def test_upload_and_download_directories(api: Any, tmp_path: Path) -> None
         # raw tars
         tar = await sb.download_tar("/tmp/project/pkg")
         res = await sb.upload_tar(tar, "/tmp/copy")
+        assert res.entries >= 3
+        res = await sb.upload_tar(tar, "/tmp/copy-durable", fsync=True)
         assert res.entries >= 3
         assert await sb.read_file("/tmp/copy/sub/data.bin") == (src / "pkg" / "sub" / "data.bin").read_bytes()
 

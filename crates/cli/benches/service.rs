@@ -1,13 +1,26 @@
-//! Service benchmark, side by side in one run: the exec round trip through server and daemon vs
-//! the daemon alone vs a direct spawn; create-to-ready of the process provider; and how many
-//! sandboxes one server holds at once, each answering an exec, with memory per sandbox.
+//! Service benchmark, side by side in one run: every figure of the service's performance
+//! targets, each with its ratio to its floor, then a summary table.
+//!
+//! - the exec round trip through server and daemon vs the daemon alone vs a direct spawn; a
+//!   1 KiB file write through the server vs that exec and vs a call the server answers itself;
+//! - a 1,000-file tar uploaded through the server vs `tar -x` run directly;
+//! - one daemon's throughput with 8 concurrent clients vs 8 threads spawning directly, and its
+//!   idle RSS;
+//! - the Python SDK's exec vs a raw `httpx` client (`sdk_exec.py`, with the worktree's SDK);
+//! - create-to-ready of the process provider (isolated, `--isolation none`, eval);
+//! - density: `SANDMAN_BENCH_SANDBOXES` sandboxes (default 2000) held by one server at once,
+//!   each answering an exec; their PSS, the server's bytes and open files per sandbox, create,
+//!   list and release rates (first half vs second half, to show nothing grows worse than
+//!   linearly), and a check that nothing is left after the release (process, mount, cgroup,
+//!   directory).
 //!
 //! `cargo bench -p sandman-cli --bench service` after `./scripts/build-daemon` (it runs the static
-//! daemon; `SANDMAND_STATIC` overrides). `SANDMAN_BENCH_SANDBOXES` sets how many sandboxes the
-//! density run holds (default 2000); `SANDMAN_BENCH_N` the rounds of the round-trip run.
-//! Create-to-ready is measured isolated and with `--isolation none`, interleaved; with
-//! `SANDMAN_BENCH_BASELINE=<dir>` (a directory holding another build's `sandman` and `sandmand`,
-//! e.g. the previous release) that build's create-to-ready is measured in the same interleaving.
+//! daemon; `SANDMAND_STATIC` overrides). `SANDMAN_BENCH_N` sets the rounds of the round-trip
+//! runs; `SANDMAN_BENCH_PYTHON` the Python with `httpx` (default `target/py/bin/python`, which
+//! `./scripts/test` makes, else `python3`). Create-to-ready is measured isolated and with
+//! `--isolation none`, interleaved; with `SANDMAN_BENCH_BASELINE=<dir>` (a directory holding
+//! another build's `sandman` and `sandmand`, e.g. the previous release) that build's
+//! create-to-ready is measured in the same interleaving.
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 #[path = "../tests/e2e/mod.rs"]
@@ -37,7 +50,11 @@ fn daemon_binary() -> PathBuf {
     panic!("build the shipped daemon first: ./scripts/build-daemon (or set SANDMAND_STATIC)");
 }
 
+/// The `p` quantile of sorted durations; zero for none (a figure not measured).
 fn pct(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
@@ -96,24 +113,157 @@ impl Conn {
         Conn { sender, token: token.to_string() }
     }
 
-    async fn post(&mut self, path: &str, body: &serde_json::Value) -> u16 {
-        self.sender.ready().await.unwrap();
-        let req = hyper::Request::post(path)
-            .header("host", "bench")
-            .header("authorization", format!("Bearer {}", self.token))
-            .header("content-type", "application/json")
-            .body(Full::new(bytes::Bytes::from(serde_json::to_vec(body).unwrap())))
-            .unwrap();
-        let resp = self.sender.send_request(req).await.unwrap();
-        let status = resp.status().as_u16();
-        resp.into_body().collect().await.unwrap();
+    async fn send(&mut self, method: &str, path: &str, body: bytes::Bytes, content_type: Option<&str>) -> u16 {
+        let status = self.try_send(method, path, body, content_type).await;
+        assert!(status < 300, "{method} {path}: {status}");
         status
+    }
+
+    /// The status of one call, whatever it is.
+    async fn try_send(&mut self, method: &str, path: &str, body: bytes::Bytes, content_type: Option<&str>) -> u16 {
+        self.sender.ready().await.unwrap();
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "bench")
+            .header("authorization", format!("Bearer {}", self.token));
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        let resp = self.sender.send_request(req.body(Full::new(body)).unwrap()).await.unwrap();
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        if status >= 300 {
+            eprintln!("{method} {path}: {status} {}", String::from_utf8_lossy(&body));
+        }
+        status
+    }
+
+    async fn post(&mut self, path: &str, body: &serde_json::Value) -> u16 {
+        let body = bytes::Bytes::from(serde_json::to_vec(body).unwrap());
+        self.send("POST", path, body, Some("application/json")).await
+    }
+
+    async fn get(&mut self, path: &str) -> u16 {
+        self.send("GET", path, bytes::Bytes::new(), None).await
+    }
+
+    async fn put(&mut self, path: &str, body: bytes::Bytes, content_type: &str) -> u16 {
+        self.send("PUT", path, body, Some(content_type)).await
+    }
+}
+
+/// One line of the closing summary: a figure, the floor it is measured against, and the target
+/// on their ratio.
+struct Row {
+    what: &'static str,
+    value: String,
+    floor: String,
+    ratio: Option<f64>,
+    /// The target: `(bound, true)` means the ratio must be at most `bound`, `false` at least.
+    target: Option<(f64, bool)>,
+}
+
+impl Row {
+    fn print(&self) {
+        let ratio = self.ratio.map(|r| format!("{r:.2}x")).unwrap_or_else(|| "-".into());
+        let (target, met) = match (self.target, self.ratio) {
+            (Some((bound, at_most)), Some(r)) => {
+                let met = if at_most { r <= bound } else { r >= bound };
+                (format!("{} {bound}", if at_most { "<=" } else { ">=" }), if met { "met" } else { "NOT MET" })
+            }
+            _ => ("-".into(), ""),
+        };
+        println!("  {:<44} {:>16}  {:>18}  {:>8}  {:>8}  {met}", self.what, self.value, self.floor, ratio, target);
     }
 }
 
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(bench());
+}
+
+fn p50_us(v: &mut [Duration]) -> f64 {
+    v.sort();
+    us(pct(v, 0.5))
+}
+
+/// The in-sandbox daemon of an isolated sandbox: the child of the waiter `daemon.pid` names
+/// (the waiter itself without isolation).
+fn inner_daemon(state: &Path, id: &str) -> Option<u32> {
+    let pids = std::fs::read_to_string(state.join(format!("sandboxes/{id}/daemon.pid"))).ok()?;
+    let waiter: u32 = pids.split_whitespace().next()?.parse().ok()?;
+    Some(children_of(waiter).first().copied().unwrap_or(waiter))
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+}
+
+fn open_files_limit(pid: u32) -> String {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap_or_default();
+    limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .unwrap_or("?")
+        .to_string()
+}
+
+/// A tar of `n` small files (100 bytes each) in `n / 100` directories.
+fn many_files_tar(n: usize) -> bytes::Bytes {
+    let mut builder = tar::Builder::new(Vec::new());
+    let data = [b'x'; 100];
+    for i in 0..n {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        header.set_mtime(1_700_000_000);
+        header.set_cksum();
+        builder.append_data(&mut header, format!("d{}/f{i}.txt", i / 100), &data[..]).unwrap();
+    }
+    bytes::Bytes::from(builder.into_inner().unwrap())
+}
+
+/// `tar -x` of `tar` into `dir`, run directly.
+fn tar_x(tar: &[u8], dir: &Path) {
+    use std::io::Write;
+    std::fs::create_dir_all(dir).unwrap();
+    let mut child = std::process::Command::new("tar")
+        .arg("-x")
+        .arg("-C")
+        .arg(dir)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(tar).unwrap();
+    assert!(child.wait().unwrap().success());
+}
+
+/// What the released sandboxes `ids` may have left: processes, mounts, cgroups, directories.
+/// Only theirs: other servers on the machine may share the server's cgroup.
+fn leftovers(state: &Path, server_pid: u32, ids: &[String]) -> (usize, usize, usize, usize) {
+    let needle = state.display().to_string();
+    let processes = e2e::processes_mentioning(&needle).into_iter().filter(|p| *p as u32 != server_pid).count();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mounts = mounts.lines().filter(|l| l.contains(&needle)).count();
+    let mut cgroups = 0;
+    let own = std::fs::read_to_string(format!("/proc/{server_pid}/cgroup")).unwrap_or_default();
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        let base = if controllers.is_empty() {
+            PathBuf::from("/sys/fs/cgroup")
+        } else if let Some(c) = ["cpu", "memory", "pids"].iter().find(|c| controllers.split(',').any(|x| x == **c)) {
+            PathBuf::from("/sys/fs/cgroup").join(c)
+        } else {
+            continue;
+        };
+        let dir = base.join(path.trim_start_matches('/'));
+        cgroups += ids.iter().filter(|id| dir.join(format!("sandman-{id}")).exists()).count();
+    }
+    let dirs = std::fs::read_dir(state.join("sandboxes")).map(|d| d.count()).unwrap_or(0);
+    (processes, mounts, cgroups, dirs)
 }
 
 async fn bench() {
@@ -138,27 +288,45 @@ async fn bench() {
         ],
     );
     let http = server.client();
+    let mut summary: Vec<Row> = Vec::new();
     println!("sandman service benchmark: daemon {}", daemon.display());
 
-    // ---- exec round trip ----
+    // ---- idle daemon, before any call but readiness ----
+    let idle = http.create(json!({"image": "host"})).await;
+    let idle_id = idle["id"].as_str().unwrap().to_string();
+    let idle_pid = inner_daemon(&state, &idle_id).unwrap();
+    let idle_rss = rss_kib(idle_pid);
+
+    // ---- round trips: exec, a call the server answers itself, 1 KiB writes ----
     let sb = http.create(json!({"image": "host"})).await;
     let id = sb["id"].as_str().unwrap().to_string();
     let record: serde_json::Value =
         serde_json::from_slice(&std::fs::read(state.join(format!("sandboxes/{id}/record.json"))).unwrap()).unwrap();
     let daemon_token = record["token"].as_str().unwrap().to_string();
+    let socket = state.join(format!("sandboxes/{id}/d.sock"));
     let mut via_server = Conn::tcp(&server.addr, e2e::TOKEN).await;
-    let mut via_daemon = Conn::unix(&state.join(format!("sandboxes/{id}/d.sock")), &daemon_token).await;
+    let mut via_daemon = Conn::unix(&socket, &daemon_token).await;
     let body = json!({"argv": ["/bin/true"]});
-    let server_path = format!("/v1/sandboxes/{id}/exec");
+    let exec_path = format!("/v1/sandboxes/{id}/exec");
+    let get_path = format!("/v1/sandboxes/{id}");
+    let write_path = format!("/v1/sandboxes/{id}/files?path=%2Ftmp%2Fbench%2Fw.txt");
+    let fsync_path = format!("{write_path}&fsync=true");
+    let kib = bytes::Bytes::from(vec![b'x'; 1024]);
+    let octets = "application/octet-stream";
     for _ in 0..100 {
-        assert_eq!(via_server.post(&server_path, &body).await, 200);
-        assert_eq!(via_daemon.post("/v1/exec", &body).await, 200);
+        via_server.post(&exec_path, &body).await;
+        via_daemon.post("/v1/exec", &body).await;
+        via_server.put(&write_path, kib.clone(), octets).await;
     }
+    // A daemon from before `fsync` existed refuses it (SANDMAND_STATIC pointing at an old build).
+    let fsync_rounds =
+        if via_server.try_send("PUT", &fsync_path, kib.clone(), Some(octets)).await == 200 { 10 } else { 0 };
     let (mut s, mut d, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut get, mut write, mut write_fsync) = (Vec::new(), Vec::new(), Vec::new());
     while s.len() < rounds {
         for _ in 0..50 {
             let t = Instant::now();
-            via_server.post(&server_path, &body).await;
+            via_server.post(&exec_path, &body).await;
             s.push(t.elapsed());
         }
         for _ in 0..50 {
@@ -171,26 +339,164 @@ async fn bench() {
             std::process::Command::new("/bin/true").status().unwrap();
             direct.push(t.elapsed());
         }
+        for _ in 0..50 {
+            let t = Instant::now();
+            via_server.get(&get_path).await;
+            get.push(t.elapsed());
+        }
+        for _ in 0..50 {
+            let t = Instant::now();
+            via_server.put(&write_path, kib.clone(), octets).await;
+            write.push(t.elapsed());
+        }
+        for _ in 0..fsync_rounds {
+            let t = Instant::now();
+            via_server.put(&fsync_path, kib.clone(), octets).await;
+            write_fsync.push(t.elapsed());
+        }
     }
-    for v in [&mut s, &mut d, &mut direct] {
+    for v in [&mut s, &mut d, &mut direct, &mut get, &mut write, &mut write_fsync] {
         v.sort();
     }
+    let row = |name: &str, v: &[Duration]| {
+        println!("  {name:<42} {:>8.0}   {:>8.0}", us(pct(v, 0.5)), us(pct(v, 0.99)));
+    };
     println!();
-    println!("exec round trip of /bin/true ({rounds} rounds)   p50 (us)   p99 (us)");
-    println!("  server + daemon (TCP, then unix socket)    {:>8.0}   {:>8.0}", us(pct(&s, 0.5)), us(pct(&s, 0.99)));
-    println!("  daemon alone (unix socket)                 {:>8.0}   {:>8.0}", us(pct(&d, 0.5)), us(pct(&d, 0.99)));
-    println!(
-        "  direct spawn                               {:>8.0}   {:>8.0}",
-        us(pct(&direct, 0.5)),
-        us(pct(&direct, 0.99))
-    );
+    println!("round trips ({rounds} rounds, interleaved)          p50 (us)   p99 (us)");
+    row("exec /bin/true: server + daemon", &s);
+    row("exec /bin/true: daemon alone (unix socket)", &d);
+    row("exec /bin/true: direct spawn", &direct);
+    row("GET /v1/sandboxes/{id} (the server alone)", &get);
+    row("PUT 1 KiB file through the server", &write);
+    row("PUT 1 KiB file, fsync=true", &write_fsync);
     println!(
         "  server overhead over the daemon alone       {:>7.0}%   {:>7.0}%   (target < 30%)",
         (us(pct(&s, 0.5)) / us(pct(&d, 0.5)) - 1.0) * 100.0,
         (us(pct(&s, 0.99)) / us(pct(&d, 0.99)) - 1.0) * 100.0
     );
-    http.release(&id).await.ok();
+    let (w50, s50, g50) = (us(pct(&write, 0.5)), us(pct(&s, 0.5)), us(pct(&get, 0.5)));
+    summary.push(Row {
+        what: "exec via server / direct spawn (p50)",
+        value: format!("{s50:.0} us"),
+        floor: format!("{:.0} us", us(pct(&direct, 0.5))),
+        ratio: Some(s50 / us(pct(&direct, 0.5))),
+        target: None,
+    });
+    summary.push(Row {
+        what: "1 KiB write / exec via server (p50)",
+        value: format!("{w50:.0} us"),
+        floor: format!("{s50:.0} us"),
+        ratio: Some(w50 / s50),
+        target: Some((0.5, true)),
+    });
+    summary.push(Row {
+        what: "1 KiB write / GET sandbox (p50)",
+        value: format!("{w50:.0} us"),
+        floor: format!("{g50:.0} us"),
+        ratio: Some(w50 / g50),
+        target: Some((3.0, true)),
+    });
+    summary.push(Row {
+        what: "1 KiB write fsync=true / GET sandbox (p50)",
+        value: format!("{:.0} us", us(pct(&write_fsync, 0.5))),
+        floor: format!("{g50:.0} us"),
+        ratio: Some(us(pct(&write_fsync, 0.5)) / g50),
+        target: None,
+    });
 
+    // ---- many small files: a 1,000-file tar through the server vs tar -x directly ----
+    let tar = many_files_tar(1000);
+    let direct_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let (mut up, mut untar) = (Vec::new(), Vec::new());
+    for round in 0..7 {
+        let t = Instant::now();
+        via_server
+            .put(&format!("/v1/sandboxes/{id}/archive?path=%2Ftmp%2Ftar{round}"), tar.clone(), "application/x-tar")
+            .await;
+        up.push(t.elapsed());
+        let t = Instant::now();
+        tar_x(&tar, &direct_dir.path().join(format!("tar{round}")));
+        untar.push(t.elapsed());
+    }
+    let (up50, untar50) = (p50_us(&mut up), p50_us(&mut untar));
+    println!();
+    println!("a 1,000-file tar ({} KiB), 7 rounds interleaved, p50", tar.len() / 1024);
+    println!("  through the server (PUT /archive)      {:>8.1} ms", up50 / 1e3);
+    println!("  tar -x run directly                    {:>8.1} ms", untar50 / 1e3);
+    summary.push(Row {
+        what: "1,000-file tar upload / tar -x (p50)",
+        value: format!("{:.1} ms", up50 / 1e3),
+        floor: format!("{:.1} ms", untar50 / 1e3),
+        ratio: Some(up50 / untar50),
+        target: None,
+    });
+
+    // ---- one daemon, 8 concurrent clients vs 8 threads spawning directly ----
+    let clients = 8;
+    let per_client = (rounds / 4).max(50);
+    let (mut daemon_secs, mut direct_secs) = (0.0, 0.0);
+    for _ in 0..2 {
+        let t = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..clients {
+            let (socket, token, body) = (socket.clone(), daemon_token.clone(), body.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut conn = Conn::unix(&socket, &token).await;
+                for _ in 0..per_client {
+                    conn.post("/v1/exec", &body).await;
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        daemon_secs += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let threads: Vec<_> = (0..clients)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    for _ in 0..per_client {
+                        std::process::Command::new("/bin/true").status().unwrap();
+                    }
+                })
+            })
+            .collect();
+        for th in threads {
+            th.join().unwrap();
+        }
+        direct_secs += t.elapsed().as_secs_f64();
+    }
+    let n = (2 * clients * per_client) as f64;
+    let (daemon_rate, direct_rate) = (n / daemon_secs, n / direct_secs);
+    let busy_pid = inner_daemon(&state, &id).unwrap();
+    println!();
+    println!("concurrent execs of /bin/true, {clients} clients x {per_client}, twice, interleaved");
+    println!("  one daemon (unix socket)               {daemon_rate:>8.0} execs/s");
+    println!("  {clients} threads spawning directly          {direct_rate:>8.0} execs/s");
+    println!(
+        "  daemon RSS: idle at start {:.2} MiB, after the load {:.2} MiB",
+        idle_rss as f64 / 1024.0,
+        rss_kib(busy_pid) as f64 / 1024.0
+    );
+    summary.push(Row {
+        what: "8 clients on one daemon / 8 threads direct",
+        value: format!("{daemon_rate:.0}/s"),
+        floor: format!("{direct_rate:.0}/s"),
+        ratio: Some(daemon_rate / direct_rate),
+        target: Some((0.9, false)),
+    });
+    summary.push(Row {
+        what: "daemon idle RSS / 4 MiB",
+        value: format!("{:.2} MiB", idle_rss as f64 / 1024.0),
+        floor: "4 MiB".into(),
+        ratio: Some(idle_rss as f64 / 4096.0),
+        target: Some((1.0, true)),
+    });
+
+    // ---- the Python SDK's exec vs a raw httpx client ----
+    sdk_overhead(&server, &id, rounds, &mut summary).await;
+    http.release(&id).await;
+    http.release(&idle_id).await;
     // ---- create to ready: isolated against not isolated (and a baseline build), interleaved ----
     let plain_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let plain = Server::start_in(
@@ -276,14 +582,18 @@ async fn bench() {
     }
 
     // ---- density ----
-    let server_before = rss_kib(server.pid());
+    let server_pid = server.pid();
+    let server_before = rss_kib(server_pid);
+    let fds_before = open_fds(server_pid);
     let t = Instant::now();
-    let created = create_many(&http, density, 16).await;
+    let (created, create_halves) = create_many(&http, density, 16).await;
     let create_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let answered = exec_all(&http, &created, 16).await;
     let exec_secs = t.elapsed().as_secs_f64();
-    let server_after = rss_kib(server.pid());
+    let server_after = rss_kib(server_pid);
+    let fds_after = open_fds(server_pid);
+    let list_full = list_time(&http).await;
     let mut daemon_kib = Vec::new();
     let mut daemon_pss = Vec::new();
     for id in &created {
@@ -301,16 +611,20 @@ async fn bench() {
     }
     daemon_kib.sort();
     daemon_pss.sort();
+    let held = created.len().max(1) as f64;
     let per_sandbox_server = (server_after.saturating_sub(server_before) * 1024) / created.len().max(1) as u64;
+    let fds_per_sandbox = fds_after.saturating_sub(fds_before) as f64 / held;
     println!();
     println!(
-        "sandboxes held at once: {} created in {create_secs:.1} s ({:.0}/s), {answered} answered an exec in {exec_secs:.1} s",
+        "sandboxes held at once: {} of {density} created in {create_secs:.1} s ({:.0}/s), {answered} answered an exec in {exec_secs:.1} s",
         created.len(),
         created.len() as f64 / create_secs
     );
+    println!("  create rate: first half {:.0}/s, second half {:.0}/s", create_halves.0, create_halves.1);
     let mib = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0) as f64 / 1024.0;
+    let pss_mean = daemon_pss.iter().sum::<u64>() as f64 / daemon_pss.len().max(1) as f64 / 1024.0;
     println!(
-        "  per sandbox, the daemon and its namespace waiter: RSS p50 {:.2} MiB (shared pages counted in full), PSS p50 {:.2} MiB, PSS max {:.2} MiB",
+        "  per sandbox, the daemon and its namespace waiter: RSS p50 {:.2} MiB (shared pages counted in full), PSS p50 {:.2} MiB, mean {pss_mean:.2} MiB, max {:.2} MiB",
         mib(&daemon_kib, daemon_kib.len() / 2),
         mib(&daemon_pss, daemon_pss.len() / 2),
         mib(&daemon_pss, daemon_pss.len().saturating_sub(1))
@@ -321,9 +635,161 @@ async fn bench() {
         server_after as f64 / 1024.0,
         per_sandbox_server
     );
+    println!(
+        "  server open files        {fds_before} -> {fds_after} ({fds_per_sandbox:.2} per sandbox; its limit {})",
+        open_files_limit(server_pid)
+    );
+    // Half released, then the list again: its cost per sandbox listed should not grow with N.
+    let (first, second) = created.split_at(created.len() / 2);
     let t = Instant::now();
-    release_all(&http, &created, 16).await;
-    println!("  released all in {:.1} s", t.elapsed().as_secs_f64());
+    release_all(&http, first, 16).await;
+    let release_first = first.len() as f64 / t.elapsed().as_secs_f64();
+    let list_half = list_time(&http).await;
+    let t = Instant::now();
+    release_all(&http, second, 16).await;
+    let release_second = second.len() as f64 / t.elapsed().as_secs_f64();
+    let total_release =
+        created.len() as f64 / (first.len() as f64 / release_first + second.len() as f64 / release_second);
+    println!(
+        "  release rate: first half {release_first:.0}/s, second half {release_second:.0}/s ({total_release:.0}/s overall)"
+    );
+    let (live_full, live_half) = (created.len() + 2, second.len() + 2);
+    println!(
+        "  GET /v1/sandboxes: {:.1} ms with {live_full} listed ({:.2} us each), {:.1} ms with {live_half} ({:.2} us each)",
+        list_full * 1e3,
+        list_full * 1e6 / live_full as f64,
+        list_half * 1e3,
+        list_half * 1e6 / live_half as f64
+    );
+    // What the releases left, polled until nothing or a deadline: deletes finish in the background.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut left = leftovers(&state, server_pid, &created);
+    while left != (0, 0, 0, 0) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        left = leftovers(&state, server_pid, &created);
+    }
+    println!(
+        "  left after the release: {} processes, {} mounts, {} cgroups, {} sandbox directories",
+        left.0, left.1, left.2, left.3
+    );
+    summary.push(Row {
+        what: "sandboxes held at once / asked",
+        value: format!("{}", created.len()),
+        floor: format!("{density}"),
+        ratio: Some(answered as f64 / density as f64),
+        target: Some((1.0, false)),
+    });
+    summary.push(Row {
+        what: "create rate / 1,000 per s",
+        value: format!("{:.0}/s", created.len() as f64 / create_secs),
+        floor: "1000/s".into(),
+        ratio: Some(created.len() as f64 / create_secs / 1000.0),
+        target: Some((1.0, false)),
+    });
+    summary.push(Row {
+        what: "create rate, second half / first half",
+        value: format!("{:.0}/s", create_halves.1),
+        floor: format!("{:.0}/s", create_halves.0),
+        ratio: Some(create_halves.1 / create_halves.0),
+        target: None,
+    });
+    summary.push(Row {
+        what: "release rate, second half / first half",
+        value: format!("{release_second:.0}/s"),
+        floor: format!("{release_first:.0}/s"),
+        ratio: Some(release_second / release_first),
+        target: None,
+    });
+    summary.push(Row {
+        what: "list cost per sandbox, N / N/2",
+        value: format!("{:.2} us", list_full * 1e6 / live_full as f64),
+        floor: format!("{:.2} us", list_half * 1e6 / live_half as f64),
+        ratio: Some((list_full / live_full as f64) / (list_half / live_half as f64)),
+        target: None,
+    });
+    summary.push(Row {
+        what: "sandbox PSS (daemon + waiter, mean)",
+        value: format!("{pss_mean:.2} MiB"),
+        floor: "-".into(),
+        ratio: None,
+        target: None,
+    });
+    summary.push(Row {
+        what: "server bytes per sandbox",
+        value: format!("{per_sandbox_server}"),
+        floor: "-".into(),
+        ratio: None,
+        target: None,
+    });
+    summary.push(Row {
+        what: "server open files per sandbox",
+        value: format!("{fds_per_sandbox:.2}"),
+        floor: "-".into(),
+        ratio: None,
+        target: None,
+    });
+    summary.push(Row {
+        what: "left after release (proc, mount, cgroup, dir)",
+        value: format!("{} {} {} {}", left.0, left.1, left.2, left.3),
+        floor: "0 0 0 0".into(),
+        ratio: None,
+        target: None,
+    });
+
+    println!();
+    println!("summary ({density} sandboxes)                         value               floor     ratio    target");
+    for row in &summary {
+        row.print();
+    }
+}
+
+/// The seconds `GET /v1/sandboxes` takes (the best of three).
+async fn list_time(http: &Http) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let r = http.get("/v1/sandboxes").await;
+        assert_eq!(r.status, 200);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// The Python SDK's exec against a raw `httpx` client, from `sdk_exec.py`.
+async fn sdk_overhead(server: &Server, id: &str, rounds: usize, summary: &mut Vec<Row>) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = std::env::var_os("SANDMAN_BENCH_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
+        let venv = root.join("target/py/bin/python");
+        if venv.exists() { venv } else { PathBuf::from("python3") }
+    });
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/sdk_exec.py");
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(&script).args([&server.url, e2e::TOKEN, id, &rounds.to_string()]).env("PYTHONPATH", root.join("python"));
+    let out = tokio::task::spawn_blocking(move || cmd.output()).await.unwrap();
+    println!();
+    let parsed = out
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok());
+    let Some(v) = parsed else {
+        println!(
+            "the Python SDK vs raw httpx: not measured ({} cannot run {}; set SANDMAN_BENCH_PYTHON to a Python with httpx)",
+            python.display(),
+            script.display()
+        );
+        return;
+    };
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    println!("exec of /bin/true from Python ({rounds} rounds, interleaved)   p50 (us)   p99 (us)");
+    println!("  the SDK (sandman.Sandman, sync)                {:>8.0}   {:>8.0}", f("sdk_p50"), f("sdk_p99"));
+    println!("  a raw httpx.Client                             {:>8.0}   {:>8.0}", f("raw_p50"), f("raw_p99"));
+    summary.push(Row {
+        what: "Python SDK exec / raw httpx (p50)",
+        value: format!("{:.0} us", f("sdk_p50")),
+        floor: format!("{:.0} us", f("raw_p50")),
+        ratio: Some(f("sdk_p50") / f("raw_p50")),
+        target: Some((1.3, true)),
+    });
 }
 
 fn children_of(pid: u32) -> Vec<u32> {
@@ -334,20 +800,27 @@ fn children_of(pid: u32) -> Vec<u32> {
         .collect()
 }
 
-async fn create_many(http: &Http, n: usize, width: usize) -> Vec<String> {
+/// Creates `n` sandboxes, `width` at a time: their ids, and the create rates of the first and
+/// the second half (by completion time).
+async fn create_many(http: &Http, n: usize, width: usize) -> (Vec<String>, (f64, f64)) {
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let start = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..width {
         let http = http.clone();
         let next = next.clone();
         tasks.push(tokio::spawn(async move {
             let mut ids = Vec::new();
+            let mut failures = 0;
             while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
                 let r = http.post("/v1/sandboxes", json!({"image": "host"})).await;
                 if r.status == 200 {
-                    ids.push(r.json()["id"].as_str().unwrap().to_string());
+                    ids.push((start.elapsed(), r.json()["id"].as_str().unwrap().to_string()));
                 } else {
-                    eprintln!("create failed: {}", String::from_utf8_lossy(&r.body));
+                    failures += 1;
+                    if failures <= 3 {
+                        eprintln!("create failed: {}", String::from_utf8_lossy(&r.body));
+                    }
                 }
             }
             ids
@@ -357,7 +830,12 @@ async fn create_many(http: &Http, n: usize, width: usize) -> Vec<String> {
     for t in tasks {
         all.extend(t.await.unwrap());
     }
-    all
+    all.sort();
+    let half = all.len() / 2;
+    let at = |i: usize| all.get(i).map(|(t, _)| t.as_secs_f64()).unwrap_or(0.0);
+    let first = half as f64 / at(half.saturating_sub(1)).max(1e-9);
+    let second = (all.len() - half) as f64 / (at(all.len().saturating_sub(1)) - at(half.saturating_sub(1))).max(1e-9);
+    (all.into_iter().map(|(_, id)| id).collect(), (first, second))
 }
 
 async fn exec_all(http: &Http, ids: &[String], width: usize) -> usize {

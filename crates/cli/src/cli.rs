@@ -338,6 +338,10 @@ pub struct CpCmd {
     pub src: String,
     /// A local path, `ID:/abs/path`, or `-` (a tar stream on stdout).
     pub dst: String,
+    /// Into a sandbox: make what is written durable (fsync) before answering. Writes are atomic
+    /// without it; this costs a disk flush.
+    #[arg(long)]
+    pub fsync: bool,
 }
 
 #[derive(Debug, Args)]

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use sandman_client::{Client, ClientError, UploadBody};
 use sandman_wire::ErrorCode;
-use sandman_wire::daemon::FileKind;
+use sandman_wire::daemon::{ExtractQuery, FileKind, WriteFileQuery};
 use tokio::io::AsyncWriteExt;
 use tokio_util::io::{ReaderStream, SyncIoBridge};
 
@@ -55,10 +55,11 @@ impl Location {
 
 pub async fn cp(client: &Client, cmd: CpCmd) -> anyhow::Result<ExitCode> {
     match (Location::parse(&cmd.src)?, Location::parse(&cmd.dst)?) {
-        (Location::Local(src), Location::Sandbox { id, path }) => upload(client, &src, &id, &path).await?,
+        (Location::Local(src), Location::Sandbox { id, path }) => upload(client, &src, &id, &path, cmd.fsync).await?,
         (Location::Stdio, Location::Sandbox { id, path }) => {
             let body = UploadBody::from_stream(ReaderStream::with_capacity(tokio::io::stdin(), PIPE_CAPACITY));
-            let done = client.upload_tar(&id, &path, body).await?;
+            let query = ExtractQuery { path: path.clone(), user: None, fsync: cmd.fsync };
+            let done = client.upload_tar_with(&id, &query, body).await?;
             report::status(&format!(
                 "Extracted {} entries ({}) into {id}:{path}",
                 done.entries,
@@ -104,7 +105,7 @@ fn is_contents(path: &str) -> bool {
     path.ends_with("/.")
 }
 
-async fn upload(client: &Client, src: &Path, id: &str, dst: &str) -> anyhow::Result<()> {
+async fn upload(client: &Client, src: &Path, id: &str, dst: &str, fsync: bool) -> anyhow::Result<()> {
     let shown = src.display();
     let meta = tokio::fs::metadata(src).await.with_context(|| format!("could not read `{shown}`"))?;
     let kind = remote_kind(client, id, dst).await?;
@@ -115,7 +116,8 @@ async fn upload(client: &Client, src: &Path, id: &str, dst: &str) -> anyhow::Res
             (Some(FileKind::Dir) | None, _) => dst.to_owned(),
             (Some(_), _) => bail!("cannot copy directory `{shown}` onto `{id}:{dst}`, which is not a directory"),
         };
-        let done = client.upload_tar(id, &target, UploadBody::from_stream(tar_of(src.to_owned()))).await?;
+        let query = ExtractQuery { path: target.clone(), user: None, fsync };
+        let done = client.upload_tar_with(id, &query, UploadBody::from_stream(tar_of(src.to_owned()))).await?;
         report::status(&format!("Copied {} entries ({}) to {id}:{target}", done.entries, format::bytes(done.bytes)));
     } else {
         let target = match (kind, name) {
@@ -125,7 +127,9 @@ async fn upload(client: &Client, src: &Path, id: &str, dst: &str) -> anyhow::Res
         };
         let file = tokio::fs::File::open(src).await.with_context(|| format!("could not open `{shown}`"))?;
         let body = UploadBody::from_stream(ReaderStream::with_capacity(file, PIPE_CAPACITY));
-        let stat = client.write_file(id, &target, Some(meta.permissions().mode() & 0o7777), body).await?;
+        let mode = Some(format!("{:o}", meta.permissions().mode() & 0o7777));
+        let query = WriteFileQuery { path: target.clone(), mode, user: None, fsync };
+        let stat = client.write_file_with(id, &query, body).await?;
         report::status(&format!("Copied {} to {id}:{target}", format::bytes(stat.size)));
     }
     Ok(())

@@ -233,8 +233,19 @@ impl Client {
         mode: Option<u32>,
         body: impl Into<UploadBody>,
     ) -> Result<FileStat, ClientError> {
-        let query = WriteFileQuery { path: path.to_owned(), mode: octal(mode), user: None };
-        self.json(Req::new(Method::PUT, sandbox_path(id, "/files")).query(&query)?.upload(body.into())).await
+        let query = WriteFileQuery { path: path.to_owned(), mode: octal(mode), user: None, fsync: false };
+        self.write_file_with(id, &query, body).await
+    }
+
+    /// `PUT /v1/files` with every option of the query: `fsync: true` makes the write durable
+    /// before the answer (the file and its directory are synced).
+    pub async fn write_file_with(
+        &self,
+        id: &str,
+        query: &WriteFileQuery,
+        body: impl Into<UploadBody>,
+    ) -> Result<FileStat, ClientError> {
+        self.json(Req::new(Method::PUT, sandbox_path(id, "/files")).query(query)?.upload(body.into())).await
     }
 
     /// `GET /v1/stat`: metadata of `path` (a symlink is described, not followed).
@@ -276,8 +287,19 @@ impl Client {
         path: &str,
         body: impl Into<UploadBody>,
     ) -> Result<ExtractResult, ClientError> {
-        let query = ExtractQuery { path: path.to_owned(), user: None };
-        self.json(Req::new(Method::PUT, sandbox_path(id, "/archive")).query(&query)?.upload_tar(body.into())).await
+        let query = ExtractQuery { path: path.to_owned(), user: None, fsync: false };
+        self.upload_tar_with(id, &query, body).await
+    }
+
+    /// `PUT /v1/archive` with every option of the query: `fsync: true` makes what it wrote
+    /// durable before the answer.
+    pub async fn upload_tar_with(
+        &self,
+        id: &str,
+        query: &ExtractQuery,
+        body: impl Into<UploadBody>,
+    ) -> Result<ExtractResult, ClientError> {
+        self.json(Req::new(Method::PUT, sandbox_path(id, "/archive")).query(query)?.upload_tar(body.into())).await
     }
 
     /// `GET /v1/archive`: the directory `path` as a tar of its contents (a file: a tar of that

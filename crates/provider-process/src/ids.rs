@@ -6,16 +6,19 @@
 use std::collections::BTreeSet;
 
 use sandman_provider::ProviderError;
+use sandman_wire::server::Reason;
 
 /// Ids per sandbox: its root is the first.
 pub const PER_SANDBOX: u32 = 65536;
 
 /// The first host id given to sandboxes (0x20000000): far above any user's or a distribution's
-/// ids, below the ranges systemd reserves near 2^31.
+/// ids.
 pub const FIRST: u32 = 0x2000_0000;
 
-/// How many ranges there are: sandboxes held at once by one server.
-pub const SLOTS: u32 = 8192;
+/// How many ranges there are: sandboxes held at once by one server. The last ends at
+/// 0x70000000, below the ranges systemd keeps for itself from there up to 2^31 (its container
+/// and foreign ids, `nobody`'s 65534 aliases).
+pub const SLOTS: u32 = 20480;
 
 /// Slot 0 is kept for the isolation check the provider runs at start.
 pub const CHECK_SLOT: u32 = 0;
@@ -31,32 +34,56 @@ pub fn slot_of(base: u32) -> Option<u32> {
     (off % PER_SANDBOX == 0 && off / PER_SANDBOX < SLOTS).then_some(off / PER_SANDBOX)
 }
 
-/// Which slots are taken. Locked briefly by its owner, never across an await.
-#[derive(Debug, Default)]
+/// Which slots are taken: every slot below `next` is taken unless it is in `free`. Taking and
+/// giving back cost a logarithm of the slots free, not a scan of those taken. Locked briefly by
+/// its owner, never across an await.
+#[derive(Debug)]
 pub struct Slots {
-    taken: BTreeSet<u32>,
+    /// Slots below `next` given back (or never taken, below one marked at start).
+    free: BTreeSet<u32>,
+    /// The lowest slot never handed out.
+    next: u32,
+}
+
+impl Default for Slots {
+    fn default() -> Self {
+        Slots { free: BTreeSet::new(), next: CHECK_SLOT + 1 }
+    }
 }
 
 impl Slots {
     /// Marks `slot` taken (a sandbox found at start); false when it already was.
     pub fn mark(&mut self, slot: u32) -> bool {
-        self.taken.insert(slot)
+        if slot >= self.next {
+            self.free.extend(self.next..slot);
+            self.next = slot + 1;
+            return true;
+        }
+        self.free.remove(&slot)
     }
 
     /// The lowest free slot, now taken.
     pub fn take(&mut self) -> Result<u32, ProviderError> {
-        let free = (CHECK_SLOT + 1..SLOTS).find(|s| !self.taken.contains(s)).ok_or_else(|| {
-            ProviderError::Backend(format!(
-                "no free id range: this server holds {} isolated sandboxes, the most it can",
-                SLOTS - 1
-            ))
-        })?;
-        self.taken.insert(free);
-        Ok(free)
+        if let Some(slot) = self.free.pop_first() {
+            return Ok(slot);
+        }
+        if self.next >= SLOTS {
+            return Err(ProviderError::Failed {
+                reason: Reason::ResourceExhausted,
+                message: format!(
+                    "no free id range: this server holds {} isolated sandboxes, the most the process provider can (one range of {PER_SANDBOX} host ids each)",
+                    SLOTS - 1
+                ),
+            });
+        }
+        self.next += 1;
+        Ok(self.next - 1)
     }
 
     pub fn free(&mut self, slot: u32) {
-        self.taken.remove(&slot);
+        if slot < self.next && slot != CHECK_SLOT {
+            self.free.insert(slot);
+        }
     }
 }
 
@@ -66,6 +93,9 @@ mod tests {
 
     #[test]
     fn slots_are_handed_out_lowest_first_and_never_twice() {
+        let mut fresh = Slots::default();
+        assert_eq!(fresh.take().ok(), Some(1));
+        assert_eq!(fresh.take().ok(), Some(2));
         let mut s = Slots::default();
         assert!(s.mark(2));
         assert!(!s.mark(2));
@@ -78,7 +108,7 @@ mod tests {
     #[test]
     fn ranges_do_not_overlap_and_stay_below_2_pow_31() {
         assert_eq!(base_of(1) - base_of(0), PER_SANDBOX);
-        assert!(u64::from(base_of(SLOTS - 1)) + u64::from(PER_SANDBOX) <= 1 << 31);
+        assert_eq!(u64::from(base_of(SLOTS - 1)) + u64::from(PER_SANDBOX), 0x7000_0000);
         assert_eq!(slot_of(base_of(7)), Some(7));
         assert_eq!(slot_of(base_of(7) + 1), None);
         assert_eq!(slot_of(5), None);
@@ -91,6 +121,8 @@ mod tests {
             s.mark(slot);
         }
         let e = s.take().err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("8191"), "{e}");
+        assert!(e.contains("20479"), "{e}");
+        s.free(5);
+        assert_eq!(s.take().ok(), Some(5));
     }
 }

@@ -407,7 +407,9 @@ impl ProcessProvider {
             .process_group(0);
         let start_failed = |what: String| ProviderError::Failed { reason: Reason::DaemonStartFailed, message: what };
         let child = cmd.spawn().map_err(|e| {
-            start_failed(format!("cannot start the daemon `{}`: {e}", self.config.daemon_bin.display()))
+            exhausted(&e).unwrap_or_else(|| {
+                start_failed(format!("cannot start the daemon `{}`: {e}", self.config.daemon_bin.display()))
+            })
         })?;
         let Some(pid) = child.id().map(|p| p as i32) else {
             return Err(start_failed("the daemon exited before it could be watched".into()));
@@ -421,7 +423,9 @@ impl ProcessProvider {
             Ok(w) => w,
             Err(e) => {
                 let _ = sys::kill(pid, sys::SIGKILL, true);
-                return Err(start_failed(format!("cannot watch the daemon (pid {pid}; pidfd needs Linux 5.3): {e}")));
+                return Err(exhausted(&e).unwrap_or_else(|| {
+                    start_failed(format!("cannot watch the daemon (pid {pid}; pidfd needs Linux 5.3): {e}"))
+                }));
             }
         };
         let pid_written = {
@@ -502,6 +506,23 @@ impl ProcessProvider {
         }
         Ok(())
     }
+}
+
+/// A create stopped by a limit of the server or the machine, as `resource_exhausted` naming
+/// that limit; `None` for any other failure.
+fn exhausted(err: &std::io::Error) -> Option<ProviderError> {
+    let limit = match err.raw_os_error()? {
+        libc::EMFILE => format!("the server's open files limit (RLIMIT_NOFILE, {})", sys::open_files_limit()),
+        libc::ENFILE => "the system's open files limit (fs.file-max)".to_string(),
+        libc::EAGAIN => {
+            "the kernel's limits on processes (kernel.pid_max, kernel.threads-max, RLIMIT_NPROC)".to_string()
+        }
+        _ => return None,
+    };
+    Some(ProviderError::Failed {
+        reason: Reason::ResourceExhausted,
+        message: format!("cannot hold one more sandbox: {limit} is reached ({err})"),
+    })
 }
 
 /// An id range taken for a create: given back when the create fails (dropped), kept once it
@@ -587,7 +608,8 @@ impl Provider for ProcessProvider {
             }
             Err(e) => {
                 remove_dir(&dir).await;
-                return Err(ProviderError::io(format!("cannot prepare `{}`", dir.root.display()), e));
+                return Err(exhausted(&e)
+                    .unwrap_or_else(|| ProviderError::io(format!("cannot prepare `{}`", dir.root.display()), e)));
             }
         };
         let cgroups = plan.cgroups.clone();
@@ -1067,6 +1089,19 @@ fn is_executable(p: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (issue 16): a server out of descriptors failed creates with "cannot prepare";
+    /// now the create is refused naming the limit.
+    #[test]
+    fn running_out_of_descriptors_or_processes_is_resource_exhausted_naming_the_limit() {
+        let e = exhausted(&std::io::Error::from_raw_os_error(libc::EMFILE));
+        assert_eq!(e.as_ref().map(ProviderError::reason), Some(Reason::ResourceExhausted));
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("RLIMIT_NOFILE"), "{msg}");
+        let e = exhausted(&std::io::Error::from_raw_os_error(libc::EAGAIN)).map(|e| e.to_string());
+        assert!(e.unwrap_or_default().contains("kernel.pid_max"));
+        assert!(exhausted(&std::io::Error::from_raw_os_error(libc::ENOENT)).is_none());
+    }
 
     #[test]
     fn ids_are_single_path_components() {

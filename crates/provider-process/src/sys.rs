@@ -90,6 +90,16 @@ pub fn writable(dir: &std::path::Path) -> bool {
 pub const SIGKILL: i32 = libc::SIGKILL;
 pub const SIGSTOP: i32 = libc::SIGSTOP;
 
+/// The soft limit on this process's open files (`RLIMIT_NOFILE`), read without opening a file.
+pub fn open_files_limit() -> u64 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `getrlimit` writes one plain C struct that lives on this stack frame.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return 0;
+    }
+    limit.rlim_cur
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

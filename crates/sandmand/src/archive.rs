@@ -22,7 +22,7 @@ use tokio_util::io::{ReaderStream, StreamReader, SyncIoBridge};
 
 use crate::error::{DaemonError, DaemonResult};
 use crate::extract::{ApiQuery, BodyStalled, is_length_limit, is_stalled, unstalled};
-use crate::files::{absolute, blocking, shown, sorted_names};
+use crate::files::{Durability, Fsync, absolute, blocking, shown, sorted_names};
 use crate::owner::{self, Owner};
 use crate::state::Daemon;
 
@@ -44,7 +44,11 @@ pub async fn extract(
     body: Body,
 ) -> DaemonResult<Json<ExtractResult>> {
     let target = absolute(&q.path)?;
-    let limits = Unpacking { owner: Owner::of(&daemon, q.user.as_deref())?, ..Unpacking::of(&daemon.config.limits) };
+    let limits = Unpacking {
+        owner: Owner::of(&daemon, q.user.as_deref())?,
+        sync: q.fsync.then_some(&Fsync as &'static dyn Durability),
+        ..Unpacking::of(&daemon.config.limits)
+    };
     extract_into(target, body, daemon.config.max_upload_bytes, limits).await.map(Json)
 }
 
@@ -59,11 +63,13 @@ struct Unpacking {
     ratio: u64,
     /// Who what the extraction creates belongs to; the daemon when `None`.
     owner: Option<Owner>,
+    /// How what it wrote is made durable before the answer (`fsync=true`); not at all when `None`.
+    sync: Option<&'static dyn Durability>,
 }
 
 impl Unpacking {
     fn of(limits: &crate::Limits) -> Self {
-        Unpacking { disk: limits.disk_bytes, ratio: limits.expansion_ratio, owner: None }
+        Unpacking { disk: limits.disk_bytes, ratio: limits.expansion_ratio, owner: None, sync: None }
     }
 }
 
@@ -166,7 +172,12 @@ async fn extract_into(target: PathBuf, body: Body, limit: u64, limits: Unpacking
     let shared = Arc::clone(&progress);
     let unpacked = blocking(move || {
         let mut raw = Counting { inner: upload, progress: Arc::clone(&shared), tar: false, ratio: None };
-        let unpacked = unpack(BufReader::with_capacity(READ_AHEAD, &mut raw), &dst, limits, &shared);
+        let mut unpacked = unpack(BufReader::with_capacity(READ_AHEAD, &mut raw), &dst, limits, &shared);
+        if let (Ok(_), Some(sync)) = (&unpacked, limits.sync)
+            && let Err(source) = sync.sync_fs(&dst)
+        {
+            unpacked = Err(Refusal::Unpack { entry: dst.clone(), source });
+        }
         // What follows the archive's end (a refused one's rest, or the padding of a whole one:
         // tar writers pad to a record of 10 KiB) is read before the answer, so that the client
         // is not cut off while it still sends it.
@@ -652,6 +663,48 @@ mod tests {
         Ok(())
     }
 
+    /// Counts `syncfs` calls and checks every file is in place when it comes.
+    #[derive(Debug, Default)]
+    struct SyncsAfterAll {
+        expect: PathBuf,
+        syncs: AtomicU64,
+    }
+
+    impl Durability for SyncsAfterAll {
+        fn sync_file(&self, _file: &fs::File, _path: &Path) -> io::Result<()> {
+            Err(io::Error::other("an extraction syncs its file system, not each file"))
+        }
+
+        fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
+            Err(io::Error::other("an extraction syncs its file system, not each directory"))
+        }
+
+        fn sync_fs(&self, _dir: &Path) -> io::Result<()> {
+            assert!(self.expect.exists(), "synced before the last entry was written");
+            self.syncs.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+
+    /// `fsync=true` on an upload syncs the file system once, after the last entry; without it,
+    /// never.
+    #[tokio::test]
+    async fn an_extraction_with_fsync_syncs_once_at_the_end() -> Result<(), Box<dyn std::error::Error>> {
+        let src = sample_tree()?;
+        let tar = archive_of(src.path())?;
+        for fsync in [true, false] {
+            let dst = tempfile::tempdir()?;
+            let recorder: &'static SyncsAfterAll =
+                Box::leak(Box::new(SyncsAfterAll { expect: dst.path().join("x"), ..Default::default() }));
+            let limits =
+                Unpacking { sync: fsync.then_some(recorder as &'static dyn Durability), ..Unpacking::default() };
+            let done = extract_into(dst.path().to_path_buf(), Body::from(tar.clone()), 0, limits).await?;
+            assert_eq!(done.entries, 5);
+            assert_eq!(recorder.syncs.load(Ordering::Relaxed), u64::from(fsync));
+        }
+        Ok(())
+    }
+
     #[test]
     fn gzip_is_detected_by_its_magic() -> io::Result<()> {
         let src = sample_tree()?;
@@ -687,7 +740,7 @@ mod tests {
         let bomb = zeros_gz(16 << 20)?;
         assert!(bomb.len() < 64 << 10, "{}", bomb.len());
         let dst = tempfile::tempdir()?;
-        let limits = Unpacking { disk: 1 << 20, ratio: 0, owner: None };
+        let limits = Unpacking { disk: 1 << 20, ratio: 0, owner: None, sync: None };
         let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
         let msg = refused.map(|r| r.into_error(dst.path()).to_string()).unwrap_or_default();
         assert!(msg.contains("disk limit of 1048576 bytes") && msg.contains("`zeros`"), "{msg}");
@@ -700,7 +753,7 @@ mod tests {
     fn a_gzip_bomb_stops_at_the_expansion_ratio() -> io::Result<()> {
         let bomb = zeros_gz(32 << 20)?;
         let dst = tempfile::tempdir()?;
-        let limits = Unpacking { disk: 0, ratio: 100, owner: None };
+        let limits = Unpacking { disk: 0, ratio: 100, owner: None, sync: None };
         let refused = unpack(&bomb[..], dst.path(), limits, &Arc::default()).err();
         let err = refused.map(|r| r.into_error(dst.path()));
         assert!(matches!(err, Some(DaemonError::Expansion { ratio: 100 })), "{err:?}");

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::process::{Child, Command};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::oneshot;
@@ -16,10 +16,22 @@ use crate::sys::{self, Reaped};
 /// group leader).
 #[derive(Debug, Default)]
 pub struct Children {
-    /// pid → where its exit goes. The lock also serialises `wait4` with `spawn`: a child's exit
-    /// can never be reaped before its waiter is registered, and std's own `waitpid` after a
-    /// failed `exec` never finds its child already reaped by us.
+    /// pid → where its exit goes. Locked only to insert or take one entry, never across a fork
+    /// or a `wait4`.
     table: Mutex<HashMap<i32, oneshot::Sender<Reaped>>>,
+    /// Orders forks against the reaper: every spawn holds it shared from its fork until its
+    /// waiter is in `table`, and the reaper holds it exclusively around its `wait4` sweep. So
+    /// forks run side by side (on as many threads as spawn at once, never two under one
+    /// exclusive lock), while an exit can never be reaped before its waiter exists, and std's
+    /// own `waitpid` after a failed `exec` never finds its child already reaped by us.
+    forking: RwLock<()>,
+}
+
+/// Proof that a fork may run now: no `wait4` sweep runs until it is dropped. Any number exist
+/// at once.
+#[derive(Debug)]
+pub struct ForkGuard<'a> {
+    _shared: RwLockReadGuard<'a, ()>,
 }
 
 impl Children {
@@ -27,22 +39,42 @@ impl Children {
         Arc::new(Children::default())
     }
 
-    /// Spawns `cmd` and registers it; the receiver resolves when the reaper reaps it.
+    /// Leave to fork: shared with every other fork, exclusive of the reaper's sweep.
+    pub fn fork_guard(&self) -> ForkGuard<'_> {
+        ForkGuard { _shared: self.forking.read().unwrap_or_else(PoisonError::into_inner) }
+    }
+
+    /// Spawns `cmd` and registers it; the receiver resolves when the reaper reaps it. Blocks for
+    /// the fork and exec: commands are started off the event loop ([`crate::run::start`]).
     pub fn spawn(&self, cmd: &mut Command) -> io::Result<(Child, oneshot::Receiver<Reaped>)> {
-        let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
-        let child = cmd.spawn()?;
+        let mut child = None;
+        let (_, rx) = self.spawn_with(|| {
+            let c = cmd.spawn()?;
+            let pid = c.id() as i32;
+            child = Some(c);
+            Ok(pid)
+        })?;
+        child.map(|c| (c, rx)).ok_or_else(|| io::Error::other("spawned no child"))
+    }
+
+    /// Runs `start`, which starts one child and answers its pid (`sys::posix_spawn`, say), and
+    /// registers that child as [`Children::spawn`] does.
+    pub fn spawn_with(&self, start: impl FnOnce() -> io::Result<i32>) -> io::Result<(i32, oneshot::Receiver<Reaped>)> {
+        let _fork = self.fork_guard();
+        let pid = start()?;
         let (tx, rx) = oneshot::channel();
-        table.insert(child.id() as i32, tx);
-        Ok((child, rx))
+        self.table.lock().unwrap_or_else(PoisonError::into_inner).insert(pid, tx);
+        Ok((pid, rx))
     }
 
     /// Reaps every child that has exited. Orphans the daemon inherited are reaped and dropped.
     pub fn reap(&self) {
+        let _sweep = self.forking.write().unwrap_or_else(PoisonError::into_inner);
         loop {
-            let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
             match sys::reap_any() {
                 Ok(Some(reaped)) => {
-                    if let Some(waiter) = table.remove(&reaped.pid) {
+                    let waiter = self.table.lock().unwrap_or_else(PoisonError::into_inner).remove(&reaped.pid);
+                    if let Some(waiter) = waiter {
                         // The waiter may have given up (its request was cancelled); fine.
                         let _ = waiter.send(reaped);
                     }
@@ -83,4 +115,26 @@ pub fn install_reaper(children: Arc<Children>, cancel: CancellationToken) -> io:
             }
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression (issue 16): every fork took one mutex, so one daemon's execs forked one at a
+    /// time. Forks now share their guard: a second fork gets leave while the first holds it,
+    /// and only the reaper's sweep waits for both.
+    #[test]
+    fn forks_never_wait_for_each_other_only_the_reaper_waits_for_forks() {
+        let children = Children::default();
+        let first = children.fork_guard();
+        // A second fork, on another thread, gets leave while the first holds its guard.
+        let got_second =
+            std::thread::scope(|s| s.spawn(|| children.forking.try_read().is_ok()).join().unwrap_or(false));
+        assert!(got_second, "a fork waited for another fork");
+        // The reaper's sweep does wait for a fork in progress.
+        assert!(children.forking.try_write().is_err(), "the reaper could sweep during a fork");
+        drop(first);
+        assert!(children.forking.try_write().is_ok());
+    }
 }

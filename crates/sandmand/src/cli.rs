@@ -229,8 +229,15 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
         },
     };
     // One thread serves: the daemon mostly waits on children and sockets, and a single thread
-    // keeps its idle footprint to a few MiB. File work goes to the blocking pool.
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().max_blocking_threads(16).build() {
+    // keeps its idle footprint to a few MiB. File work and the starts of commands go to the
+    // blocking pool, whose threads leave after a second idle: thousands of idle sandboxes on
+    // one machine keep no threads (each a task of the kernel's `pid_max`) for work done.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(16)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -250,6 +257,9 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
     }
     ExitCode::from(code)
 }
+
+/// How long a thread of the daemon's blocking pool waits for more work before it exits.
+const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(1);
 
 /// Why the environment file could not be used.
 #[derive(Debug, thiserror::Error)]

@@ -54,9 +54,9 @@ fn parse(daemon: &Daemon, req: ExecRequest, output_ceiling: Option<u64>) -> Daem
 
 /// Starts the process and feeds it its stdin from a task of its own, so that a large stdin and
 /// a large output cannot deadlock each other.
-fn start(daemon: &Daemon, parsed: &mut Parsed) -> DaemonResult<Started> {
-    let mut started =
-        run::start(&daemon.children, &parsed.launch, Io::Pipes { stdin: parsed.stdin.is_some(), merge: parsed.merge })?;
+async fn start(daemon: &Daemon, parsed: &mut Parsed) -> DaemonResult<Started> {
+    let io = Io::Pipes { stdin: parsed.stdin.is_some(), merge: parsed.merge };
+    let mut started = run::start(&daemon.children, &parsed.launch, io).await?;
     if let (Some(mut pipe), Some(text)) = (started.stdin.take(), parsed.stdin.take()) {
         daemon.tasks.spawn(async move {
             // A command that exits without reading its stdin closes the pipe: not an error.
@@ -126,7 +126,7 @@ pub async fn exec(
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> DaemonResult<Json<ExecResult>> {
     let mut parsed = parse(&daemon, req, Some(daemon.config.limits.max_output_bytes))?;
-    let started = start(&daemon, &mut parsed)?;
+    let started = start(&daemon, &mut parsed).await?;
     let mut sink = Capped::new(parsed.cap, daemon.output_budget.clone());
     let status = run::drive(started, parsed.timeout, &mut sink).await;
     Ok(Json(ExecResult {
@@ -182,7 +182,7 @@ pub async fn exec_stream(
 ) -> DaemonResult<Response> {
     // Streamed output is sent as it comes, never held: any `max_output_bytes` will do.
     let mut parsed = parse(&daemon, req, None)?;
-    let started = start(&daemon, &mut parsed)?;
+    let started = start(&daemon, &mut parsed).await?;
     let (tx, rx) = mpsc::channel(STREAM_EVENTS);
     let pid = started.pid as u32;
     let timeout = parsed.timeout;

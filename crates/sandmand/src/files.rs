@@ -4,7 +4,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs::{self, Metadata, Permissions};
 use std::io::{self, SeekFrom};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -143,7 +143,8 @@ fn octet_stream(body: Body, len: Option<u64>) -> Response {
 /// renames it over the target, so readers see the old contents or the new, never a part.
 /// Missing parents are created. A symlink to an existing file is written through (the file it
 /// points to is replaced); a dangling one is replaced itself. With `user`, the file and the
-/// parents created belong to that user. Answers the written file's stat.
+/// parents created belong to that user. With `fsync`, the file and its directory are synced
+/// before the answer. Answers the written file's stat.
 pub async fn write_file(
     State(daemon): State<Arc<Daemon>>,
     ApiQuery(q): ApiQuery<WriteFileQuery>,
@@ -153,8 +154,51 @@ pub async fn write_file(
     let mode = parse_mode(q.mode.as_deref(), DEFAULT_FILE_MODE)?;
     let owner = Owner::of(&daemon, q.user.as_deref())?;
     let limit = Upload { max: daemon.config.max_upload_bytes, disk: daemon.config.limits.disk_bytes };
-    write_atomically(&requested, mode, owner, body, limit).await.map(Json)
+    let sync = q.fsync.then_some(&Fsync as &'static dyn Durability);
+    write_atomically(&requested, Written { mode, owner, sync }, body, limit).await.map(Json)
 }
+
+/// How written data is made durable: `fsync` for real, a recorder in tests (so that a test sees
+/// that `fsync=true` syncs, and what, without timing anything).
+pub(crate) trait Durability: Send + Sync + std::fmt::Debug {
+    /// Syncs a written file before it is renamed over its target.
+    fn sync_file(&self, file: &fs::File, path: &Path) -> io::Result<()>;
+    /// Syncs a directory, so that a name made or replaced in it is durable too.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Syncs the whole file system holding `dir` (an archive's many files, in one call).
+    fn sync_fs(&self, dir: &Path) -> io::Result<()>;
+}
+
+/// The real [`Durability`]: `fsync(2)` and `syncfs(2)`.
+#[derive(Debug)]
+pub(crate) struct Fsync;
+
+impl Durability for Fsync {
+    fn sync_file(&self, file: &fs::File, _path: &Path) -> io::Result<()> {
+        file.sync_all()
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        fs::File::open(dir)?.sync_all()
+    }
+
+    fn sync_fs(&self, dir: &Path) -> io::Result<()> {
+        crate::sys::syncfs(&fs::File::open(dir)?)
+    }
+}
+
+/// What a written file becomes: its mode, its owner, and whether (and how) it is synced.
+#[derive(Debug, Clone, Copy)]
+struct Written {
+    mode: u32,
+    owner: Option<Owner>,
+    sync: Option<&'static dyn Durability>,
+}
+
+/// Bodies whose length is known and at most this are read whole, then written in one step on
+/// the blocking pool: one hand-over to a thread for the whole write rather than one per system
+/// call, which is most of what a small write costs.
+const SMALL_WRITE: u64 = 256 * 1024;
 
 /// How much an upload may write: the largest upload and the sandbox's disk (0 = no limit).
 #[derive(Debug, Clone, Copy, Default)]
@@ -176,56 +220,104 @@ impl Upload {
     }
 }
 
-/// The work of [`write_file`]: `body` into `requested` with `mode`, given to `owner`, within
-/// `limit`.
-async fn write_atomically(
-    requested: &Path,
-    mode: u32,
-    owner: Option<Owner>,
-    body: Body,
-    limit: Upload,
-) -> DaemonResult<FileStat> {
-    if let Some(refused) = limit.refuse(body.size_hint().lower()) {
+/// The work of [`write_file`]: `body` into `requested` as `written` says, within `limit`.
+async fn write_atomically(requested: &Path, written: Written, body: Body, limit: Upload) -> DaemonResult<FileStat> {
+    let hint = body.size_hint();
+    if let Some(refused) = limit.refuse(hint.lower()) {
         return Err(refused);
     }
-    let target = write_target(requested).await?;
-    let (dir, name) = split(&target)?;
-    let parents = dir.to_path_buf();
-    blocking(move || owner::create_dirs(&parents, owner)).await?;
+    if hint.upper().is_some_and(|len| len <= SMALL_WRITE) {
+        let data = read_small(body, limit).await?;
+        let requested = requested.to_path_buf();
+        return blocking(move || write_whole(&requested, written, &data)).await;
+    }
+    let requested = requested.to_path_buf();
+    let (target, temp, file) = blocking(move || {
+        let target = write_target(&requested)?;
+        let (temp, file) = create_temp(&target, written.owner)?;
+        Ok((target, temp, file))
+    })
+    .await?;
+    // From here on every way out, an error or the request being dropped, removes the file.
+    let mut guard = TempFile::new(temp.clone());
+    let mut file = tokio::fs::File::from_std(file);
+    copy_body(body, &mut file, limit, &temp).await?;
+    let file = file.into_std().await;
+    let stat = blocking(move || finish(&file, &temp, &target, written)).await?;
+    guard.keep();
+    Ok(stat)
+}
+
+/// A small body, read whole (still cut when it stalls or passes `limit`).
+async fn read_small(body: Body, limit: Upload) -> DaemonResult<Vec<u8>> {
+    let mut chunks = unstalled(body);
+    let mut data = Vec::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| body_error(&e, limit.max))?;
+        if let Some(refused) = limit.refuse((data.len() + chunk.len()) as u64) {
+            return Err(refused);
+        }
+        data.extend_from_slice(&chunk);
+    }
+    Ok(data)
+}
+
+/// A whole write of `data` into `requested`, on the calling (blocking) thread.
+fn write_whole(requested: &Path, written: Written, data: &[u8]) -> DaemonResult<FileStat> {
+    let target = write_target(requested)?;
+    let (temp, mut file) = create_temp(&target, written.owner)?;
+    let mut guard = TempFile::new(temp.clone());
+    io::Write::write_all(&mut file, data).map_err(|e| DaemonError::io("write", shown(&temp), e))?;
+    let stat = finish(&file, &temp, &target, written)?;
+    guard.keep();
+    Ok(stat)
+}
+
+/// Makes the missing parents of `target` and a new temporary file beside it (0600 until
+/// [`finish`] sets its mode), returning its path and the open file.
+fn create_temp(target: &Path, owner: Option<Owner>) -> DaemonResult<(PathBuf, fs::File)> {
+    let (dir, name) = split(target)?;
+    owner::create_dirs(dir, owner)?;
     let temp = dir.join(temp_name(name));
-    let mut file = tokio::fs::OpenOptions::new()
+    let file = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(&temp)
-        .await
         .map_err(|e| DaemonError::io("create temporary file", shown(&temp), e))?;
-    // From here on every way out, an error or the request being dropped, removes the file.
-    let mut guard = TempFile::new(temp.clone());
-    copy_body(body, &mut file, limit, &temp).await?;
+    Ok((temp, file))
+}
+
+/// Gives the written temporary file its owner and mode, syncs it when asked, renames it over
+/// `target` (the one moment the new contents become visible, whole), then syncs the directory
+/// when asked. Answers the target's stat.
+fn finish(file: &fs::File, temp: &Path, target: &Path, written: Written) -> DaemonResult<FileStat> {
     // Before the mode: a change of owner clears the setuid and setgid bits.
-    if let Some(owner) = owner {
-        owner.give_file(&file, &temp)?;
+    if let Some(owner) = written.owner {
+        owner.give_file(file, temp)?;
     }
     // chmod rather than the create mode, so that the umask does not apply.
-    file.set_permissions(Permissions::from_mode(mode))
-        .await
-        .map_err(|e| DaemonError::io("set the mode of", shown(&temp), e))?;
-    file.sync_all().await.map_err(|e| DaemonError::io("sync", shown(&temp), e))?;
-    drop(file);
-    tokio::fs::rename(&temp, &target).await.map_err(|e| DaemonError::io("replace", shown(&target), e))?;
-    guard.keep();
-    let meta = tokio::fs::symlink_metadata(&target).await.map_err(|e| DaemonError::io("stat", shown(&target), e))?;
-    Ok(stat_of(&target, &meta))
+    file.set_permissions(Permissions::from_mode(written.mode))
+        .map_err(|e| DaemonError::io("set the mode of", shown(temp), e))?;
+    if let Some(sync) = written.sync {
+        sync.sync_file(file, temp).map_err(|e| DaemonError::io("sync", shown(temp), e))?;
+    }
+    let meta = file.metadata().map_err(|e| DaemonError::io("stat", shown(temp), e))?;
+    fs::rename(temp, target).map_err(|e| DaemonError::io("replace", shown(target), e))?;
+    if let Some(sync) = written.sync {
+        let (dir, _) = split(target)?;
+        sync.sync_dir(dir).map_err(|e| DaemonError::io("sync the directory", shown(dir), e))?;
+    }
+    Ok(stat_of(target, &meta))
 }
 
 /// The file a write replaces: `path`, or the file an existing symlink there points to.
-async fn write_target(path: &Path) -> DaemonResult<PathBuf> {
+fn write_target(path: &Path) -> DaemonResult<PathBuf> {
     let is_dir = |p: &Path| DaemonError::InvalidArgument(format!("`{}` is a directory", shown(p)));
-    match tokio::fs::symlink_metadata(path).await {
+    match fs::symlink_metadata(path) {
         Ok(meta) if meta.is_dir() => Err(is_dir(path)),
-        Ok(meta) if meta.file_type().is_symlink() => match tokio::fs::canonicalize(path).await {
-            Ok(real) => match tokio::fs::metadata(&real).await {
+        Ok(meta) if meta.file_type().is_symlink() => match fs::canonicalize(path) {
+            Ok(real) => match fs::metadata(&real) {
                 Ok(meta) if meta.is_dir() => Err(is_dir(path)),
                 _ => Ok(real),
             },
@@ -762,16 +854,154 @@ mod tests {
         Ok(sorted_names(dir)?.into_iter().filter(|n| n.as_bytes().starts_with(b".")).collect())
     }
 
+    fn plain(mode: u32) -> Written {
+        Written { mode, owner: None, sync: None }
+    }
+
+    /// One sync a [`Recorder`] saw: what was synced, what the target held then, and the length
+    /// of the synced file.
+    type Synced = (&'static str, Option<Vec<u8>>, u64);
+
+    /// A [`Durability`] that records each sync, with what the target held at that moment.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        target: PathBuf,
+        calls: std::sync::Mutex<Vec<Synced>>,
+    }
+
+    impl Recorder {
+        fn leaked(target: &Path) -> &'static Recorder {
+            Box::leak(Box::new(Recorder { target: target.to_path_buf(), ..Recorder::default() }))
+        }
+
+        fn record(&self, what: &'static str, synced_len: u64) {
+            let now = fs::read(&self.target).ok();
+            self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((what, now, synced_len));
+        }
+
+        fn calls(&self) -> Vec<Synced> {
+            self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        }
+    }
+
+    impl Durability for Recorder {
+        fn sync_file(&self, file: &fs::File, _path: &Path) -> io::Result<()> {
+            self.record("file", file.metadata()?.len());
+            Ok(())
+        }
+
+        fn sync_dir(&self, _dir: &Path) -> io::Result<()> {
+            self.record("dir", 0);
+            Ok(())
+        }
+
+        fn sync_fs(&self, _dir: &Path) -> io::Result<()> {
+            self.record("fs", 0);
+            Ok(())
+        }
+    }
+
+    /// `fsync=true` syncs the whole new file while the target still holds its old contents, then
+    /// the directory once the rename made the new contents visible; without it nothing is synced.
+    /// Both ways in: a small body read whole, and a body of unknown length streamed.
+    #[tokio::test]
+    async fn fsync_syncs_the_whole_file_before_the_rename_and_the_directory_after()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("f");
+        for streamed in [false, true] {
+            fs::write(&target, b"old")?;
+            let recorder = Recorder::leaked(&target);
+            let body = if streamed {
+                Body::from_stream(futures_util::stream::iter(
+                    ["new ", "contents"].map(|c| Ok::<_, io::Error>(Bytes::from(c))),
+                ))
+            } else {
+                Body::from("new contents")
+            };
+            let written = Written { sync: Some(recorder), ..plain(0o644) };
+            write_atomically(&target, written, body, Upload::default()).await?;
+            assert_eq!(
+                recorder.calls(),
+                [("file", Some(b"old".to_vec()), 12), ("dir", Some(b"new contents".to_vec()), 0)],
+                "streamed: {streamed}"
+            );
+            let quiet = Recorder::leaked(&target);
+            write_atomically(&target, plain(0o644), Body::from("again"), Upload::default()).await?;
+            assert!(quiet.calls().is_empty());
+        }
+        assert!(leftovers(dir.path())?.is_empty());
+        Ok(())
+    }
+
+    /// Regression (issue 16): a write is visible under the target's name only whole. While a
+    /// streamed body is half written, the target still holds the old contents and the half
+    /// lives only in a temporary file of another name.
+    #[tokio::test]
+    async fn a_half_written_file_is_never_visible_under_the_target_name() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("f");
+        fs::write(&target, b"old")?;
+        let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(1);
+        let (asked_tx, asked_rx) = tokio::sync::oneshot::channel::<()>();
+        let body = Body::from_stream(AsksAfterFirst { rx, yielded: 0, asked: Some(asked_tx) });
+        let write = tokio::spawn({
+            let target = target.clone();
+            async move { write_atomically(&target, plain(0o644), body, Upload::default()).await }
+        });
+        tx.send(Ok(Bytes::from_static(b"first half, "))).await?;
+        // The writer has written the first chunk and waits for the second.
+        asked_rx.await?;
+        assert_eq!(fs::read(&target)?, b"old");
+        let temps = leftovers(dir.path())?;
+        assert_eq!(temps.len(), 1, "{temps:?}");
+        assert!(temps[0].as_bytes().starts_with(b".f.sandman-"), "{temps:?}");
+        tx.send(Ok(Bytes::from_static(b"second half"))).await?;
+        drop(tx);
+        write.await??;
+        assert_eq!(fs::read(&target)?, b"first half, second half");
+        assert!(leftovers(dir.path())?.is_empty());
+        Ok(())
+    }
+
+    /// A body fed from a channel that says when it is asked for its second chunk: by then the
+    /// first has been taken and written.
+    struct AsksAfterFirst {
+        rx: tokio::sync::mpsc::Receiver<io::Result<Bytes>>,
+        yielded: usize,
+        asked: Option<tokio::sync::oneshot::Sender<()>>,
+    }
+
+    impl futures_util::Stream for AsksAfterFirst {
+        type Item = io::Result<Bytes>;
+
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            if self.yielded == 1
+                && let Some(asked) = self.asked.take()
+            {
+                let _ = asked.send(());
+            }
+            let next = self.rx.poll_recv(cx);
+            if let std::task::Poll::Ready(Some(_)) = &next {
+                self.yielded += 1;
+            }
+            next
+        }
+    }
+
     #[tokio::test]
     async fn write_creates_parents_and_sets_the_mode() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
         let target = dir.path().join("a/b/c.txt");
-        let s = write_atomically(&target, 0o600, None, Body::from("hello"), Upload { max: 0, disk: 0 }).await?;
+        let s = write_atomically(&target, plain(0o600), Body::from("hello"), Upload { max: 0, disk: 0 }).await?;
         assert_eq!((s.kind, s.size, s.mode), (FileKind::File, 5, 0o600));
         assert_eq!(fs::read(&target)?, b"hello");
         assert!(fs::metadata(dir.path().join("a/b"))?.is_dir());
         let s =
-            write_atomically(&target, DEFAULT_FILE_MODE, None, Body::from("bye"), Upload { max: 0, disk: 0 }).await?;
+            write_atomically(&target, plain(DEFAULT_FILE_MODE), Body::from("bye"), Upload { max: 0, disk: 0 }).await?;
         assert_eq!((s.size, s.mode), (3, 0o644));
         assert!(leftovers(&dir.path().join("a/b"))?.is_empty());
         Ok(())
@@ -785,13 +1015,13 @@ mod tests {
         let chunks =
             futures_util::stream::iter(["12345", "67890", "abcde"].map(|c| Ok::<_, io::Error>(Bytes::from(c))));
         let err =
-            write_atomically(&target, 0o644, None, Body::from_stream(chunks), Upload { max: 8, disk: 0 }).await.err();
+            write_atomically(&target, plain(0o644), Body::from_stream(chunks), Upload { max: 8, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 8 })), "{err:?}");
         assert!(!target.exists());
         assert!(leftovers(dir.path())?.is_empty());
         // A body whose length is known is refused before anything is created.
         let err =
-            write_atomically(&target, 0o644, None, Body::from("123456789"), Upload { max: 8, disk: 0 }).await.err();
+            write_atomically(&target, plain(0o644), Body::from("123456789"), Upload { max: 8, disk: 0 }).await.err();
         assert!(matches!(err, Some(DaemonError::TooLarge { limit: 8 })), "{err:?}");
         assert!(sorted_names(dir.path())?.is_empty());
         Ok(())
@@ -803,7 +1033,7 @@ mod tests {
         let target = dir.path().join("big");
         let chunks = futures_util::stream::iter(["12345", "67890"].map(|c| Ok::<_, io::Error>(Bytes::from(c))));
         let err =
-            write_atomically(&target, 0o644, None, Body::from_stream(chunks), Upload { max: 0, disk: 8 }).await.err();
+            write_atomically(&target, plain(0o644), Body::from_stream(chunks), Upload { max: 0, disk: 8 }).await.err();
         assert!(matches!(err, Some(DaemonError::DiskLimit { limit: 8, .. })), "{err:?}");
         assert_eq!(err.map(|e| e.code().http_status()), Some(413));
         assert!(leftovers(dir.path())?.is_empty());
@@ -818,7 +1048,7 @@ mod tests {
         let target = dir.path().join("slow");
         let first = futures_util::stream::once(async { Ok::<_, io::Error>(Bytes::from_static(b"half")) });
         let body = Body::from_stream(first.chain(futures_util::stream::pending()));
-        let err = write_atomically(&target, 0o644, None, body, Upload::default()).await.err();
+        let err = write_atomically(&target, plain(0o644), body, Upload::default()).await.err();
         assert_eq!(err.map(|e| e.code()), Some(sandman_wire::ErrorCode::Timeout));
         assert!(!target.exists());
         assert!(leftovers(dir.path())?.is_empty());
@@ -828,12 +1058,12 @@ mod tests {
     #[tokio::test]
     async fn write_refuses_a_directory_and_writes_through_a_symlink() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tree()?;
-        let err = write_atomically(&dir.path().join("b"), 0o644, None, Body::from("x"), Upload { max: 0, disk: 0 })
+        let err = write_atomically(&dir.path().join("b"), plain(0o644), Body::from("x"), Upload { max: 0, disk: 0 })
             .await
             .err();
         assert!(matches!(err, Some(DaemonError::InvalidArgument(_))), "{err:?}");
         symlink("a", dir.path().join("to-a"))?;
-        let s = write_atomically(&dir.path().join("to-a"), 0o644, None, Body::from("new"), Upload { max: 0, disk: 0 })
+        let s = write_atomically(&dir.path().join("to-a"), plain(0o644), Body::from("new"), Upload { max: 0, disk: 0 })
             .await?;
         assert_eq!(s.path, shown(&dir.path().join("a")));
         assert_eq!(fs::read(dir.path().join("a"))?, b"new");

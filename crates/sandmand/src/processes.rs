@@ -299,7 +299,7 @@ pub async fn start(
         }
         n
     };
-    let mut started = match run::start(&daemon.children, &launch, io) {
+    let mut started = match run::start(&daemon.children, &launch, io).await {
         Ok(s) => s,
         Err(e) => {
             if let Some(tag) = &req.tag {

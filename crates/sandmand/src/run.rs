@@ -1,8 +1,9 @@
 //! Running one process tree to its end: start it in its own group, pump its output into a sink,
 //! enforce its timeout by killing the whole tree, and collect its exit and resource usage.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sandman_wire::daemon::{ExitStatus, PtySize, StreamName};
@@ -56,10 +57,58 @@ fn watch_err<T>(pid: i32, res: std::io::Result<T>) -> DaemonResult<T> {
         .inspect_err(|_| tree::kill_tree(pid))
 }
 
-/// Starts `launch` with its stdin, stdout and stderr as `io` says.
-pub fn start(children: &Children, launch: &Launch, io: Io) -> DaemonResult<Started> {
+/// Starts `launch` with its stdin, stdout and stderr as `io` says. The fork and exec run on the
+/// blocking pool: the event loop serves on meanwhile, and concurrent starts fork side by side on
+/// as many threads (see [`Children`]). A start whose caller went away meanwhile is killed.
+pub async fn start(children: &Arc<Children>, launch: &Launch, io: Io) -> DaemonResult<Started> {
+    let (children, launch) = (Arc::clone(children), launch.clone());
+    let (tx, rx) = oneshot::channel();
+    tokio::task::spawn_blocking(move || {
+        if let Err(Ok(orphan)) = tx.send(start_here(&children, &launch, io)) {
+            tree::kill_tree(orphan.pid);
+        }
+    });
+    rx.await.map_err(|_| DaemonError::Internal("the thread starting the command failed".into()))?
+}
+
+/// [`start`] on the calling thread, which it blocks for the fork and exec.
+fn start_here(children: &Children, launch: &Launch, io: Io) -> DaemonResult<Started> {
     let spawn_err = |source| DaemonError::Spawn { program: launch.program().to_string(), source };
     match io {
+        Io::Pipes { stdin: piped, merge } if launch.spawns_without_fork() => {
+            let pipe_err = |e| DaemonError::Internal(format!("cannot make a pipe: {e}"));
+            let (stdin_r, stdin_w) = std::io::pipe().map_err(pipe_err)?;
+            let (out_r, out_w) = std::io::pipe().map_err(pipe_err)?;
+            let err = if merge { None } else { Some(std::io::pipe().map_err(pipe_err)?) };
+            let err_w = err.as_ref().map_or(out_w.as_fd(), |(_, w)| w.as_fd());
+            let program = sys::find_program(launch.program(), launch.path(), &launch.cwd).map_err(spawn_err)?;
+            let plan = sys::SpawnPlan {
+                program: &program,
+                argv: &launch.argv,
+                env: &launch.env,
+                cwd: &launch.cwd,
+                stdio: [stdin_r.as_fd(), out_w.as_fd(), err_w],
+            };
+            let (pid, exit) = children.spawn_with(|| sys::posix_spawn(&plan)).map_err(spawn_err)?;
+            // Only the command holds its ends now: each pipe ends when the command (and whatever
+            // inherited it) is done with it. Dropping an unwanted stdin's write end closes it:
+            // the command reads end-of-file.
+            drop(stdin_r);
+            drop(out_w);
+            let stderr = match err {
+                Some((r, w)) => {
+                    drop(w);
+                    Some(watch_err(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(r)))?)
+                }
+                None => None,
+            };
+            let stdin = match piped {
+                true => Some(watch_err(pid, pipe::Sender::from_owned_fd(OwnedFd::from(stdin_w)))?),
+                false => None,
+            };
+            let stdout = watch_err(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(out_r)))?;
+            Ok(Started { pid, stdin, stdout, stderr, pty: None, exit, started: Instant::now() })
+        }
         Io::Pipes { stdin: piped, merge } => {
             let mut cmd = launch.command(Stdio::piped());
             let merged = if merge {

@@ -177,6 +177,17 @@ impl Launch {
     pub fn program(&self) -> &str {
         &self.argv[0]
     }
+
+    /// The PATH the program is looked up in: the command's own.
+    pub fn path(&self) -> &str {
+        self.env.get("PATH").map_or(DEFAULT_PATH, String::as_str)
+    }
+
+    /// Whether it can start with `posix_spawn` (no fork): nothing to do between fork and exec
+    /// that `posix_spawn` cannot (another user's ids, rlimits, signals to reset).
+    pub fn spawns_without_fork(&self) -> bool {
+        self.user.is_none() && self.rlimits.is_empty() && !self.reset_signals
+    }
 }
 
 /// Resolves `name`, `uid` or `uid:gid`. Names are read from `passwd` when it exists; numeric ids
@@ -300,6 +311,31 @@ mod tests {
         let cmd = Launch::parse(&d, LaunchRequest { command: Some("echo hi".into()), ..Default::default() })
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(cmd.argv, ["/bin/sh", "-c", "echo hi"]);
+    }
+
+    /// Regression (issue 16): every exec forked the daemon (std falls back to fork in a static
+    /// build), copying its page tables; a plain command now starts with posix_spawn, and only
+    /// what needs work between fork and exec forks.
+    #[test]
+    fn plain_commands_start_without_a_fork() {
+        let d = defaults(PathBuf::from("/nonexistent"));
+        let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        assert!(Launch::parse(&d, plain).is_ok_and(|l| l.spawns_without_fork()));
+        let as_user =
+            LaunchRequest { argv: Some(vec!["true".into()]), user: Some("4242".into()), ..Default::default() };
+        assert!(Launch::parse(&d, as_user).is_ok_and(|l| !l.spawns_without_fork()));
+        let limited = Defaults { rlimits: Rlimits { file_size: Some(1), ..Rlimits::default() }, ..d };
+        let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        assert!(Launch::parse(&limited, plain).is_ok_and(|l| !l.spawns_without_fork()));
+    }
+
+    #[test]
+    fn programs_are_found_in_the_commands_path_as_execvp_would() {
+        let cwd = Path::new("/");
+        assert_eq!(crate::sys::find_program("sh", "/nonexistent:/bin", cwd).ok(), Some(PathBuf::from("/bin/sh")));
+        assert_eq!(crate::sys::find_program("./x", "/bin", cwd).ok(), Some(PathBuf::from("./x")));
+        let missing = crate::sys::find_program("no-such-program-here", "/bin:/usr/bin", cwd).err();
+        assert_eq!(missing.map(|e| e.kind()), Some(std::io::ErrorKind::NotFound));
     }
 
     #[test]

@@ -35,11 +35,11 @@ pub fn load_or_generate(env: Option<String>, state_dir: &Path) -> std::io::Resul
     Ok((token, TokenSource::Generated(path)))
 }
 
-/// 32 random bytes as hex, from the kernel.
+/// 32 random bytes as hex, from the kernel (`getrandom(2)`, which needs no descriptor).
 pub fn random_token() -> std::io::Result<String> {
     let mut buf = [0u8; 32];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut buf))?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+    crate::sys::random_bytes(&mut buf)?;
+    Ok(hex::encode(buf))
 }
 
 #[cfg(test)]

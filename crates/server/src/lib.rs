@@ -56,6 +56,8 @@ pub enum ServeError {
     },
     #[error("cannot recover sandboxes from the provider's records")]
     Recover(#[source] error::ServerError),
+    #[error("cannot draw random bytes with getrandom(2) (Linux 3.17 or later), which sandbox ids and tokens need")]
+    Random(#[source] std::io::Error),
     #[error("cannot listen on `{addr}`")]
     Listen {
         addr: String,
@@ -138,6 +140,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
     on_start: impl FnOnce(&Started),
 ) -> Result<(), ServeError> {
+    // Checked once: ids and tokens are drawn later with no way to fail.
+    sys::random_bytes(&mut [0u8; 1]).map_err(ServeError::Random)?;
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     let (token, source) = auth::load_or_generate(std::env::var("SANDMAN_TOKEN").ok(), &state_dir)

@@ -481,7 +481,7 @@ impl Service {
             };
             Self::apply_pool(&mut req, &name, spec)?;
         }
-        let parsed = self.parse_create(&req)?;
+        let mut parsed = self.parse_create(&req)?;
         self.provider.check(&parsed.spec).map_err(ServerError::Provider)?;
         let deadline = req.wait_timeout_s.map(|s| crate::sandbox::later(started, Duration::from_secs(s)));
         // A claim needs a pool whose sandboxes' daemons keep a lease as long as this one's.
@@ -519,6 +519,10 @@ impl Service {
                     match claimed {
                         Some(c) => c,
                         None => {
+                            // 48 random bits rarely meet twice, but never is the promise.
+                            while table.by_id.contains_key(&parsed.spec.id) {
+                                parsed.spec.id = new_id();
+                            }
                             let tenant = Tenant::of_job(parsed.spec.job.as_deref());
                             let offer = self.admission().offer(tenant, &parsed.spec.id, Instant::now());
                             let state = match offer {
@@ -2059,9 +2063,16 @@ fn save_jobs(state_dir: &std::path::Path, jobs: &BTreeMap<String, JobEntry>) {
     }
 }
 
-/// 128 random bits as hex.
+/// 128 random bits as hex, from the `getrandom` system call: no descriptor to run out of, and
+/// no fallback (to a clock, say) that could hand two sandboxes the same id or a guessable token.
+/// The server checks at start that the call works (`run`); it cannot fail after.
 pub fn random_hex() -> String {
-    crate::auth::random_token().map(|t| t[..32].to_string()).unwrap_or_else(|_| format!("{:032x}", now_ms()))
+    let mut buf = [0u8; 16];
+    if let Err(e) = crate::sys::random_bytes(&mut buf) {
+        // Unreachable past the start-up check: getrandom(2) fails only where it does not exist.
+        panic!("getrandom(2) failed after working at start: {e}");
+    }
+    hex::encode(buf)
 }
 
 #[cfg(test)]

@@ -461,6 +461,11 @@ pub struct WriteFileQuery {
     /// `name:group`, as a command's `user`): that user's uid and gid (the daemon's by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// Make the write durable before answering: the file and its directory are `fsync`ed. Off by
+    /// default: a write is atomic either way (readers see the old contents or the new, never a
+    /// part), and an ephemeral sandbox seldom needs its files to outlive a crash of the host.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fsync: bool,
 }
 
 /// Query naming one path (`GET /v1/stat`, `GET /v1/archive`).
@@ -506,6 +511,10 @@ pub struct ExtractQuery {
     /// `PUT /v1/files`'s `user`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// Make what the extraction wrote durable before answering (one `syncfs` of the file system
+    /// it wrote to). Off by default, as for `PUT /v1/files`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fsync: bool,
 }
 
 /// Query of `DELETE /v1/files`.

@@ -102,10 +102,14 @@ pub enum Reason {
     /// The server stopped while it was creating the sandbox, before it was ready; the restarted
     /// server removed it. A retry of the create (same idempotency key) makes a new one.
     CreateInterrupted,
+    /// The machine or the server could not hold one more sandbox: the message names the limit
+    /// (open files, processes, id ranges). Nothing was left of it; a retry once others are
+    /// released may succeed.
+    ResourceExhausted,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::Released,
         Reason::LeaseExpired,
         Reason::IdleExpired,
@@ -123,6 +127,7 @@ impl Reason {
         Reason::QueueTimeout,
         Reason::ConditionsMismatch,
         Reason::CreateInterrupted,
+        Reason::ResourceExhausted,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -144,6 +149,7 @@ impl Reason {
             Reason::QueueTimeout => "queue_timeout",
             Reason::ConditionsMismatch => "conditions_mismatch",
             Reason::CreateInterrupted => "create_interrupted",
+            Reason::ResourceExhausted => "resource_exhausted",
         }
     }
 }

@@ -787,12 +787,21 @@ class Sandbox:
         return (self.read_file(path)).decode(encoding)
 
     def write_file(
-        self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, user: Optional[str] = None
+        self,
+        path: str,
+        data: Union[str, bytes],
+        *,
+        mode: Optional[int] = None,
+        user: Optional[str] = None,
+        fsync: bool = False,
     ) -> FileStat:
         """Writes `data` (text is UTF-8) to `path` atomically, creating parent directories;
         `mode` defaults to `0o644`. The file and the directories made belong to `user` (a name,
-        `uid`, `uid:gid`), by default the sandbox's default user (root when it has none)."""
-        return FileStat.from_dict(self.client._json(_core.write_file_call(self.id, path, data, mode, user)))
+        `uid`, `uid:gid`), by default the sandbox's default user (root when it has none).
+        Readers see the old contents or the new, never a part; `fsync=True` also makes the write
+        durable (synced to disk) before this returns, at the cost of a disk flush."""
+        call = _core.write_file_call(self.id, path, data, mode, user, fsync)
+        return FileStat.from_dict(self.client._json(call))
 
     def stat(self, path: str) -> FileStat:
         return FileStat.from_dict(self.client._json(_core.stat_call(self.id, path)))
@@ -814,13 +823,13 @@ class Sandbox:
         return FileStat.from_dict(self.client._json(_core.move_call(self.id, src, dst, overwrite)))
 
     def upload(
-        self, local: Union[str, "os.PathLike[str]"], path: str, *, user: Optional[str] = None
+        self, local: Union[str, "os.PathLike[str]"], path: str, *, user: Optional[str] = None, fsync: bool = False
     ) -> ExtractResult:
         """Copies the local directory `local` (its contents; or one file) into the directory
         `path` in the sandbox, created if missing, as one tar; what it creates belongs to
-        `user`, as with `write_file`."""
+        `user`, as with `write_file`; `fsync=True` makes it durable before this returns."""
         data = _rt.run_blocking(_core.tar_directory, local)
-        return self.upload_tar(data, path, user=user)
+        return self.upload_tar(data, path, user=user, fsync=fsync)
 
     def download(self, path: str, local: Union[str, "os.PathLike[str]"]) -> Path:
         """Copies the directory `path` in the sandbox (its contents; or one file) into the local
@@ -828,10 +837,14 @@ class Sandbox:
         data = self.download_tar(path)
         return _rt.run_blocking(_core.extract_tar, data, local)
 
-    def upload_tar(self, data: bytes, path: str, *, user: Optional[str] = None) -> ExtractResult:
+    def upload_tar(
+        self, data: bytes, path: str, *, user: Optional[str] = None, fsync: bool = False
+    ) -> ExtractResult:
         """Extracts a tar (gzip detected) into the directory `path`; what it creates belongs to
-        `user`, as with `write_file` (the tar's own owners are not kept)."""
-        return ExtractResult.from_dict(self.client._json(_core.upload_tar_call(self.id, path, data, user)))
+        `user`, as with `write_file` (the tar's own owners are not kept). `fsync=True` makes
+        what it wrote durable (one sync of the file system) before this returns."""
+        call = _core.upload_tar_call(self.id, path, data, user, fsync)
+        return ExtractResult.from_dict(self.client._json(call))
 
     def download_tar(self, path: str) -> bytes:
         """The directory `path` as a tar of its contents (a file: a tar of that file)."""
