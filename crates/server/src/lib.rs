@@ -9,6 +9,7 @@ pub mod auth;
 pub mod conditions;
 pub mod config;
 pub mod daemon;
+pub mod e2b;
 pub mod error;
 pub mod events;
 pub mod journal;
