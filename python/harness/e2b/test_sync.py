@@ -203,3 +203,15 @@ def test_parallel_commands_on_one_sandbox(sbx: Sandbox) -> None:
     for t in threads:
         t.join()
     assert out == {i: f"{i}\n" for i in range(8)}
+
+
+def test_a_terminal_runs_bash_and_resizes(sbx: Sandbox) -> None:
+    from e2b import PtySize
+
+    out = []
+    term = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.resize(term.pid, PtySize(rows=40, cols=100))
+    sbx.pty.send_stdin(term.pid, b"stty size; echo $((6*7)); exit\n")
+    term.wait(on_pty=out.append)
+    text = b"".join(out).decode(errors="replace")
+    assert "40 100" in text and "42" in text, text
