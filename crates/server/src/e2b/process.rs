@@ -251,9 +251,13 @@ async fn pump_inner(
             sbx.call(Method::GET, &call, Some(q), Body::empty(), None).await.map(|r| Lines::new(r.into_body()))
         }
     };
-    let mut out = open("stdout", offsets.0).await?;
-    // A terminal has one stream.
-    let mut err = if pty { None } else { Some(open("stderr", offsets.1).await?) };
+    // Both follows are opened at once; a terminal has one stream.
+    let (mut out, mut err) = if pty {
+        (open("stdout", offsets.0).await?, None)
+    } else {
+        let (out, err) = tokio::join!(open("stdout", offsets.0), open("stderr", offsets.1));
+        (out?, Some(err?))
+    };
     let (mut out_done, mut err_done) = (false, err.is_none());
     let mut status = None;
     while !(out_done && err_done) {
