@@ -176,13 +176,16 @@ async fn start(sbx: Sbx, headers: &HeaderMap, body: &[u8]) -> Result<Response, R
 async fn follow(sbx: Sbx, body: &[u8]) -> Result<Response, RpcError> {
     let req: Selected = decode(body, true)?;
     let info = resolve(&sbx, req.process).await?;
+    // Followed before the start event goes out: once the client has it, it may end the process
+    // (close its stdin), and the stream that started it would then forget it.
+    let output = open_output(&sbx, &info, (info.stdout_bytes, info.stderr_bytes)).await?;
     let (tx, resp) = connect::stream();
     let tasks = sbx.service.tasks.clone();
     tasks.spawn(async move {
         if !tx.send(&json!({"event": {"start": {"pid": info.pid}}})).await {
             return;
         }
-        pump(&sbx, &info, (info.stdout_bytes, info.stderr_bytes), &tx, None).await;
+        pump_output(&info, output, &tx, None).await;
     });
     Ok(resp)
 }
@@ -190,7 +193,24 @@ async fn follow(sbx: Sbx, body: &[u8]) -> Result<Response, RpcError> {
 /// Streams a process's output from `offsets` (stdout, stderr) to `tx` as data events, then its
 /// end event and the end of the stream. True when the process was seen to end.
 async fn pump(sbx: &Sbx, info: &ProcessInfo, offsets: (u64, u64), tx: &StreamTx, timeout_ms: Option<u64>) -> bool {
-    match pump_inner(sbx, info, offsets, tx).await {
+    let output = match open_output(sbx, info, offsets).await {
+        Ok(o) => o,
+        Err(e) => {
+            tx_end(tx, Some(e)).await;
+            return false;
+        }
+    };
+    pump_output(info, output, tx, timeout_ms).await
+}
+
+/// [`pump`] of output streams already open.
+async fn pump_output(
+    info: &ProcessInfo,
+    output: (Lines, Option<Lines>),
+    tx: &StreamTx,
+    timeout_ms: Option<u64>,
+) -> bool {
+    match pump_inner(info, output, tx).await {
         Ok(None) => false,
         Ok(Some(status)) if status.timed_out => {
             let ms = timeout_ms.unwrap_or(status.duration_ms);
@@ -237,13 +257,9 @@ fn signal_name(sig: i32) -> String {
     }
 }
 
-async fn pump_inner(
-    sbx: &Sbx,
-    info: &ProcessInfo,
-    offsets: (u64, u64),
-    tx: &StreamTx,
-) -> Result<Option<ExitStatus>, RpcError> {
-    let pty = info.pty.is_some();
+/// The followed output streams of a process from `offsets` (stdout, stderr); a terminal has
+/// one. Both are opened at once.
+async fn open_output(sbx: &Sbx, info: &ProcessInfo, offsets: (u64, u64)) -> Result<(Lines, Option<Lines>), RpcError> {
     let open = |stream: &'static str, offset: u64| {
         let call = format!("processes/{}/output", info.id);
         async move {
@@ -251,13 +267,20 @@ async fn pump_inner(
             sbx.call(Method::GET, &call, Some(q), Body::empty(), None).await.map(|r| Lines::new(r.into_body()))
         }
     };
-    // Both follows are opened at once; a terminal has one stream.
-    let (mut out, mut err) = if pty {
-        (open("stdout", offsets.0).await?, None)
-    } else {
-        let (out, err) = tokio::join!(open("stdout", offsets.0), open("stderr", offsets.1));
-        (out?, Some(err?))
-    };
+    if info.pty.is_some() {
+        return Ok((open("stdout", offsets.0).await?, None));
+    }
+    let (out, err) = tokio::join!(open("stdout", offsets.0), open("stderr", offsets.1));
+    Ok((out?, Some(err?)))
+}
+
+async fn pump_inner(
+    info: &ProcessInfo,
+    output: (Lines, Option<Lines>),
+    tx: &StreamTx,
+) -> Result<Option<ExitStatus>, RpcError> {
+    let pty = info.pty.is_some();
+    let (mut out, mut err) = output;
     let (mut out_done, mut err_done) = (false, err.is_none());
     let mut status = None;
     while !(out_done && err_done) {
@@ -445,11 +468,24 @@ async fn send_signal(sbx: &Sbx, body: &[u8]) -> Result<Response, RpcError> {
     let signal = signal_of(&req.signal)?;
     let info = resolve(sbx, req.process).await?;
     let call = format!("processes/{}/signal", info.id);
-    sbx.json::<Value>(Method::POST, &call, None, Some(json!({"signal": signal}))).await?;
+    match sbx.json::<Value>(Method::POST, &call, None, Some(json!({"signal": signal}))).await {
+        Ok(_) => {}
+        // It exited (or was forgotten) since it was looked up: not found, as on envd.
+        Err(e) if matches!(e.code, Code::AlreadyExists | Code::NotFound) => {
+            return Err(RpcError::not_found(format!("process with pid {} not found", info.pid)));
+        }
+        Err(e) => return Err(e),
+    }
     if signal == 9 {
-        // Answer once it is gone, so that a second kill finds nothing, as on envd.
+        // Answer once it is gone, so that a second kill finds nothing, as on envd. The stream
+        // that started it may forget it first (a regression: that 404 once answered the kill
+        // itself with "not found").
         let call = format!("processes/{}/wait", info.id);
-        sbx.json::<Value>(Method::POST, &call, None, Some(json!({"timeout_ms": KILL_WAIT_MS}))).await?;
+        match sbx.json::<Value>(Method::POST, &call, None, Some(json!({"timeout_ms": KILL_WAIT_MS}))).await {
+            Ok(_) => {}
+            Err(e) if e.code == Code::NotFound => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(connect::unary(&json!({})))
 }
