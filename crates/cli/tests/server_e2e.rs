@@ -181,6 +181,28 @@ async fn leases_idle_timeouts_and_job_deletion_reclaim_with_their_reasons() {
     assert!(text.contains("sandman_sandboxes_ended_total{reason=\"lease_expired\"} 1"), "{text}");
 }
 
+/// Before, a sandbox was reclaimed for its lease in the middle of an exec longer than the lease.
+#[tokio::test]
+async fn an_exec_longer_than_the_lease_keeps_its_sandbox() {
+    let server = Server::start();
+    let http = server.client();
+    let id = http.create(json!({"image": "host", "lease_s": 1, "idle_timeout_s": 1})).await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = http.post(&format!("/v1/sandboxes/{id}/exec"), json!({"command": "sleep 3; echo done"})).await.ok();
+    assert_eq!((r["exit_code"].as_i64(), r["stdout"].as_str()), (Some(0), Some("done\n")), "{r}");
+    assert_eq!(http.get(&format!("/v1/sandboxes/{id}")).await.ok()["state"], "ready");
+    // Once the call has ended, the lease runs again.
+    let gone = eventually(Duration::from_secs(10), async || {
+        http.get(&format!("/v1/sandboxes/{id}")).await.ok()["reason"].as_str().is_some()
+    })
+    .await;
+    assert!(gone, "not reclaimed after the call");
+    let sb = http.get(&format!("/v1/sandboxes/{id}")).await.ok();
+    assert!(matches!(sb["reason"].as_str(), Some("lease_expired" | "idle_expired")), "{sb}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_kill_9_a_restarted_server_finds_everything_again() {
     let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();

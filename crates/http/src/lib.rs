@@ -1,7 +1,7 @@
 //! HTTP pieces the daemon and the server share: [`extract`] parses bodies and query strings into
 //! typed requests and answers bad input with the wire error body; [`ndjson`] streams events;
 //! [`serve`] serves a router with the edge limits (header-read timeout, connection limit);
-//! [`constant_time_eq`] checks tokens.
+//! [`constant_time_eq`] checks tokens; [`holding`] keeps something alive while a body streams.
 
 pub mod extract;
 pub mod ndjson;
@@ -31,6 +31,16 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
+/// `body`, keeping `held` until it has been sent in full or dropped (its client gone): a guard
+/// that marks a call as under way lives as long as the call's answer streams.
+pub fn holding<T: Send + Sync + 'static>(body: axum::body::Body, held: T) -> axum::body::Body {
+    use http_body_util::BodyExt;
+    axum::body::Body::new(body.map_frame(move |frame| {
+        let _ = &held;
+        frame
+    }))
+}
+
 /// The token of an `Authorization: Bearer <token>` header value, if that is what it is.
 pub fn bearer(header: Option<&axum::http::HeaderValue>) -> &str {
     header.and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).unwrap_or_default()
@@ -46,6 +56,17 @@ mod tests {
         assert!(!constant_time_eq(b"secret", b"secreT"));
         assert!(!constant_time_eq(b"secret", b"secret2"));
         assert!(!constant_time_eq(b"", b"x"));
+    }
+
+    #[tokio::test]
+    async fn what_a_body_holds_lives_until_the_body_is_done() {
+        use http_body_util::BodyExt;
+        let held = std::sync::Arc::new(());
+        let body = holding(axum::body::Body::from("answer"), std::sync::Arc::clone(&held));
+        assert_eq!(std::sync::Arc::strong_count(&held), 2);
+        let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        assert_eq!(&bytes[..], b"answer");
+        assert_eq!(std::sync::Arc::strong_count(&held), 1, "released once the body was read and dropped");
     }
 
     #[test]

@@ -98,14 +98,17 @@ pub fn router(daemon: Arc<Daemon>) -> Router {
         .with_state(daemon)
 }
 
-/// Refuses calls without the right bearer token; renews the lease on every call that has it.
+/// Refuses calls without the right bearer token; renews the lease on every call that has it and
+/// holds it until the call's answer has been sent.
 async fn authorize(State(daemon): State<Arc<Daemon>>, req: Request, next: Next) -> Response {
     let presented = sandman_http::bearer(req.headers().get(header::AUTHORIZATION));
     if !sandman_http::constant_time_eq(presented.as_bytes(), daemon.config.token.as_bytes()) {
         return axum::response::IntoResponse::into_response(DaemonError::Unauthorized);
     }
-    daemon.lease.renew();
-    next.run(req).await
+    // The lease is held while the call is under way, its answer's body included.
+    let held = daemon.lease.hold();
+    let (parts, body) = next.run(req).await.into_parts();
+    Response::from_parts(parts, sandman_http::holding(body, held))
 }
 
 async fn health() -> Json<Health> {

@@ -1,7 +1,7 @@
 //! The daemon's dead-man switch: with no authenticated call for the lease period, it kills every
 //! process it started and exits, so that a sandbox dies even when its server is gone for good.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -9,26 +9,49 @@ use tokio::time::Instant;
 #[derive(Debug)]
 pub struct Lease {
     period: Option<Duration>,
-    /// When the last authenticated call arrived. Written by every call, read by the watcher.
-    last: Mutex<Instant>,
+    /// Written by every call, read by the watcher.
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// When the last authenticated call arrived or ended.
+    last: Instant,
+    /// Calls under way (a long exec, a followed output): the lease does not lapse while there
+    /// is one.
+    in_flight: u32,
 }
 
 impl Lease {
     pub fn new(period: Option<Duration>) -> Self {
-        Lease { period, last: Mutex::new(Instant::now()) }
+        Lease { period, state: Mutex::new(State { last: Instant::now(), in_flight: 0 }) }
     }
 
     pub fn period(&self) -> Option<Duration> {
         self.period
     }
 
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Renews the lease (any authenticated call does).
     pub fn renew(&self) {
-        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        self.state().last = Instant::now();
+    }
+
+    /// Renews the lease and holds it until the answer is dropped: a call under way.
+    pub fn hold(self: &Arc<Self>) -> Held {
+        let mut state = self.state();
+        state.last = Instant::now();
+        state.in_flight = state.in_flight.saturating_add(1);
+        Held(Arc::clone(self))
     }
 
     fn deadline(&self) -> Option<Instant> {
-        let last = *self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = self.state();
+        // While a call is under way the lease is as good as renewed now.
+        let last = if state.in_flight > 0 { Instant::now() } else { state.last };
         // A lease too long to add (no server asks for one) never lapses.
         self.period.and_then(|p| last.checked_add(p))
     }
@@ -52,6 +75,18 @@ impl Lease {
     }
 }
 
+/// A call under way on the daemon; its end renews the lease.
+#[derive(Debug)]
+pub struct Held(Arc<Lease>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut state = self.0.state();
+        state.last = Instant::now();
+        state.in_flight = state.in_flight.saturating_sub(1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +105,23 @@ mod tests {
         let done = tokio::time::timeout(Duration::from_millis(1), lease.lapsed()).await;
         assert!(done.is_ok());
         assert_eq!(lease.remaining(), Some(Duration::ZERO));
+    }
+
+    /// Before, a command running longer than the lease was killed by its own daemon while the
+    /// server waited for its answer.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_under_way_holds_the_lease_until_it_ends() {
+        let lease = Arc::new(Lease::new(Some(Duration::from_secs(10))));
+        let call = lease.hold();
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(lease.remaining(), Some(Duration::from_secs(10)));
+        let early = tokio::time::timeout(Duration::from_secs(30), lease.lapsed()).await;
+        assert!(early.is_err(), "lapsed during a call");
+        drop(call);
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert_eq!(lease.remaining(), Some(Duration::from_secs(1)));
+        let done = tokio::time::timeout(Duration::from_secs(2), lease.lapsed()).await;
+        assert!(done.is_ok(), "the lease runs again once the call ended");
     }
 
     #[tokio::test(start_paused = true)]

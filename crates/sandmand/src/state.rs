@@ -41,7 +41,7 @@ pub struct Daemon {
     /// Command output held in memory at once, over every exec, background process and session run.
     pub output_budget: Arc<OutputBudget>,
     pub sessions: Sessions,
-    pub lease: Lease,
+    pub lease: Arc<Lease>,
     /// Tasks that outlive the request that started them (streamed execs, process drivers).
     pub tasks: TaskTracker,
     pub started: Instant,
@@ -60,7 +60,7 @@ impl Daemon {
             output_budget,
             processes: Processes::default(),
             sessions,
-            lease: Lease::new(lease),
+            lease: Arc::new(Lease::new(lease)),
             tasks: TaskTracker::new(),
             started: Instant::now(),
             pid1: std::process::id() == 1,

@@ -90,6 +90,20 @@ async fn the_lease_kills_everything_and_exits_when_it_lapses() {
     assert!(log.contains("lease lapsed"), "{log}");
 }
 
+/// Before, a command longer than the daemon's lease was killed, with the daemon, while its
+/// caller waited for the answer.
+#[tokio::test]
+async fn an_exec_longer_than_the_lease_holds_it_to_its_end() {
+    let mut d = Daemon::start_with(&["--lease", "1s"], None).await;
+    let r = d.exec(json!({"command": "sleep 2.5; echo done"})).await;
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert_eq!(r["stdout"], "done\n");
+    // The lease runs again from the call's end: the daemon still answers, then lapses.
+    assert_eq!(d.get("/v1/info").await.status, 200);
+    let status = d.wait_exit(Duration::from_secs(10)).expect("daemon did not exit after its lease lapsed");
+    assert_eq!(status.code(), Some(3));
+}
+
 #[tokio::test]
 async fn sigterm_is_forwarded_and_the_daemon_exits() {
     let mut d = Daemon::start().await;

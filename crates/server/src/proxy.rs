@@ -42,7 +42,7 @@ pub async fn forward(
     let target = service.call_target(&id)?;
     let upgrade = is_upgrade(req.headers());
     let inbound = upgrade.then(|| hyper::upgrade::on(&mut req));
-    let (endpoint, token) = (target.endpoint, target.token);
+    let (endpoint, token, held) = (target.endpoint, target.token, target.held);
     service.metrics.proxied.inc();
     let query = match (&target.user, creates_files(req.method(), &rest)) {
         (Some(user), true) => Some(with_user(req.uri().query(), user)),
@@ -104,10 +104,14 @@ pub async fn forward(
         .await
         .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {}", with_causes(&e))))?;
     let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
+    let mut held = Some(held);
     if let (true, Some(inbound)) = (switching, inbound) {
         let outbound = hyper::upgrade::on(&mut resp);
+        let held = held.take();
         // Owned by the service's tracker; it ends when either side closes.
         service.tasks.spawn(async move {
+            // The spliced connection is the call: the lease is held while it lasts.
+            let _held = held;
             let (Ok(client), Ok(daemon)) = (inbound.await, outbound.await) else { return };
             let _ = tokio::io::copy_bidirectional(
                 &mut hyper_util::rt::TokioIo::new(client),
@@ -124,7 +128,7 @@ pub async fn forward(
     if switching {
         keep_upgrade(&kept, &mut parts.headers);
     }
-    Ok(Response::from_parts(parts, Body::new(body)).into_response())
+    Ok(Response::from_parts(parts, sandman_http::holding(Body::new(body), held)).into_response())
 }
 
 /// An error and its causes, `: `-separated: hyper's own message (`client error (SendRequest)`)

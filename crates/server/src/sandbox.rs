@@ -52,11 +52,14 @@ pub struct Timers {
     pub last_call: Instant,
     /// The last renewal of the lease (any call, a keepalive, a job heartbeat).
     pub last_renew: Instant,
+    /// Proxied calls under way (an exec, a followed output stream): while there is one, neither
+    /// the lease nor the idle timeout runs out; the lifetime still does.
+    pub in_flight: u32,
 }
 
 impl Timers {
     pub fn new(now: Instant, lease: Duration, idle: Option<Duration>, ttl: Option<Duration>) -> Self {
-        Timers { lease, idle, ttl, created: now, last_call: now, last_renew: now }
+        Timers { lease, idle, ttl, created: now, last_call: now, last_renew: now, in_flight: 0 }
     }
 
     pub fn lease_expires(&self) -> Instant {
@@ -89,8 +92,35 @@ impl Timers {
 
     /// The reason the sandbox is due at `now`, if it is.
     pub fn due(&self, now: Instant) -> Option<Reason> {
-        let (at, reason) = self.next_deadline();
+        let (at, reason) = self.held(now).next_deadline();
         (at <= now).then_some(reason)
+    }
+
+    /// When the reaper should look again, seen at `now`: the next deadline, or while a call is
+    /// under way, the earliest it could be once the call ends now.
+    pub fn next_check(&self, now: Instant) -> Instant {
+        self.held(now).next_deadline().0
+    }
+
+    /// The timers as they stand at `now`: a call under way counts as a call at `now`.
+    fn held(&self, now: Instant) -> Timers {
+        let mut t = self.clone();
+        if t.in_flight > 0 {
+            t.call(now);
+        }
+        t
+    }
+
+    /// A proxied call starts: activity now, and the lease held until [`Timers::end`].
+    pub fn begin(&mut self, now: Instant) {
+        self.call(now);
+        self.in_flight = self.in_flight.saturating_add(1);
+    }
+
+    /// A proxied call ended (its answer sent in full, or its client gone): activity now.
+    pub fn end(&mut self, now: Instant) {
+        self.call(now);
+        self.in_flight = self.in_flight.saturating_sub(1);
     }
 
     /// A call on the sandbox: counts as activity and renews the lease.
@@ -321,5 +351,30 @@ mod tests {
         t.renew(t0 + Duration::from_secs(8));
         assert_eq!(t.due(t0 + Duration::from_secs(17)), None);
         assert_eq!(t.due(t0 + Duration::from_secs(18)), Some(Reason::LeaseExpired));
+    }
+
+    /// Before, a sandbox was reclaimed for its lease in the middle of an exec longer than the
+    /// lease, and its daemon killed the command.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_under_way_holds_the_lease_and_idle_timeout_but_not_the_lifetime() {
+        let t0 = Instant::now();
+        let mut t =
+            Timers::new(t0, Duration::from_secs(10), Some(Duration::from_secs(20)), Some(Duration::from_secs(100)));
+        t.begin(t0 + Duration::from_secs(1));
+        let late = t0 + Duration::from_secs(60);
+        assert_eq!(t.due(late), None);
+        assert_eq!(t.next_check(late), late + Duration::from_secs(10), "looked at again a lease after now");
+        // Two calls: the lease is held until the last ends.
+        t.begin(late);
+        t.end(late + Duration::from_secs(5));
+        assert_eq!(t.due(late + Duration::from_secs(30)), None);
+        let ended = t0 + Duration::from_secs(70);
+        t.end(ended);
+        assert_eq!(t.in_flight, 0);
+        assert_eq!(t.due(ended + Duration::from_secs(9)), None);
+        assert_eq!(t.due(ended + Duration::from_secs(10)), Some(Reason::LeaseExpired));
+        // The lifetime ends the sandbox whatever is under way.
+        t.begin(ended + Duration::from_secs(5));
+        assert_eq!(t.due(t0 + Duration::from_secs(100)), Some(Reason::TtlExpired));
     }
 }

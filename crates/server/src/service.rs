@@ -983,7 +983,7 @@ impl Service {
     }
 
     /// The daemon endpoint, token and claimer's environment of a ready sandbox, for a proxied
-    /// call; counts as a call.
+    /// call; counts as a call, and holds the sandbox's lease until the target's `held` is dropped.
     pub fn call_target(&self, id: &str) -> ServerResult<CallTarget> {
         let sb = self.get(id)?;
         let mut inner = sb.lock();
@@ -995,12 +995,13 @@ impl Service {
             }
             s => return Err(ServerError::Conflict(format!("sandbox `{id}` is {s}, not ready"))),
         }
-        let now = Instant::now();
-        inner.timers.call(now);
-        inner.daemon_touched = now;
         let endpoint =
             inner.endpoint.clone().ok_or_else(|| ServerError::Internal(format!("sandbox `{id}` has no endpoint")))?;
+        let now = Instant::now();
+        inner.timers.begin(now);
+        inner.daemon_touched = now;
         Ok(CallTarget {
+            held: CallUnderWay(Arc::clone(&sb)),
             endpoint,
             token: sb.spec.token.clone(),
             env: sb.env_overlay.clone(),
@@ -1810,7 +1811,7 @@ impl Service {
         let Ok(sb) = self.get(id) else { return };
         let (state, due, next, ended_at) = {
             let inner = sb.lock();
-            (inner.state, inner.timers.due(now), inner.timers.next_deadline().0, inner.ended_at)
+            (inner.state, inner.timers.due(now), inner.timers.next_check(now), inner.ended_at)
         };
         if state.is_terminal() {
             let retained_until = ended_at.map(|t| crate::sandbox::later(t, self.settings.gone_retention));
@@ -1898,8 +1899,10 @@ impl Drop for AbandonGuard<'_> {
 }
 
 /// Where a proxied call goes, and the claimer's environment merged into it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct CallTarget {
+    /// The call is under way while this lives: keep it until the answer has been sent.
+    pub held: CallUnderWay,
     pub endpoint: Endpoint,
     pub token: String,
     pub env: Arc<BTreeMap<String, String>>,
@@ -1907,6 +1910,17 @@ pub struct CallTarget {
     pub eval: bool,
     /// The sandbox's default user, given to its commands that name none.
     pub user: Option<String>,
+}
+
+/// A proxied call under way on a sandbox: its lease and idle timeout do not run out until this
+/// is dropped, which counts as activity.
+#[derive(Debug)]
+pub struct CallUnderWay(Arc<Sandbox>);
+
+impl Drop for CallUnderWay {
+    fn drop(&mut self) {
+        self.0.lock().timers.end(Instant::now());
+    }
 }
 
 /// A create's `user`: a name or `uid`, optionally `:group` or `:gid`, as the daemon resolves it.

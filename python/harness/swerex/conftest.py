@@ -18,7 +18,7 @@ fail here at once, as they would for a host that does not exist.
 from __future__ import annotations
 
 import socket
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, List, Optional
 
 import pytest
 from swerex.runtime.abstract import BashAction, CloseBashSessionRequest, Command, CreateBashSessionRequest
@@ -73,3 +73,22 @@ class _Action(BashAction):
 
 class _Command(Command):
     timeout: Optional[float] = 5
+
+
+#: Upstream tests whose outcome turns on a race in bash itself, not on the runtime; each has a
+#: counterpart in `test_sandman_swerex.py` that checks what does not turn on the race.
+_RACY_UPSTREAM = {
+    # After `kill -9 %1`, bash prints the job's "Killed" notice before its next prompt when the
+    # pager is reaped before that prompt is printed, else before the prompt after the next
+    # command; the test expects the latter. On a loaded machine either comes first (about one
+    # run in ten here).
+    "test_interrupt_pager": "bash prints the pager's `Killed` notice with the interrupt or with the next command, "
+    "whichever the scheduler lets come first; see test_sandman_swerex.py::test_interrupt_pager_gives_the_shell_back",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    for item in items:
+        reason = _RACY_UPSTREAM.get(item.name)
+        if reason is not None and item.path.name == "test_execution.py":
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
