@@ -215,3 +215,13 @@ def test_a_terminal_runs_bash_and_resizes(sbx: Sandbox) -> None:
     term.wait(on_pty=out.append)
     text = b"".join(out).decode(errors="replace")
     assert "40 100" in text and "42" in text, text
+
+
+def test_a_retried_create_with_its_idempotency_key_is_the_same_sandbox(e2b_env: E2bServer) -> None:
+    key = f"retry-{tag()}"
+    first = Sandbox.create(e2b_env.template, timeout=60, idempotency_key=key)
+    try:
+        again = Sandbox.create(e2b_env.template, timeout=60, idempotency_key=key)
+        assert again.sandbox_id == first.sandbox_id
+    finally:
+        first.kill()
