@@ -173,6 +173,11 @@ pub async fn run(
         drain: SHUTDOWN_DRAIN,
     };
     on_start(&Started { listen, token: source, recovered, found_dead });
+    // No Nagle: a stream's small events (a command's start, its end) go out at once, not
+    // 40 ms later behind the client's delayed ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     sandman_http::serve::serve(listener, app, edge, shutdown).await;
     // Sandboxes outlive the server on purpose: their records stay with the provider and a
     // restarted server finds them again; their daemons' leases end them if it never returns.
