@@ -93,7 +93,9 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::disable())
-        .with_state(service.clone());
+        .with_state(service.clone())
+        // The E2B-compatible API, with E2B's own credentials (docs/e2b.md).
+        .merge(crate::e2b::router(service.clone(), limits.request_timeout));
     // The limit wraps the whole router as one service: `Router::layer` would give every route
     // and method a semaphore of its own.
     let limited = ServiceBuilder::new()

@@ -9,6 +9,7 @@ pub mod auth;
 pub mod conditions;
 pub mod config;
 pub mod daemon;
+pub mod e2b;
 pub mod error;
 pub mod events;
 pub mod journal;
@@ -177,7 +178,8 @@ pub async fn run(
         drain: SHUTDOWN_DRAIN,
     };
     on_start(&Started { listen, token: source, recovered, found_dead });
-    // Streamed answers (events, followed output) go out as they come, not held for an ACK.
+    // No Nagle: a stream's small events (a command's start, its end) go out at once, not
+    // 40 ms later behind the client's delayed ACK.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });
