@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 
 from selenium import webdriver
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
@@ -87,6 +88,20 @@ def text(driver, css):
         return driver.find_element(By.CSS_SELECTOR, css).text
     except Exception:  # not there (yet)
         return ""
+
+
+def click(driver, by, selector, what=None):
+    """Clicks the element once it is there. The pages redraw live (at most once a second), so an
+    element found may be replaced before it is clicked: then it is looked up again."""
+
+    def attempt():
+        try:
+            driver.find_element(by, selector).click()
+            return True
+        except (NoSuchElementException, StaleElementReferenceException):
+            return False
+
+    until(what or selector, attempt)
 
 
 def main():
@@ -191,7 +206,7 @@ def main():
         # A failed sandbox's page reads its reason.
         driver.get(server.url + "/ui/#/sandboxes?state=failed")
         until("failed rows", lambda: text(driver, ".toolbar span.muted").startswith("3 "))
-        driver.find_element(By.CSS_SELECTOR, "tbody tr.link").click()
+        click(driver, By.CSS_SELECTOR, "tbody tr.link")
         reason = until("the reason", lambda: text(driver, "#reason"))
         assert reason == "setup_failed", reason
         ok("a failed sandbox's page reads its reason (setup_failed)")
@@ -202,14 +217,12 @@ def main():
         server.call("POST", f"/v1/sandboxes/{sid}/processes", {"argv": ["sleep", "300"], "tag": "server"})
         driver.get(server.url + f"/ui/#/sandboxes/{sid}")
         until("the sandbox page", lambda: driver.find_elements(By.ID, "list-processes"))
-        driver.find_element(By.ID, "list-processes").click()
+        click(driver, By.ID, "list-processes")
         until("its process", lambda: "sleep 300" in text(driver, "main"))
-        for b in driver.find_elements(By.TAG_NAME, "button"):
-            if b.text == "Take the conditions record":
-                b.click()
+        click(driver, By.XPATH, "//button[normalize-space()='Take the conditions record']", "the record's button")
         until("the conditions record", lambda: "observed" in text(driver, "main").lower())
         shot("sandbox")
-        driver.find_element(By.ID, "release").click()
+        click(driver, By.ID, "release")
         driver.switch_to.alert.accept()
         until("the sandbox gone", lambda: text(driver, ".kv .state") == "gone")
         assert text(driver, "#reason") == "released"
@@ -223,8 +236,7 @@ def main():
             shot(page)
         # Release-all from the jobs page, confirmed.
         driver.get(server.url + "/ui/#/jobs")
-        until("the jobs table", lambda: driver.find_elements(By.CSS_SELECTOR, 'button[data-job="eval"]'))
-        driver.find_element(By.CSS_SELECTOR, 'button[data-job="eval"]').click()
+        click(driver, By.CSS_SELECTOR, 'button[data-job="eval"]', "the jobs table's release-all of eval")
         driver.switch_to.alert.accept()
         until("eval released", lambda: server.call("GET", "/ui/api/sandboxes?job=eval&state=live")["total"] == 0)
         ok("release-all of job eval, confirmed, released its sandboxes")
