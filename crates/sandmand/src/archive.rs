@@ -43,9 +43,13 @@ pub async fn extract(
     ApiQuery(q): ApiQuery<ExtractQuery>,
     body: Body,
 ) -> DaemonResult<Json<ExtractResult>> {
-    let target = absolute(&q.path)?;
+    let checked = absolute(&q.path).and_then(|target| Ok((target, Owner::of(&daemon, q.user.as_deref())?)));
+    let (target, owner) = match checked {
+        Ok(checked) => checked,
+        Err(refused) => return Err(crate::files::read_rest(body, refused).await),
+    };
     let limits = Unpacking {
-        owner: Owner::of(&daemon, q.user.as_deref())?,
+        owner,
         sync: q.fsync.then_some(&Fsync as &'static dyn Durability),
         ..Unpacking::of(&daemon.config.limits)
     };

@@ -150,12 +150,31 @@ pub async fn write_file(
     ApiQuery(q): ApiQuery<WriteFileQuery>,
     body: Body,
 ) -> DaemonResult<Json<FileStat>> {
-    let requested = absolute(&q.path)?;
-    let mode = parse_mode(q.mode.as_deref(), DEFAULT_FILE_MODE)?;
-    let owner = Owner::of(&daemon, q.user.as_deref())?;
+    let checked = absolute(&q.path).and_then(|requested| {
+        Ok((requested, parse_mode(q.mode.as_deref(), DEFAULT_FILE_MODE)?, Owner::of(&daemon, q.user.as_deref())?))
+    });
+    let (requested, mode, owner) = match checked {
+        Ok(checked) => checked,
+        Err(refused) => return Err(read_rest(body, refused).await),
+    };
     let limit = Upload { max: daemon.config.max_upload_bytes, disk: daemon.config.limits.disk_bytes };
     let sync = q.fsync.then_some(&Fsync as &'static dyn Durability);
     write_atomically(&requested, Written { mode, owner, sync }, body, limit).await.map(Json)
+}
+
+/// Reads what is left of an upload refused before it was read (up to
+/// [`crate::archive::LINGER_BYTES`]) and answers `refused`: a client still sending the body gets
+/// the answer, rather than a connection closed under its write (which a proxy in between reports
+/// as the sandbox not answering).
+pub(crate) async fn read_rest(body: Body, refused: DaemonError) -> DaemonError {
+    let mut chunks = unstalled(body);
+    let mut left = crate::archive::LINGER_BYTES;
+    while left > 0
+        && let Some(Ok(more)) = chunks.next().await
+    {
+        left = left.saturating_sub(more.len() as u64);
+    }
+    refused
 }
 
 /// How written data is made durable: `fsync` for real, a recorder in tests (so that a test sees

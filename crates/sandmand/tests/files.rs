@@ -51,6 +51,20 @@ async fn missing_files_and_directories_are_clear_errors() {
     d.get(&format!("/v1/stat?path={}", q(&d.dir().join("nope")))).await.error(404, "not_found");
 }
 
+/// Before, an upload refused for its path was answered before its body was read, and the
+/// connection closed under the client's write: through the server, `relative.txt` came back as
+/// "sandbox did not answer: broken pipe" instead of the 400.
+#[tokio::test]
+async fn an_upload_refused_for_its_path_is_read_before_the_answer() {
+    let d = Daemon::start().await;
+    for path in ["/v1/files?path=relative.txt", "/v1/archive?path=relative"] {
+        let chunks = (0..64).map(|_| Bytes::from(vec![0u8; 16 << 10]));
+        let r = d.call("PUT", path, Some(TOKEN), Body::Chunks(Box::new(chunks))).await;
+        let r = r.unwrap_or_else(|e| panic!("{path}: the answer was lost: {e}"));
+        r.error(400, "invalid_argument");
+    }
+}
+
 #[tokio::test]
 async fn stat_list_mkdir_remove_move() {
     let d = Daemon::start().await;
