@@ -328,17 +328,35 @@ mod tests {
         (status, serde_json::from_slice(&bytes).unwrap_or_default())
     }
 
-    #[tokio::test]
-    async fn past_the_concurrency_limit_requests_are_shed_with_the_error_body() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 1 });
+    /// On a server with one request slot: a create that waits takes it (the test's provider never
+    /// answers), and a list is shed. Answers the create's task and the shed answer, once there is
+    /// one (no sleep "long enough" for the create to arrive first).
+    async fn hold_the_one_slot(
+        app: &Router,
+    ) -> (tokio::task::JoinHandle<(u16, serde_json::Value)>, (u16, serde_json::Value)) {
         let slow = app.clone();
         let first =
             tokio::spawn(
                 async move { answer(&slow, req("POST", "/v1/sandboxes", r#"{"image":"x"}"#, Some("t"))).await },
             );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let (status, body) = answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await;
+        let shed = async {
+            loop {
+                let listed = answer(app, req("GET", "/v1/sandboxes", "", Some("t"))).await;
+                if listed.0 == 503 {
+                    return listed;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        let listed = tokio::time::timeout(Duration::from_secs(10), shed).await.unwrap_or_else(|_| panic!("never shed"));
+        (first, listed)
+    }
+
+    #[tokio::test]
+    async fn past_the_concurrency_limit_requests_are_shed_with_the_error_body() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 1 });
+        let (first, (status, body)) = hold_the_one_slot(&app).await;
         assert_eq!((status, body["error"]["code"].as_str()), (503, Some("unavailable")), "{body}");
         first.abort();
     }
@@ -395,21 +413,7 @@ mod tests {
     async fn healthz_answers_while_the_server_sheds() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 1 });
-        let slow = app.clone();
-        let first =
-            tokio::spawn(
-                async move { answer(&slow, req("POST", "/v1/sandboxes", r#"{"image":"x"}"#, Some("t"))).await },
-            );
-        // Shed: the one slot is taken by the waiting create.
-        let shed = async {
-            loop {
-                if answer(&app, req("GET", "/v1/sandboxes", "", Some("t"))).await.0 == 503 {
-                    return;
-                }
-                tokio::task::yield_now().await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), shed).await.unwrap_or_else(|_| panic!("never shed"));
+        let (first, _) = hold_the_one_slot(&app).await;
         let (status, body) = answer(&app, req("GET", "/healthz", "", None)).await;
         assert_eq!((status, body["status"].as_str()), (200, Some("ok")), "{body}");
         first.abort();
