@@ -30,8 +30,6 @@ use crate::events::Filter;
 use crate::proxy;
 use crate::service::Service;
 
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
-
 /// Edge limits.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -133,7 +131,7 @@ async fn authorize(State(service): State<Arc<Service>>, req: Request, next: Next
 async fn healthz(State(service): State<Arc<Service>>) -> Json<ServerHealth> {
     Json(ServerHealth {
         status: "ok".into(),
-        version: VERSION.into(),
+        version: crate::VERSION.into(),
         provider: service.provider.name().into(),
         isolation: Some(service.provider.isolation()),
     })

@@ -114,9 +114,9 @@ impl ReadyJournal {
     /// Rewrites the file with only `ready` when it holds many more lines than that (sandboxes
     /// long gone): at most a few times the live sandboxes, so that it stays small however many
     /// come and go.
-    pub fn compact_if_grown<'a>(&self, ready: impl FnOnce() -> Vec<&'a str>, live: usize) {
+    pub fn compact_if_grown(&self, ready: impl FnOnce() -> Vec<String>, live: usize) {
         if self.journal.len() > 2 * live + 4096 {
-            self.journal.rewrite(ready());
+            self.journal.rewrite(ready().iter().map(String::as_str));
         }
     }
 

@@ -34,6 +34,9 @@ use crate::api::Limits;
 use crate::provider::AnyProvider;
 use crate::service::{Service, Settings};
 
+/// The server's version, as `/healthz`, conditions records and the dashboard report it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// Why the server could not start or serve.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

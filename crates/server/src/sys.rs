@@ -58,6 +58,18 @@ pub fn random_bytes(buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// 128 random bits as hex, from the `getrandom` system call: no descriptor to run out of, and
+/// no fallback (to a clock, say) that could hand two sandboxes the same id or a guessable token.
+/// The server checks at start that the call works (`run`); it cannot fail after.
+pub fn random_hex() -> String {
+    let mut buf = [0u8; 16];
+    if let Err(e) = random_bytes(&mut buf) {
+        // Unreachable past the start-up check: getrandom(2) fails only where it does not exist.
+        panic!("getrandom(2) failed after working at start: {e}");
+    }
+    hex::encode(buf)
+}
+
 /// Whether this process holds capability `cap` (its bit in `CapEff` of `/proc/self/status`).
 #[cfg(test)]
 fn has_capability(cap: u32) -> bool {

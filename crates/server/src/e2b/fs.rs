@@ -287,7 +287,7 @@ async fn create_watcher(e2b: &Arc<E2b>, sbx: Sbx, body: &[u8]) -> Result<Respons
     let req: WatchReq = decode(body, false)?;
     let depth = watch_depth(req.recursive);
     let seen = snapshot(&sbx, &req.path, depth).await?;
-    let id = crate::service::random_hex();
+    let id = crate::sys::random_hex();
     {
         let mut watchers = e2b.watchers();
         if watchers.len() >= MAX_WATCHERS {

@@ -90,7 +90,7 @@ async fn summary(State(service): State<Arc<Service>>) -> Json<Summary> {
     let mut s = view::summarize(&all, now_ms());
     s.last_seq = service.events.last_seq();
     s.provider = service.provider.name().to_string();
-    s.version = crate::api::VERSION.to_string();
+    s.version = crate::VERSION.to_string();
     Json(s)
 }
 

@@ -1,0 +1,184 @@
+//! Jobs: their quotas, weights and rates (kept across restarts in `jobs.json`), heartbeats that
+//! renew a whole job, usage, and deleting a job with everything it has.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use sandman_wire::server::{Job, JobAction, JobSpec, JobUsage, Reason};
+use tokio::time::Instant;
+
+use super::Service;
+use super::request::bad_number;
+use crate::admission::Tenant;
+use crate::error::{ServerError, ServerResult};
+use crate::sandbox::now_ms;
+
+/// Jobs by name, and the file that keeps them.
+#[derive(Debug)]
+pub(super) struct Jobs {
+    file: PathBuf,
+    entries: Mutex<BTreeMap<String, JobEntry>>,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+struct JobEntry {
+    spec: JobSpec,
+    created: u64,
+    last_heartbeat_ms: Option<u64>,
+}
+
+impl Jobs {
+    pub(super) fn open(state_dir: &Path) -> Jobs {
+        let file = state_dir.join("jobs.json");
+        let entries = std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        Jobs { file, entries: Mutex::new(entries) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, JobEntry>> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Every job's admission tenant with its weight and create rate.
+    pub(super) fn tenants(&self) -> Vec<(Tenant, Option<f64>, Option<f64>)> {
+        self.lock().iter().map(|(name, e)| (Tenant::Job(name.clone()), e.spec.weight, e.spec.create_rate)).collect()
+    }
+
+    pub(super) fn names(&self) -> Vec<String> {
+        self.lock().keys().cloned().collect()
+    }
+
+    pub(super) fn contains(&self, name: &str) -> bool {
+        self.lock().contains_key(name)
+    }
+
+    /// The job's own lease for its sandboxes, when it set one.
+    pub(super) fn lease_s(&self, name: &str) -> Option<u64> {
+        self.lock().get(name).and_then(|e| e.spec.lease_s)
+    }
+
+    /// The job's `max_sandboxes` quota, when it set one.
+    pub(super) fn max_sandboxes(&self, name: &str) -> Option<u64> {
+        self.lock().get(name).and_then(|e| e.spec.max_sandboxes)
+    }
+
+    /// Counts a sandbox created for the job.
+    pub(super) fn count_created(&self, name: &str) {
+        if let Some(e) = self.lock().get_mut(name) {
+            e.created += 1;
+        }
+    }
+
+    fn put(&self, name: &str, spec: JobSpec) {
+        let mut entries = self.lock();
+        entries.entry(name.to_string()).or_default().spec = spec;
+        self.save(&entries);
+    }
+
+    /// Forgets the job; false when it had no spec.
+    fn remove(&self, name: &str) -> bool {
+        let mut entries = self.lock();
+        let known = entries.remove(name).is_some();
+        if known {
+            self.save(&entries);
+        }
+        known
+    }
+
+    fn get(&self, name: &str) -> Option<JobEntry> {
+        self.lock().get(name).cloned()
+    }
+
+    fn heard(&self, name: &str) {
+        if let Some(e) = self.lock().get_mut(name) {
+            e.last_heartbeat_ms = Some(now_ms());
+        }
+    }
+
+    fn save(&self, entries: &BTreeMap<String, JobEntry>) {
+        let tmp = self.file.with_extension("json.tmp");
+        let result = serde_json::to_vec_pretty(entries)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| std::fs::write(&tmp, bytes))
+            .and_then(|()| std::fs::rename(&tmp, &self.file));
+        if let Err(e) = result {
+            tracing::error!(path = %self.file.display(), error = %e, "cannot save jobs");
+        }
+    }
+}
+
+impl Service {
+    pub fn put_job(&self, name: &str, spec: JobSpec) -> ServerResult<Job> {
+        if name.is_empty() || name.contains('/') {
+            return Err(ServerError::InvalidArgument(format!("invalid job name `{name}`")));
+        }
+        spec.check_bounds().map_err(bad_number)?;
+        let (weight, rate) = (spec.weight, spec.create_rate);
+        self.jobs.put(name, spec);
+        self.queue.set_tenant(Tenant::Job(name.to_string()), weight, rate, Instant::now());
+        self.job(name)
+    }
+
+    pub fn job(&self, name: &str) -> ServerResult<Job> {
+        let live = self.table.of_job(name).iter().filter(|s| !s.state().is_terminal()).count() as u64;
+        let entry = self.jobs.get(name);
+        // A job exists while it has a spec (PUT) or live sandboxes; ended ones are history.
+        if entry.is_none() && live == 0 {
+            return Err(ServerError::NotFound(format!("no job `{name}`")));
+        }
+        let entry = entry.unwrap_or_default();
+        Ok(Job {
+            name: name.to_string(),
+            spec: entry.spec,
+            live,
+            created: entry.created,
+            last_heartbeat_ms: entry.last_heartbeat_ms,
+        })
+    }
+
+    /// The sums of the job's accounting records, and its live sandboxes.
+    pub fn job_usage(&self, name: &str) -> ServerResult<JobUsage> {
+        let live = self.table.of_job(name).iter().filter(|s| !s.state().is_terminal()).count() as u64;
+        let known = self.jobs.contains(name);
+        match self.accounting.usage(name) {
+            Some(u) => Ok(JobUsage { live, ..u }),
+            None if known || live > 0 => Ok(JobUsage { job: name.to_string(), live, ..Default::default() }),
+            None => Err(ServerError::NotFound(format!("no job `{name}`"))),
+        }
+    }
+
+    /// One heartbeat renews the lease of every live sandbox of the job.
+    pub fn heartbeat(self: &Arc<Self>, name: &str) -> ServerResult<JobAction> {
+        self.metrics.heartbeats.inc();
+        let members = self.table.of_job(name);
+        let known = self.jobs.contains(name);
+        if members.is_empty() && !known {
+            return Err(ServerError::NotFound(format!("no job `{name}`")));
+        }
+        let mut n = 0;
+        for sb in members.iter().filter(|s| !s.state().is_terminal()) {
+            self.renew(sb);
+            n += 1;
+        }
+        self.jobs.heard(name);
+        Ok(JobAction { job: name.to_string(), sandboxes: n })
+    }
+
+    /// Releases every sandbox of the job (reason `job_deleted`), those it was still queueing
+    /// included, and forgets its quota.
+    pub async fn delete_job(self: &Arc<Self>, name: &str) -> ServerResult<JobAction> {
+        // Off the queue first, all at once, so that nothing of the job is admitted meanwhile.
+        let queued = self.queue.remove_tenant(&Tenant::Job(name.to_string()));
+        let members = self.table.of_job(name);
+        let known = self.jobs.remove(name);
+        if members.is_empty() && !known {
+            return Err(ServerError::NotFound(format!("no job `{name}`")));
+        }
+        tracing::info!(job = name, queued = queued.len(), "deleting a job");
+        let live: Vec<_> = members.into_iter().filter(|s| !s.state().is_terminal()).collect();
+        let releases = live.iter().map(|sb| self.release(sb.id(), Reason::JobDeleted));
+        let results = futures_util::future::join_all(releases).await;
+        let n = results.iter().filter(|r| r.is_ok()).count() as u64;
+        Ok(JobAction { job: name.to_string(), sandboxes: n })
+    }
+}
