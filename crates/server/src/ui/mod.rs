@@ -151,6 +151,3 @@ async fn prepare(State(service): State<Arc<Service>>) -> Json<PrepareList> {
     let events = service.events.list(&Filter::default(), 0);
     Json(PrepareList { runs: view::prepare_runs(&events) })
 }
-
-#[cfg(test)]
-mod tests;

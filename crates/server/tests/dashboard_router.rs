@@ -12,10 +12,10 @@ use sandman_provider::Endpoint;
 use sandman_provider::fake::FakeProvider;
 use tower::ServiceExt;
 
-use super::{API_ROUTES, ASSETS};
-use crate::api::{Limits, router};
-use crate::provider::AnyProvider;
-use crate::service::{Daemons, Service, Settings};
+use sandman_server::api::{Limits, router};
+use sandman_server::provider::AnyProvider;
+use sandman_server::service::{Daemons, Service, Settings};
+use sandman_server::ui::{API_ROUTES, ASSETS};
 
 fn fake_app(dir: &std::path::Path) -> (Router, Arc<Service>) {
     let settings = Settings { create_rate: None, daemons: Daemons::Absent, ..Settings::new(dir.to_path_buf()) };
