@@ -160,16 +160,10 @@ impl Service {
     pub(super) async fn reaper(self: Arc<Self>) {
         loop {
             let next = self.leases.next();
-            let sleep = async {
-                match next {
-                    Some(t) => tokio::time::sleep_until(t).await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 _ = self.cancel.cancelled() => return,
                 _ = self.leases.wake.notified() => continue,
-                _ = sleep => {}
+                () = super::sleep_until(next) => {}
             }
             let now = Instant::now();
             for id in self.leases.take_due(now) {

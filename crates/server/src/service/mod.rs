@@ -149,6 +149,14 @@ pub struct Service {
     bodies: Arc<Semaphore>,
 }
 
+/// Sleeps until `at`, or for ever without one: the wait of a task that owns a schedule.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Request bodies the proxy holds whole at once, at most: 256 MiB, in KiB.
 const BODY_BUDGET_KIB: usize = 256 * 1024;
 

@@ -103,16 +103,10 @@ impl Service {
             for (_, ticket) in admitted {
                 self.start_admitted(ticket, now);
             }
-            let sleep = async {
-                match next {
-                    Some(t) => tokio::time::sleep_until(t).await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 _ = self.cancel.cancelled() => return,
                 _ = self.queue.wake.notified() => {}
-                _ = sleep => {}
+                () = super::sleep_until(next) => {}
             }
         }
     }
