@@ -1,9 +1,10 @@
 //! Sandman's wire contract: every request, response, stream event and error body that crosses
 //! a socket, as plain serde types with no I/O. Start at [`error`] for the error body, then
 //! [`daemon`] for the in-sandbox daemon API; [`bounds`] holds the range of every number a caller
-//! sends.
+//! sends, [`cgroup`] the kernel's limit files both sides of a sandbox read.
 
 pub mod bounds;
+pub mod cgroup;
 pub mod daemon;
 pub mod error;
 pub mod mode;
