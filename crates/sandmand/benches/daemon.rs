@@ -39,16 +39,7 @@ fn us(d: Duration) -> f64 {
 }
 
 fn rss_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
+    (sandman_testkit::status_kib(pid, "VmRSS:"), sandman_testkit::status_kib(pid, "VmHWM:"))
 }
 
 fn main() {
