@@ -38,18 +38,6 @@ fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn daemon_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDMAND_STATIC") {
-        return PathBuf::from(p);
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let static_build = root.join("target/static/x86_64-unknown-linux-gnu/daemon/sandmand");
-    if static_build.exists() {
-        return static_build;
-    }
-    panic!("build the shipped daemon first: ./scripts/build-daemon (or set SANDMAND_STATIC)");
-}
-
 /// The `p` quantile of sorted durations; zero for none (a figure not measured).
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
@@ -259,7 +247,7 @@ fn leftovers(state: &Path, server_pid: u32, ids: &[String]) -> (usize, usize, us
 async fn bench() {
     let rounds = env_usize("SANDMAN_BENCH_N", 1000);
     let density = env_usize("SANDMAN_BENCH_SANDBOXES", 2000);
-    let daemon = daemon_binary();
+    let daemon = sandman_testkit::static_daemon();
     let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
     let daemon_arg = daemon.display().to_string();

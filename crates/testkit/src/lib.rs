@@ -55,14 +55,24 @@ pub fn workspace() -> PathBuf {
 }
 
 /// The static daemon, as shipped: `$SANDMAND_STATIC` (set by scripts/test), else the one
-/// `./scripts/build-daemon` leaves in `target/static/`.
+/// `./scripts/build-daemon` leaves in `target/static/`. Fails the test when there is none.
 pub fn static_daemon() -> PathBuf {
+    static_daemon_built().unwrap_or_else(|| {
+        panic!("no static daemon at {}: build it first: ./scripts/build-daemon", static_build_path().display())
+    })
+}
+
+/// [`static_daemon`] when there is one: `$SANDMAND_STATIC`, else the build in `target/static/`
+/// when it exists (a benchmark falls back to the daemon it was built with).
+pub fn static_daemon_built() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("SANDMAND_STATIC").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
+        return Some(PathBuf::from(p));
     }
-    let bin = workspace().join("target/static/x86_64-unknown-linux-gnu/daemon/sandmand");
-    assert!(bin.is_file(), "no static daemon at {}: build it first: ./scripts/build-daemon", bin.display());
-    bin
+    Some(static_build_path()).filter(|bin| bin.is_file())
+}
+
+fn static_build_path() -> PathBuf {
+    workspace().join("target/static/x86_64-unknown-linux-gnu/daemon/sandmand")
 }
 
 /// Whether this process runs as root (its effective uid).
