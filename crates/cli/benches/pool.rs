@@ -15,7 +15,6 @@
 mod e2e;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,15 +30,6 @@ use serde_json::{Value, json};
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn static_daemon() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("SANDMAND_STATIC") {
-        return Some(PathBuf::from(p));
-    }
-    let built =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/static/x86_64-unknown-linux-gnu/daemon/sandmand");
-    built.exists().then_some(built)
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -111,7 +101,7 @@ async fn claims(rate: &str, burst: &str) {
     let n_claims = env_usize("SANDMAN_BENCH_CLAIMS", 200);
     let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
-    let daemon = static_daemon();
+    let daemon = sandman_testkit::static_daemon_built();
     let daemon_arg = daemon.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
     let mut args = vec!["--create-rate", rate, "--create-burst", burst, "--default-lease-s", "3600"];
     if daemon.is_some() {

@@ -38,18 +38,6 @@ fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn daemon_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDMAND_STATIC") {
-        return PathBuf::from(p);
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let static_build = root.join("target/static/x86_64-unknown-linux-gnu/daemon/sandmand");
-    if static_build.exists() {
-        return static_build;
-    }
-    panic!("build the shipped daemon first: ./scripts/build-daemon (or set SANDMAND_STATIC)");
-}
-
 /// The `p` quantile of sorted durations; zero for none (a figure not measured).
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
@@ -60,16 +48,6 @@ fn pct(sorted: &[Duration], p: f64) -> Duration {
 
 fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Proportional set size: shared pages (the static daemon's code, shared by all sandboxes)
@@ -269,7 +247,7 @@ fn leftovers(state: &Path, server_pid: u32, ids: &[String]) -> (usize, usize, us
 async fn bench() {
     let rounds = env_usize("SANDMAN_BENCH_N", 1000);
     let density = env_usize("SANDMAN_BENCH_SANDBOXES", 2000);
-    let daemon = daemon_binary();
+    let daemon = sandman_testkit::static_daemon();
     let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let state = dir.path().join("state");
     let daemon_arg = daemon.display().to_string();
@@ -295,7 +273,7 @@ async fn bench() {
     let idle = http.create(json!({"image": "host"})).await;
     let idle_id = idle["id"].as_str().unwrap().to_string();
     let idle_pid = inner_daemon(&state, &idle_id).unwrap();
-    let idle_rss = rss_kib(idle_pid);
+    let idle_rss = sandman_testkit::rss_kib(idle_pid);
 
     // ---- round trips: exec, a call the server answers itself, 1 KiB writes ----
     let sb = http.create(json!({"image": "host"})).await;
@@ -476,7 +454,7 @@ async fn bench() {
     println!(
         "  daemon RSS: idle at start {:.2} MiB, after the load {:.2} MiB",
         idle_rss as f64 / 1024.0,
-        rss_kib(busy_pid) as f64 / 1024.0
+        sandman_testkit::rss_kib(busy_pid) as f64 / 1024.0
     );
     summary.push(Row {
         what: "8 clients on one daemon / 8 threads direct",
@@ -583,7 +561,7 @@ async fn bench() {
 
     // ---- density ----
     let server_pid = server.pid();
-    let server_before = rss_kib(server_pid);
+    let server_before = sandman_testkit::rss_kib(server_pid);
     let fds_before = open_fds(server_pid);
     let t = Instant::now();
     let (created, create_halves) = create_many(&http, density, 16).await;
@@ -591,7 +569,7 @@ async fn bench() {
     let t = Instant::now();
     let answered = exec_all(&http, &created, 16).await;
     let exec_secs = t.elapsed().as_secs_f64();
-    let server_after = rss_kib(server_pid);
+    let server_after = sandman_testkit::rss_kib(server_pid);
     let fds_after = open_fds(server_pid);
     let list_full = list_time(&http).await;
     let mut daemon_kib = Vec::new();
@@ -600,9 +578,9 @@ async fn bench() {
         let pids = std::fs::read_to_string(state.join(format!("sandboxes/{id}/daemon.pid"))).unwrap_or_default();
         if let Some(pid) = pids.split_whitespace().next().and_then(|p| p.parse::<u32>().ok()) {
             // The daemon and, when isolated, the small waiter that started it.
-            let (mut rss, mut pss) = (rss_kib(pid), pss_kib(pid));
+            let (mut rss, mut pss) = (sandman_testkit::rss_kib(pid), pss_kib(pid));
             for child in children_of(pid) {
-                rss += rss_kib(child);
+                rss += sandman_testkit::rss_kib(child);
                 pss += pss_kib(child);
             }
             daemon_kib.push(rss);

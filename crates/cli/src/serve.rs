@@ -15,7 +15,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let state_dir = args.state_dir.clone().unwrap_or_else(sandman_server::default_state_dir);
+    let state_dir = args.state_dir.clone().unwrap_or_else(sandman_wire::state_dir::default_state_dir);
     let provider = args.provider.clone();
     runtime.block_on(sandman_server::run(args, sandman_server::shutdown_signal(), |started| {
         eprintln!("sandman serving on http://{} (provider {provider}, state {})", started.listen, state_dir.display());

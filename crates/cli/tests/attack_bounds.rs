@@ -8,11 +8,11 @@
 mod e2e;
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use e2e::docker::{Cleanup, require_docker, static_daemon};
 use e2e::{Body, Http, Server, eventually};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
@@ -43,7 +43,7 @@ fn deep_tar(depth: usize) -> Vec<u8> {
 }
 
 async fn put(http: &Http, path: &str, bytes: Vec<u8>) -> e2e::Resp {
-    http.call("PUT", path, Body::Stream(Box::new(std::iter::once(Bytes::from(bytes))))).await
+    http.call("PUT", path, Body::Chunks(Box::new(std::iter::once(Bytes::from(bytes))))).await
 }
 
 fn message(v: &Value) -> String {
@@ -195,7 +195,7 @@ async fn slowloris_connections_do_not_starve_calls() {
         max
     );
     assert!(cut >= 150, "the server closed only {cut} attacking connections");
-    let log = server.log.lock().unwrap().join("\n");
+    let log = server.process.log();
     assert!(log.contains("the connection limit is reached"), "no log line about the connection limit:\n{log}");
     http.release(&id).await.ok();
 }
@@ -306,19 +306,7 @@ async fn max_output_bytes_over_the_servers_ceiling_is_refused() {
 /// The sandbox's daemon, found by its socket in the process provider's state.
 fn daemon_rss_kib(state: &Path, id: &str) -> u64 {
     let socket = state.join("sandboxes").join(id).display().to_string();
-    e2e::processes_mentioning(&socket)
-        .into_iter()
-        .map(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/status"))
-                .unwrap_or_default()
-                .lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        })
-        .max()
-        .unwrap_or(0)
+    e2e::processes_mentioning(&socket).into_iter().map(|pid| sandman_testkit::rss_kib(pid as u32)).max().unwrap_or(0)
 }
 
 /// Before, a sandbox limited to 100 MB drove its daemon to 2.1 GB through output it asked the
@@ -364,48 +352,6 @@ async fn output_spam_from_inside_a_sandbox_keeps_the_daemon_bounded() {
 // ---- the docker provider ----
 
 const BUSYBOX: &str = "sandman-test/busybox:latest";
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2).unwrap().to_path_buf()
-}
-
-/// The engine is running and the test images are built; fails saying how otherwise.
-fn require_docker() {
-    let info = Command::new("docker").args(["info", "--format", "{{.ServerVersion}}"]).output();
-    assert!(
-        info.is_ok_and(|o| o.status.success()),
-        "the docker engine is not running; start it with `dockerd > /var/log/dockerd.log 2>&1 &` \
-         (./scripts/test installs and starts it)"
-    );
-    let images = Command::new(workspace().join("scripts/test-images")).output().unwrap();
-    assert!(images.status.success(), "scripts/test-images failed: {}", String::from_utf8_lossy(&images.stderr));
-}
-
-fn static_daemon() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDMAND_STATIC").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    let bin = workspace().join("target/static/x86_64-unknown-linux-gnu/daemon/sandmand");
-    assert!(bin.is_file(), "no static daemon at {}: build it first: ./scripts/build-daemon", bin.display());
-    bin
-}
-
-/// Force-removes the containers of a state directory when dropped.
-struct Cleanup(PathBuf);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let Ok(owner) = std::fs::canonicalize(self.0.join("docker")) else { return };
-        let filter = format!("label=sandman.dev/owner={}", owner.display());
-        if let Ok(out) = Command::new("docker").args(["ps", "-aq", "--filter", &filter]).output() {
-            let ids: Vec<String> =
-                String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect();
-            if !ids.is_empty() {
-                let _ = Command::new("docker").args(["rm", "-f"]).args(&ids).output();
-            }
-        }
-    }
-}
 
 /// The bounds findings where the daemon runs in a container: a lease of u64::MAX, a timeout of
 /// u64::MAX (a panic that killed the whole daemon), a gzip bomb, a deep tar path, an output cap

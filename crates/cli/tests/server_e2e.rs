@@ -29,7 +29,7 @@ async fn a_hundred_sandboxes_at_once_each_used_then_nothing_left() {
                 .call(
                     "PUT",
                     &format!("/v1/sandboxes/{id}/files?path=/tmp/n.txt"),
-                    Body::Stream(Box::new(std::iter::once(Bytes::from(format!("n={i}"))))),
+                    Body::Chunks(Box::new(std::iter::once(Bytes::from(format!("n={i}"))))),
                 )
                 .await;
             assert_eq!(put.status, 200);
@@ -106,7 +106,7 @@ async fn a_100_mib_upload_and_download_do_not_grow_the_server_by_their_size() {
     const MIB: usize = 1 << 20;
     let chunks = (0..100).map(|i| Bytes::from(vec![(i % 251) as u8; MIB]));
     let put = http
-        .call("PUT", &format!("/v1/sandboxes/{id}/files?path=/tmp/big.bin"), Body::Stream(Box::new(chunks)))
+        .call("PUT", &format!("/v1/sandboxes/{id}/files?path=/tmp/big.bin"), Body::Chunks(Box::new(chunks)))
         .await
         .ok();
     assert_eq!(put["size"], 100 * MIB);
@@ -389,7 +389,7 @@ async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_include
         .call(
             "PUT",
             &format!("/v1/sandboxes/{id}/files?path=/tmp/site/hello.txt"),
-            Body::Stream(Box::new(std::iter::once(Bytes::from_static(b"served from a sandbox\n")))),
+            Body::Chunks(Box::new(std::iter::once(Bytes::from_static(b"served from a sandbox\n")))),
         )
         .await;
     assert_eq!(put.status, 200);

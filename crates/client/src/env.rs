@@ -1,9 +1,10 @@
 //! Where a client finds its server and token: `SANDMAN_URL`, `SANDMAN_TOKEN`, and the token file
 //! the server writes into its state directory ([`default_state_dir`]).
 
-use std::ffi::OsString;
 use std::io;
 use std::path::PathBuf;
+
+pub use sandman_wire::state_dir::default_state_dir;
 
 use crate::error::ClientError;
 
@@ -12,27 +13,6 @@ pub const DEFAULT_URL: &str = "http://127.0.0.1:7777";
 
 /// The name of the file, in the state directory, holding the server's token.
 pub const TOKEN_FILE: &str = "token";
-
-/// The server's state directory when none is given: `$SANDMAN_STATE_DIR`, else
-/// `$XDG_STATE_HOME/sandman`, else `~/.local/state/sandman` (`/var/lib/sandman` without a home).
-pub fn default_state_dir() -> PathBuf {
-    state_dir_from(std::env::var_os("SANDMAN_STATE_DIR"), std::env::var_os("XDG_STATE_HOME"), std::env::home_dir())
-}
-
-/// [`default_state_dir`] from the values of its variables; empty values count as unset, and so
-/// does a relative `XDG_STATE_HOME` (the XDG spec says to ignore it).
-fn state_dir_from(sandman: Option<OsString>, xdg: Option<OsString>, home: Option<PathBuf>) -> PathBuf {
-    if let Some(dir) = sandman.filter(|d| !d.is_empty()) {
-        return PathBuf::from(dir);
-    }
-    if let Some(xdg) = xdg.map(PathBuf::from).filter(|d| d.is_absolute()) {
-        return xdg.join("sandman");
-    }
-    match home.filter(|h| !h.as_os_str().is_empty()) {
-        Some(home) => home.join(".local/state/sandman"),
-        None => PathBuf::from("/var/lib/sandman"),
-    }
-}
 
 /// The path of the token file the server writes: `<default_state_dir>/token`.
 pub fn default_token_file() -> PathBuf {
@@ -66,19 +46,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-
-    #[test]
-    fn state_dir_prefers_sandman_then_xdg_then_home() {
-        let home = Some(PathBuf::from("/home/u"));
-        assert_eq!(state_dir_from(Some("/srv/s".into()), Some("/x".into()), home.clone()), PathBuf::from("/srv/s"));
-        assert_eq!(state_dir_from(Some("".into()), Some("/x".into()), home.clone()), PathBuf::from("/x/sandman"));
-        assert_eq!(
-            state_dir_from(None, Some("rel".into()), home.clone()),
-            PathBuf::from("/home/u/.local/state/sandman")
-        );
-        assert_eq!(state_dir_from(None, None, home), PathBuf::from("/home/u/.local/state/sandman"));
-        assert_eq!(state_dir_from(None, None, None), PathBuf::from("/var/lib/sandman"));
-    }
 
     #[test]
     fn token_files_are_trimmed_and_missing_ones_say_where_they_were_looked_for() {

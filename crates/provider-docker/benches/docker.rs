@@ -69,16 +69,6 @@ async fn create_to_first_exec(p: &DockerProvider, name: &str) -> (Duration, Sand
     (start.elapsed(), s, socket)
 }
 
-fn rss_kib(pid: u64) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 fn parent_of(pid: u64) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
@@ -167,9 +157,9 @@ async fn bench() {
     let (mut daemon_kib, mut shim_kib, mut shim_name) = (0, 0, String::new());
     for sid in &ids {
         let pid = inspect(sid)["State"]["Pid"].as_u64().unwrap();
-        daemon_kib += rss_kib(pid);
+        daemon_kib += sandman_testkit::rss_kib(pid as u32);
         if let Some(parent) = parent_of(pid) {
-            shim_kib += rss_kib(parent);
+            shim_kib += sandman_testkit::rss_kib(parent as u32);
             shim_name = comm(parent);
         }
     }

@@ -406,19 +406,6 @@ pub fn oom_killed(spec: Option<&SandboxSpec>) -> Ended {
     }
 }
 
-/// The last unindented line of a log with the indented lines after it (`error: …` then
-/// `  caused by: …`), on one line.
-pub fn last_paragraph(text: &str) -> Option<String> {
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let start = lines.iter().rposition(|l| !l.starts_with(char::is_whitespace)).unwrap_or(0);
-    let joined = lines.get(start..)?.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ");
-    if joined.is_empty() {
-        return None;
-    }
-    // A runaway line must not make an event huge.
-    Some(joined.chars().take(500).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -678,7 +665,8 @@ mod tests {
         oom.resources.memory = Some(Quantity::Text("32Mi".into()));
         assert!(oom_killed(Some(&oom)).message.contains("limit of 32Mi"));
         assert_eq!(
-            last_paragraph("INFO serving\nerror: cannot listen\n  caused by: in use\n").as_deref(),
+            sandman_provider::records::last_paragraph("INFO serving\nerror: cannot listen\n  caused by: in use\n")
+                .as_deref(),
             Some("error: cannot listen caused by: in use")
         );
     }

@@ -23,6 +23,7 @@ use bollard::Docker;
 use bollard::errors::Error as BollardError;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{CreateContainerOptions, ListContainersOptions, RemoveContainerOptions};
+use sandman_provider::records;
 use sandman_provider::{
     Creating, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider,
     ProviderError, ProviderEvent, Record, SandboxSpec,
@@ -273,7 +274,7 @@ impl DockerProvider {
                 )));
             }
             Err(e) => {
-                remove_dir(dir).await;
+                records::remove_dir(dir).await;
                 return Err(ProviderError::io(format!("cannot prepare `{}`", dir.root.display()), e));
             }
         }
@@ -289,7 +290,7 @@ impl DockerProvider {
         let outcome = self.run(spec, &plan).await;
         if outcome.is_err() {
             let _ = self.remove_container(&spec.id).await;
-            remove_dir(dir).await;
+            records::remove_dir(dir).await;
         }
         outcome
     }
@@ -403,7 +404,7 @@ impl Provider for DockerProvider {
                 let _ = tokio::task::spawn_blocking(move || dir.mark_deleting()).await;
             }
             self.remove_container(id).await?;
-            remove_dir(&dir).await;
+            records::remove_dir(&dir).await;
             if dir.root.exists() {
                 return Err(ProviderError::Backend(format!("sandbox `{id}`: cannot remove `{}`", dir.root.display())));
             }
@@ -567,20 +568,9 @@ fn placeholder(id: &str, image: &str) -> SandboxSpec {
     }
 }
 
-/// A sandbox id names a container and a directory: letters, digits, `-`, `_`, `.`; not starting
-/// with `.`.
+/// A sandbox id names a container and a directory.
 fn check_id(id: &str) -> Result<(), ProviderError> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && !id.starts_with('.')
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(ProviderError::Unsupported(format!(
-            "sandbox id `{id}` cannot name a container: use letters, digits, `-`, `_` and `.`"
-        )))
-    }
+    records::check_id(id, "a container")
 }
 
 /// The engine's own words for a failure.
@@ -606,18 +596,4 @@ fn chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
-}
-
-/// Removes a host directory, retrying briefly while a killed container's mounts are released.
-async fn remove_dir(dir: &HostDir) {
-    for attempt in 0..20 {
-        let d = dir.clone();
-        match tokio::task::spawn_blocking(move || d.remove()).await {
-            Ok(Ok(())) => return,
-            Ok(Err(err)) if attempt == 19 => {
-                tracing::warn!(%err, path = %dir.root.display(), "cannot remove a sandbox directory")
-            }
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
 }

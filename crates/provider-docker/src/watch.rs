@@ -213,7 +213,7 @@ pub async fn last_words(docker: &Docker, name: &str, exit_code: Option<i64>) -> 
         text
     };
     let text = tokio::time::timeout(LOGS_TIMEOUT, collect).await.ok()?;
-    container::last_paragraph(&strip_ansi(&text))
+    sandman_provider::records::last_paragraph(&strip_ansi(&text))
 }
 
 /// The daemon's log lines without terminal colours.

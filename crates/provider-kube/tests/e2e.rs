@@ -92,17 +92,6 @@ fn unique() -> String {
     format!("{:08x}", h.finish() as u32)
 }
 
-/// The daemon built beside this test, or `$SANDMAN_DAEMON`.
-fn daemon_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDMAN_DAEMON").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(Path::parent).map(|d| d.join("sandmand")).unwrap();
-    assert!(bin.is_file(), "no daemon at {}: build it first: cargo build -p sandmand", bin.display());
-    bin
-}
-
 /// A namespace of its own, the fake node running its pods, torn down on drop.
 struct World {
     kubeconfig: PathBuf,
@@ -139,7 +128,7 @@ impl World {
             .args(["--scheduler-name", SCHEDULER, "--first-ip", first_ip])
             .args(["--fail-image", "e2e-missing", "--oom-image", "e2e-oom"])
             .arg("--daemon")
-            .arg(daemon_bin())
+            .arg(sandman_testkit::daemon_beside_tests())
             .arg("--state-dir")
             .arg(state.path())
             .stdout(Stdio::piped())

@@ -8,6 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use sandman_provider::ProviderError;
+use sandman_wire::cgroup::{parse_cpu_max, parse_max, swap_total};
 use serde::{Deserialize, Serialize};
 
 use crate::sys;
@@ -350,26 +351,6 @@ fn read_u64(dir: &Path, file: &str) -> Option<u64> {
     read(dir, file)?.parse().ok()
 }
 
-/// `max` or a number.
-fn parse_max(v: &str) -> Option<u64> {
-    if v == "max" { None } else { v.parse().ok() }
-}
-
-/// `cpu.max` is `QUOTA PERIOD` or `max PERIOD`.
-fn parse_cpu_max(v: &str) -> Option<f64> {
-    let mut it = v.split_whitespace();
-    let quota: f64 = it.next()?.parse().ok()?;
-    let period: f64 = it.next()?.parse().ok()?;
-    (period > 0.0).then(|| quota / period)
-}
-
-/// `SwapTotal` of `/proc/meminfo`, in bytes.
-pub fn swap_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find_map(|l| l.strip_prefix("SwapTotal:"))?;
-    let kib: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// The host's `SwapTotal`, read now (swap can be turned on at any time).
 pub fn host_swap() -> Option<u64> {
     swap_total(&std::fs::read_to_string("/proc/meminfo").ok()?)
@@ -490,12 +471,5 @@ mod tests {
         let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         assert!(write(root.path(), "pids.max", "5").is_err());
         assert!(!root.path().join("pids.max").exists());
-    }
-
-    #[test]
-    fn swap_total_is_read_in_bytes() {
-        assert_eq!(swap_total("MemTotal: 1 kB\nSwapTotal:    2048 kB\n"), Some(2 << 20));
-        assert_eq!(swap_total("SwapTotal:       0 kB\n"), Some(0));
-        assert_eq!(swap_total(""), None);
     }
 }

@@ -1,27 +1,36 @@
 //! A sandbox's directory under `<state_dir>/sandboxes/<id>/`: the state of record (`record.json`,
 //! `ids`, `cgroups.json`, `daemon.pid`, `ended.json`), the daemon's token, socket, log and the
 //! commands' environment, and the sandbox's `work/`, `tmp/` and `root/` (where its root is
-//! assembled). Everything here is blocking file I/O; callers run it off the async threads.
+//! assembled). The records every provider keeps alike (`ended.json`, the `deleting` marker) are
+//! [`RecordDir`]'s. Everything here is blocking file I/O; callers run it off the async threads.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{self, Read, Seek, SeekFrom};
+use std::ops::Deref;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use sandman_provider::{Ended, SandboxSpec};
+use sandman_provider::SandboxSpec;
+use sandman_provider::records::{RecordDir, last_paragraph, write_atomic};
 
 use crate::cgroup::Dirs;
 use crate::procs::ProcId;
 
 /// The paths of one sandbox.
 #[derive(Debug, Clone)]
-pub struct SandboxDir {
-    pub root: PathBuf,
+pub struct SandboxDir(RecordDir);
+
+impl Deref for SandboxDir {
+    type Target = RecordDir;
+
+    fn deref(&self) -> &RecordDir {
+        &self.0
+    }
 }
 
 impl SandboxDir {
     pub fn new(sandboxes: &Path, id: &str) -> Self {
-        SandboxDir { root: sandboxes.join(id) }
+        SandboxDir(RecordDir::new(sandboxes, id))
     }
 
     /// The whole `SandboxSpec`, token included (0600).
@@ -75,16 +84,6 @@ impl SandboxDir {
     /// The code in [`SandboxDir::exit_file`], when the daemon wrote one.
     pub fn exit_code(&self) -> Option<i32> {
         std::fs::read_to_string(self.exit_file()).ok()?.trim().parse().ok()
-    }
-    /// How the daemon ended, written by the watcher that saw it die (before it reports the event),
-    /// so that every later `list` agrees with the event, across restarts too.
-    pub fn ended(&self) -> PathBuf {
-        self.root.join("ended.json")
-    }
-    /// Present while a delete runs: a watcher in another provider instance that sees the daemon
-    /// die then knows the death was asked for.
-    pub fn deleting(&self) -> PathBuf {
-        self.root.join("deleting")
     }
 
     /// Makes the directory (which must not exist) with `work/`, `tmp/` and `root/`, writes the
@@ -143,15 +142,6 @@ impl SandboxDir {
         ProcId::parse(&std::fs::read_to_string(self.pid_file()).ok()?)
     }
 
-    pub fn write_ended(&self, ended: &Ended) -> io::Result<()> {
-        let bytes = serde_json::to_vec(ended).map_err(io::Error::other)?;
-        write_atomic(&self.ended(), &bytes, 0o600)
-    }
-
-    pub fn read_ended(&self) -> Option<Ended> {
-        serde_json::from_slice(&std::fs::read(self.ended()).ok()?).ok()
-    }
-
     /// The daemon's last words: the last unindented line of its log with the indented lines
     /// after it (`error: …` then `  caused by: …`), on one line.
     pub fn last_words(&self) -> Option<String> {
@@ -162,18 +152,6 @@ impl SandboxDir {
         let mut buf = Vec::new();
         f.read_to_end(&mut buf).ok()?;
         last_paragraph(&String::from_utf8_lossy(&buf))
-    }
-
-    /// Removes the directory; a sandbox's files that lost their write bits are made removable.
-    pub fn remove(&self) -> io::Result<()> {
-        match std::fs::remove_dir_all(&self.root) {
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
-                make_writable(&self.root);
-                std::fs::remove_dir_all(&self.root)
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            other => other,
-        }
     }
 }
 
@@ -190,65 +168,9 @@ pub struct Extra {
 /// starts on a state directory with sandboxes in it.
 pub fn taken_slots(sandboxes: &Path) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir(sandboxes) else { return Vec::new() };
-    entries.flatten().filter_map(|e| SandboxDir { root: e.path() }.read_ids()).filter_map(crate::ids::slot_of).collect()
-}
-
-fn last_paragraph(text: &str) -> Option<String> {
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let start = lines.iter().rposition(|l| !l.starts_with(char::is_whitespace)).unwrap_or(0);
-    let joined = lines.get(start..)?.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ");
-    if joined.is_empty() {
-        return None;
-    }
-    // A runaway line must not make an event huge.
-    Some(joined.chars().take(500).collect())
-}
-
-/// Writes `path` whole or not at all: a temporary file beside it, synced, then renamed over it.
-/// Never creates the directory, so a write racing a delete cannot bring the sandbox back.
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
-    let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
-    // A temporary file left by a crash keeps its old mode; the mode matters (the token).
-    f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
-}
-
-fn make_writable(dir: &Path) {
-    let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                make_writable(&entry.path());
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn last_words_join_an_error_with_its_causes() {
-        let log = "2026 INFO serving\nerror: cannot listen on `x`\n  caused by: Address in use\n\n";
-        assert_eq!(last_paragraph(log).as_deref(), Some("error: cannot listen on `x` caused by: Address in use"));
-        assert_eq!(last_paragraph("one\ntwo\n").as_deref(), Some("two"));
-        assert_eq!(last_paragraph("\n \n"), None);
-    }
-
-    #[test]
-    fn atomic_writes_set_the_mode_and_never_make_the_directory() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let path = dir.path().join("token");
-        write_atomic(&path, b"secret", 0o600).unwrap_or_else(|e| panic!("{e}"));
-        let meta = std::fs::metadata(&path).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
-        assert_eq!(std::fs::read(&path).ok().as_deref(), Some(&b"secret"[..]));
-        assert!(write_atomic(&dir.path().join("gone/token"), b"x", 0o600).is_err());
-        assert!(!dir.path().join("gone").exists());
-    }
+    entries
+        .flatten()
+        .filter_map(|e| SandboxDir(RecordDir { root: e.path() }).read_ids())
+        .filter_map(crate::ids::slot_of)
+        .collect()
 }

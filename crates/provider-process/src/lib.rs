@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use sandman_provider::records;
 use sandman_provider::{
     Creating, EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
 };
@@ -500,7 +501,7 @@ impl ProcessProvider {
                 .await
                 .map_err(|e| ProviderError::io(format!("cannot remove the cgroups of `{}`", dir.root.display()), e))?;
         }
-        remove_dir(dir).await;
+        records::remove_dir(dir).await;
         if let Some(slot) = ids.and_then(ids::slot_of) {
             self.lock_slots().free(slot);
         }
@@ -607,7 +608,7 @@ impl Provider for ProcessProvider {
                 )));
             }
             Err(e) => {
-                remove_dir(&dir).await;
+                records::remove_dir(&dir).await;
                 return Err(exhausted(&e)
                     .unwrap_or_else(|| ProviderError::io(format!("cannot prepare `{}`", dir.root.display()), e)));
             }
@@ -616,7 +617,7 @@ impl Provider for ProcessProvider {
         if let Some(c) = &cgroups
             && let Err(e) = make_cgroups(c).await
         {
-            remove_dir(&dir).await;
+            records::remove_dir(&dir).await;
             return Err(e);
         }
         if let Err(e) = self.start(spec, &dir, plan, log).await {
@@ -625,7 +626,7 @@ impl Provider for ProcessProvider {
             {
                 tracing::warn!(sandbox = %spec.id, %err, "cannot remove the cgroups of a sandbox whose daemon did not start");
             }
-            remove_dir(&dir).await;
+            records::remove_dir(&dir).await;
             return Err(e);
         }
         if let Some(slot) = slot {
@@ -656,7 +657,7 @@ impl Provider for ProcessProvider {
                 if !dir.root.is_dir() {
                     return None;
                 }
-                let _ = std::fs::write(dir.deleting(), b"");
+                dir.mark_deleting();
                 Some((dir.read_pid(), dir.read_cgroups(), dir.read_ids()))
             })
             .await
@@ -695,7 +696,7 @@ impl Provider for ProcessProvider {
         {
             return Err(ProviderError::io(format!("sandbox `{id}`: cannot remove its cgroups"), e));
         }
-        remove_dir(&dir).await;
+        records::remove_dir(&dir).await;
         if dir.root.exists() {
             return Err(ProviderError::Backend(format!("sandbox `{id}`: cannot remove `{}`", dir.root.display())));
         }
@@ -1008,19 +1009,9 @@ fn check_isolation(config: &ProcessConfig) -> Result<(), String> {
     Err(words.collect::<Vec<_>>().join(" ").trim_start_matches("error: ").to_string())
 }
 
-/// A sandbox id names a directory: letters, digits, `-`, `_`, `.`; not starting with `.`.
+/// A sandbox id names a directory.
 fn check_id(id: &str) -> Result<(), ProviderError> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && !id.starts_with('.')
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(ProviderError::Unsupported(format!(
-            "sandbox id `{id}` cannot name a directory: use letters, digits, `-`, `_` and `.`"
-        )))
-    }
+    records::check_id(id, "a directory")
 }
 
 /// A cpu quantity in cores, within what a CFS quota can hold.
@@ -1042,21 +1033,6 @@ fn bytes_of(what: &str, q: Option<&Quantity>) -> Result<Option<u64>, ProviderErr
         return Err(ProviderError::Unsupported(format!("resources.{what} must be at least one byte")));
     }
     Ok(Some(v.round() as u64))
-}
-
-/// Removes a sandbox directory, retrying briefly: the processes of a killed sandbox may still be
-/// writing into it for a moment while they die.
-async fn remove_dir(dir: &SandboxDir) {
-    for attempt in 0..20 {
-        let d = dir.clone();
-        match tokio::task::spawn_blocking(move || d.remove()).await {
-            Ok(Ok(())) => return,
-            Ok(Err(err)) if attempt == 19 => {
-                tracing::warn!(%err, path = %dir.root.display(), "cannot remove a sandbox directory")
-            }
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
 }
 
 fn flatten<T>(r: Result<std::io::Result<T>, tokio::task::JoinError>) -> std::io::Result<T> {
@@ -1101,14 +1077,6 @@ mod tests {
         let e = exhausted(&std::io::Error::from_raw_os_error(libc::EAGAIN)).map(|e| e.to_string());
         assert!(e.unwrap_or_default().contains("kernel.pid_max"));
         assert!(exhausted(&std::io::Error::from_raw_os_error(libc::ENOENT)).is_none());
-    }
-
-    #[test]
-    fn ids_are_single_path_components() {
-        assert!(check_id("sb-42_x.1").is_ok());
-        for bad in ["", ".", "..", "../x", "a/b", ".hidden", "a b"] {
-            assert!(check_id(bad).is_err(), "{bad}");
-        }
     }
 
     #[test]

@@ -98,7 +98,7 @@ impl Watch {
     /// Whether the death was a delete: ours, or another provider instance's (its marker file, or
     /// the record already removed).
     fn asked_for(&self) -> bool {
-        self.deleting.load(Ordering::SeqCst) || self.dir.deleting().exists() || !self.dir.record().exists()
+        self.deleting.load(Ordering::SeqCst) || self.dir.being_deleted() || !self.dir.record().exists()
     }
 }
 

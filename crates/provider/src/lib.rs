@@ -1,7 +1,8 @@
 //! The provider seam: [`Provider`] is what a sandbox backend implements (create, delete, list,
 //! observe); [`SandboxSpec`] is what the server asks for and what the backend keeps as the state
 //! of record, so that a restarted server finds every sandbox again. [`fake::FakeProvider`] lives
-//! beside it, and [`conformance`] checks any provider against the same expectations.
+//! beside it, and [`conformance`] checks any provider against the same expectations; [`records`]
+//! is how providers keep a sandbox's records in the server's state directory.
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
@@ -15,6 +16,7 @@ use tokio::sync::mpsc;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod fake;
+pub mod records;
 
 /// Everything a provider needs to make a sandbox, and everything the server needs back after a
 /// restart. Providers persist it whole (a file, labels and annotations) and return it from

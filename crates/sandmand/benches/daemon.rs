@@ -17,17 +17,13 @@ use common::{Body, Daemon, TOKEN};
 use serde_json::json;
 
 fn daemon_binary() -> (PathBuf, &'static str) {
-    if let Some(p) = std::env::var_os("SANDMAND_STATIC") {
-        return (PathBuf::from(p), "static (SANDMAND_STATIC)");
+    match sandman_testkit::static_daemon_built() {
+        Some(p) if std::env::var_os("SANDMAND_STATIC").is_some_and(|v| !v.is_empty()) => {
+            (p, "static (SANDMAND_STATIC)")
+        }
+        Some(p) => (p, "static (scripts/build-daemon)"),
+        None => (common::daemon_bin(), "bench profile, dynamic (run ./scripts/build-daemon for the shipped build)"),
     }
-    let static_build = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../target/static/x86_64-unknown-linux-gnu/daemon/sandmand"
-    ));
-    if static_build.exists() {
-        return (static_build, "static (scripts/build-daemon)");
-    }
-    (common::daemon_bin(), "bench profile, dynamic (run ./scripts/build-daemon for the shipped build)")
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -39,16 +35,7 @@ fn us(d: Duration) -> f64 {
 }
 
 fn rss_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
+    (sandman_testkit::status_kib(pid, "VmRSS:"), sandman_testkit::status_kib(pid, "VmHWM:"))
 }
 
 fn main() {

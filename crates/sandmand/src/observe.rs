@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::State;
+use sandman_wire::cgroup::{parse_cpu_max, parse_max, swap_total};
 use sandman_wire::daemon::Observed;
 
 use crate::state::Daemon;
@@ -167,36 +168,12 @@ impl Cgroup {
     }
 }
 
-/// `SwapTotal` of `/proc/meminfo`, in bytes.
-fn swap_total(meminfo: &str) -> Option<u64> {
-    let kib: u64 =
-        meminfo.lines().find_map(|l| l.strip_prefix("SwapTotal:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// `max` or a number.
-fn parse_max(v: &str) -> Option<u64> {
-    if v == "max" { None } else { v.parse().ok() }
-}
-
-/// `cpu.max` is `QUOTA PERIOD` or `max PERIOD`.
-fn parse_cpu_max(v: &str) -> Option<f64> {
-    let mut it = v.split_whitespace();
-    let quota: f64 = it.next()?.parse().ok()?;
-    let period: f64 = it.next()?.parse().ok()?;
-    (period > 0.0).then(|| quota / period)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn parses_the_kernel_files() {
-        assert_eq!(parse_cpu_max("150000 100000"), Some(1.5));
-        assert_eq!(parse_cpu_max("max 100000"), None);
-        assert_eq!(parse_max("max"), None);
-        assert_eq!(parse_max("512"), Some(512));
         let dev = "Inter-|   Receive\n face |bytes\n    lo: 1 2 3\n  eth0: 4 5 6\n";
         assert_eq!(interfaces(dev), ["eth0", "lo"]);
         assert_eq!(cpu_model("processor : 0\nmodel name\t: Some CPU @ 2GHz\n"), "Some CPU @ 2GHz");
@@ -260,9 +237,6 @@ mod tests {
         assert_eq!(cg.swap_limit(Some(0)), Some(0));
         assert_eq!(cg.swap_limit(Some(4 << 30)), None);
         assert_eq!(cg.swap_limit(None), None);
-        assert_eq!(swap_total("MemTotal: 100 kB\nSwapTotal:       2048 kB\n"), Some(2 << 20));
-        assert_eq!(swap_total("SwapTotal:              0 kB\n"), Some(0));
-        assert_eq!(swap_total("MemTotal: 100 kB\n"), None);
     }
 
     #[test]

@@ -5,31 +5,13 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::{Body, Daemon, TOKEN};
 use serde_json::json;
-
-/// The shipped static daemon, built by `./scripts/build-daemon` (which `scripts/test` runs first).
-fn static_daemon() -> PathBuf {
-    let path = std::env::var_os("SANDMAND_STATIC").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../target/static/x86_64-unknown-linux-gnu/daemon/sandmand"
-        ))
-    });
-    assert!(
-        path.exists(),
-        "no static daemon at {}: run ./scripts/build-daemon first (scripts/test does)",
-        path.display()
-    );
-    path
-}
 
 #[tokio::test]
 async fn runs_in_an_empty_root_with_nothing_but_itself() {
     let root = tempfile::tempdir_in(common::scratch()).unwrap();
-    std::fs::copy(static_daemon(), root.path().join("sandmand")).unwrap();
+    std::fs::copy(sandman_testkit::static_daemon(), root.path().join("sandmand")).unwrap();
     std::fs::create_dir(root.path().join("run")).unwrap();
     // chroot(8) with the daemon's own paths inside the new root; the socket shows up on the host
     // under the root directory.

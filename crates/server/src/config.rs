@@ -104,15 +104,3 @@ impl ServeArgs {
         Duration::from_secs(self.ready_timeout_s)
     }
 }
-
-/// `$SANDMAN_STATE_DIR`, else `$XDG_STATE_HOME/sandman`, else `~/.local/state/sandman`.
-pub fn default_state_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("SANDMAN_STATE_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("sandman");
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root"));
-    home.join(".local/state/sandman")
-}

@@ -26,9 +26,10 @@ pub mod ui;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use config::{ServeArgs, default_state_dir};
+pub use config::ServeArgs;
 use sandman_provider_docker::{DockerConfig, DockerProvider};
 use sandman_provider_process::{Isolation, ProcessConfig, ProcessProvider};
+pub use sandman_wire::state_dir::default_state_dir;
 
 use crate::api::Limits;
 use crate::provider::AnyProvider;

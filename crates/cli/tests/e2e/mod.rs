@@ -1,16 +1,20 @@
 //! End-to-end harness: runs the real `sandman serve` (process provider, real `sandmand`) in a
-//! temporary state directory and talks plain HTTP to it.
-#![allow(dead_code, clippy::unwrap_used)]
+//! temporary state directory, through the shared harness (`sandman_testkit`, which captures its
+//! log and prints it when a test fails), and talks plain HTTP to it.
+#![allow(dead_code, unused_imports, clippy::unwrap_used)]
 
 pub mod docker;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::Frame;
+use http_body_util::BodyExt;
+use sandman_testkit::Spawned;
+pub use sandman_testkit::eventually_async as eventually;
+pub use sandman_testkit::http::Body;
+use sandman_testkit::http::Conn;
 use serde_json::{Value, json};
 
 pub const TOKEN: &str = "e2e-token-0123456789abcdef";
@@ -19,13 +23,15 @@ pub fn sandman_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sandman"))
 }
 
+/// How long a server may take to say where it listens.
+const LISTENING_WITHIN: Duration = Duration::from_secs(60);
+
 pub struct Server {
-    pub child: Option<Child>,
+    /// Killed when dropped (or by [`Server::kill9`]); its log is printed when the test fails.
+    pub process: Spawned,
     pub state: PathBuf,
     pub url: String,
     pub addr: String,
-    /// The server's log lines (warnings and errors), as they come.
-    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -57,60 +63,31 @@ impl Server {
         for k in remove {
             cmd.env_remove(k);
         }
-        let mut child = cmd
-            .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
             .arg(state)
             .args(extra)
             .env("SANDMAN_TOKEN", TOKEN)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let kept = log.clone();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            let mut sent = false;
-            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-                if !sent && let Some(rest) = line.split("serving on http://").nth(1) {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
-                    sent = true;
-                } else if std::env::var_os("SANDMAN_E2E_LOG").is_some() {
-                    eprintln!("server: {line}");
-                }
-                let mut kept = kept.lock().unwrap();
-                if kept.len() < 10_000 {
-                    kept.push(line);
-                }
-            }
+            .env("RUST_LOG", "warn");
+        let mut process = Spawned::spawn("sandman-serve", &mut cmd, &scratch());
+        let addr = process.wait_for_line(LISTENING_WITHIN, |line| {
+            line.split("serving on http://")
+                .nth(1)
+                .map(|rest| rest.split_whitespace().next().unwrap_or_default().to_string())
         });
-        let addr = rx.recv_timeout(Duration::from_secs(60)).expect("the server did not say where it listens");
-        Server { child: Some(child), state: state.to_path_buf(), url: format!("http://{addr}"), addr, log, _dir: None }
+        Server { process, state: state.to_path_buf(), url: format!("http://{addr}"), addr, _dir: None }
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().unwrap().id()
+        self.process.id()
     }
 
     /// SIGKILL, as a crash would.
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.process.kill();
     }
 
     pub fn rss_kib(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
-        status
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
+        sandman_testkit::rss_kib(self.pid())
     }
 
     pub fn client(&self) -> Http {
@@ -127,6 +104,10 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.kill9();
+        if std::thread::panicking() {
+            // The sandboxes' daemons' logs; the server's own is printed as `process` drops.
+            sandman_testkit::print_logs_under(&self.state);
+        }
         // Sandboxes outlive a server on purpose; the tests end theirs.
         if let Ok(out) = Command::new("pkill").arg("-KILL").arg("-f").arg(self.state.display().to_string()).output() {
             let _ = out;
@@ -165,36 +146,10 @@ impl Resp {
     }
 }
 
-pub enum Body {
-    Empty,
-    Json(Value),
-    Stream(Box<dyn Iterator<Item = Bytes> + Send>),
-}
-
 impl Http {
     pub async fn send(&self, method: &str, path: &str, body: Body) -> hyper::Response<hyper::body::Incoming> {
-        let stream = tokio::net::TcpStream::connect(&self.addr).await.unwrap();
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let mut req = hyper::Request::builder().method(method).uri(path).header("host", "sandman");
-        if let Some(t) = &self.token {
-            req = req.header("authorization", format!("Bearer {t}"));
-        }
-        let body = match body {
-            Body::Empty => Full::new(Bytes::new()).map_err(|e| match e {}).boxed_unsync(),
-            Body::Json(v) => {
-                req = req.header("content-type", "application/json");
-                Full::new(Bytes::from(serde_json::to_vec(&v).unwrap())).map_err(|e| match e {}).boxed_unsync()
-            }
-            Body::Stream(it) => {
-                let s = futures_util::stream::iter(it.map(|b| Ok::<_, std::io::Error>(Frame::data(b))));
-                StreamBody::new(s).boxed_unsync()
-            }
-        };
-        sender.send_request(req.body(body).unwrap()).await.unwrap()
+        let mut conn = Conn::tcp(&self.addr, "sandman").await;
+        conn.send(method, path, self.token.as_deref(), body).await.unwrap()
     }
 
     pub async fn call(&self, method: &str, path: &str, body: Body) -> Resp {
@@ -227,44 +182,16 @@ impl Http {
 
 /// Processes whose command line mentions `needle`.
 pub fn processes_mentioning(needle: &str) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        if pid == me {
-            continue;
-        }
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmd).contains(needle) {
-            out.push(pid);
-        }
-    }
-    out
-}
-
-pub async fn eventually(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    f().await
+    sandman_testkit::processes_mentioning(needle).into_iter().map(|(pid, _)| pid).collect()
 }
 
 pub fn host() -> Value {
     json!({"image": "host"})
 }
 
-/// Scratch space for tests, outside `/tmp`: an isolated sandbox gets a `/tmp` of its own, which
-/// would hide anything the test keeps under the host's `/tmp` (as the target directory is when
-/// the checkout itself is under `/tmp`).
+/// Scratch space for tests, outside `/tmp` (see `sandman_testkit::scratch!`).
 pub fn scratch() -> PathBuf {
-    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let base = if target.starts_with("/tmp") { PathBuf::from("/var/tmp/sandman-tests") } else { target };
-    std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
-    base
+    sandman_testkit::scratch!()
 }
 
 /// Runs the `sandman` CLI against `server`, answering (exit code, stdout, stderr).

@@ -3,44 +3,22 @@
 #![allow(unused_imports, dead_code, clippy::unwrap_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 pub use sandman_provider::conformance::daemon::{Resp, call, call_raw, check_daemon, exec, socket_of, wait_healthy};
 use sandman_provider::{Endpoint, Provider, ProviderError, SandboxSpec};
 use sandman_provider_process::{Isolation, ProcessConfig, ProcessProvider};
+pub use sandman_testkit::{eventually, is_root, processes_mentioning, require_root};
 use serde_json::Value;
 
-/// The daemon built beside this test (`target/<profile>/sandmand`; tests run from
-/// `target/<profile>/deps/`), or `$SANDMAN_DAEMON`.
+/// The daemon built beside this test, or `$SANDMAN_DAEMON`.
 pub fn daemon_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("SANDMAN_DAEMON").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(Path::parent).map(|d| d.join("sandmand")).unwrap();
-    assert!(bin.is_file(), "no daemon at {}: build it first: cargo build -p sandmand", bin.display());
-    bin
-}
-
-pub fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|ids| ids.split_whitespace().nth(1).map(|euid| euid == "0"))
-        .unwrap()
-}
-
-pub fn require_root() {
-    assert!(is_root(), "this test needs root for namespaces (CI and scripts/test run as root)");
+    sandman_testkit::daemon_beside_tests()
 }
 
 /// A state directory under the target's temporary directory: not under /tmp, which an isolated
-/// sandbox replaces, and short enough for socket paths.
-pub fn state_dir() -> tempfile::TempDir {
-    let base = scratch();
-    std::fs::create_dir_all(&base).unwrap();
-    tempfile::Builder::new().prefix("pp").tempdir_in(base).unwrap()
+/// sandbox replaces, and short enough for socket paths. A failing test prints its daemons' logs.
+pub fn state_dir() -> sandman_testkit::LoggedDir {
+    sandman_testkit::LoggedDir::new_in(&scratch(), "pp")
 }
 
 pub fn provider(state: &Path, isolation: Isolation) -> ProcessProvider {
@@ -59,40 +37,9 @@ pub fn dir_of(endpoint: &Endpoint) -> PathBuf {
     socket_of(endpoint).parent().unwrap().to_path_buf()
 }
 
-/// Every process whose command line mentions `needle`.
-pub fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
-        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-        if cmdline.contains(needle) {
-            found.push((pid, cmdline));
-        }
-    }
-    found
-}
-
-/// Polls `f` every 20 ms until it is true or `limit` passes.
-pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    f()
-}
-
-/// Scratch space for tests, outside `/tmp`: an isolated sandbox gets a `/tmp` of its own, which
-/// would hide anything the test keeps under the host's `/tmp` (as the target directory is when
-/// the checkout itself is under `/tmp`).
+/// Scratch space for tests, outside `/tmp` (see `sandman_testkit::scratch!`).
 pub fn scratch() -> PathBuf {
-    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let base = if target.starts_with("/tmp") { PathBuf::from("/var/tmp/sandman-tests") } else { target };
-    std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
-    base
+    sandman_testkit::scratch!()
 }
 
 /// Creates the sandbox and waits for its daemon.

@@ -1,28 +1,32 @@
-//! Test harness: starts the real `sandmand` binary on a Unix socket in a temporary directory and
-//! talks HTTP/1.1 to it with hyper.
-#![allow(dead_code, clippy::unwrap_used)]
+//! Test harness: starts the real `sandmand` binary on a Unix socket in a temporary directory
+//! (through the shared harness, `sandman_testkit`, which captures its log) and talks HTTP/1.1 to
+//! it with hyper.
+#![allow(unused_imports, dead_code, clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::Frame;
-use hyper::client::conn::http1;
-use hyper::{Request, StatusCode};
-use hyper_util::rt::TokioIo;
+use http_body_util::BodyExt;
+use hyper::StatusCode;
+pub use sandman_testkit::http::Body;
+use sandman_testkit::{Addr, Spawned, http};
+pub use sandman_testkit::{alive, eventually};
 use serde_json::Value;
-use tokio::net::UnixStream;
 
 pub const TOKEN: &str = "test-token-0123456789";
+
+/// How long a daemon may take to answer its health check.
+const READY_WITHIN: Duration = Duration::from_secs(20);
 
 pub fn daemon_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sandmand"))
 }
 
 pub struct Daemon {
-    pub child: Child,
+    /// Killed when dropped; its log is printed when the test fails.
+    pub process: Spawned,
     pub socket: PathBuf,
     pub dir: tempfile::TempDir,
 }
@@ -66,56 +70,35 @@ impl Daemon {
         };
         args.extend(["--listen".to_string(), listen]);
         args.extend(extra.iter().map(|s| s.to_string()));
-        let child = Command::new(program)
-            .args(&args)
-            .env("SANDMAN_TOKEN", TOKEN)
-            .env("SANDMAN_TEST_SECRET", "must-not-leak")
-            .current_dir(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let d = Daemon { child, socket, dir };
+        let mut cmd = Command::new(program);
+        cmd.args(&args).env("SANDMAN_TOKEN", TOKEN).env("SANDMAN_TEST_SECRET", "must-not-leak").current_dir(dir.path());
+        let process = Spawned::spawn("sandmand", &mut cmd, &scratch());
+        let mut d = Daemon { process, socket, dir };
         d.wait_ready().await;
         d
     }
 
-    async fn wait_ready(&self) {
-        for _ in 0..500 {
-            if UnixStream::connect(&self.socket).await.is_err() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
-            if let Ok(r) = self.call("GET", "/v1/health", None, Body::Empty).await
-                && r.status == StatusCode::OK
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("daemon did not become healthy on {}", self.socket.display());
+    async fn wait_ready(&mut self) {
+        self.process.wait_healthy(Addr::Unix(&self.socket), "/v1/health", READY_WITHIN).await;
     }
 
     /// Starts `daemon` (a path inside `root`) under chroot(8) in `root`, listening on `socket`
     /// (also a path inside `root`).
     pub async fn start_chrooted(root: &Path, daemon: &str, socket: &str) -> Daemon {
-        let child = Command::new("/usr/sbin/chroot")
-            .arg(root)
+        let mut cmd = Command::new("/usr/sbin/chroot");
+        cmd.arg(root)
             .args([daemon, "--listen", &format!("unix:{socket}"), "--workdir", "/"])
             .env_clear()
-            .env("SANDMAN_TOKEN", TOKEN)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+            .env("SANDMAN_TOKEN", TOKEN);
+        let process = Spawned::spawn("sandmand", &mut cmd, &scratch());
         let dir = tempfile::tempdir().unwrap();
-        let d = Daemon { child, socket: root.join(socket.trim_start_matches('/')), dir };
+        let mut d = Daemon { process, socket: root.join(socket.trim_start_matches('/')), dir };
         d.wait_ready().await;
         d
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.id()
     }
 
     pub fn dir(&self) -> &Path {
@@ -149,96 +132,36 @@ impl Daemon {
 
     /// Waits for the daemon process to exit, up to `limit`.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let start = std::time::Instant::now();
-        while start.elapsed() < limit {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
+        self.process.wait_exit(limit)
     }
 
+    /// What the daemon wrote to stderr so far.
     pub fn stderr_text(&mut self) -> String {
-        use std::io::Read;
-        let mut s = String::new();
-        if let Some(mut e) = self.child.stderr.take() {
-            let _ = e.read_to_string(&mut s);
-        }
-        s
+        self.process.log()
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// One connection to the daemon: the shared harness's (its `send`), whose answers
+/// [`Conn::call`] reads whole.
+pub struct Conn(http::Conn);
+
+impl std::ops::Deref for Conn {
+    type Target = http::Conn;
+
+    fn deref(&self) -> &http::Conn {
+        &self.0
     }
 }
 
-pub enum Body {
-    Empty,
-    Json(Value),
-    Bytes(Vec<u8>),
-    /// Raw bytes sent as `application/octet-stream`.
-    Octets(Vec<u8>),
-    /// Sent chunk by chunk, never whole.
-    Chunks(Box<dyn Iterator<Item = Bytes> + Send>),
-}
-
-impl Body {
-    /// These bytes, sent as `application/octet-stream`.
-    pub fn octet_stream(self) -> Body {
-        match self {
-            Body::Bytes(b) => Body::Octets(b),
-            other => other,
-        }
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut http::Conn {
+        &mut self.0
     }
-}
-
-pub struct Conn {
-    sender: http1::SendRequest<http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>>,
 }
 
 impl Conn {
     pub async fn open(socket: &Path) -> Conn {
-        let stream = UnixStream::connect(socket).await.unwrap();
-        let (sender, conn) = http1::handshake(TokioIo::new(stream)).await.unwrap();
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Conn { sender }
-    }
-
-    pub async fn send(
-        &mut self,
-        method: &str,
-        path: &str,
-        token: Option<&str>,
-        body: Body,
-    ) -> hyper::Result<hyper::Response<hyper::body::Incoming>> {
-        let mut req = Request::builder().method(method).uri(path).header("host", "sandbox");
-        if let Some(t) = token {
-            req = req.header("authorization", format!("Bearer {t}"));
-        }
-        let body = match body {
-            Body::Empty => Full::new(Bytes::new()).map_err(|e| match e {}).boxed_unsync(),
-            Body::Json(v) => {
-                req = req.header("content-type", "application/json");
-                Full::new(Bytes::from(serde_json::to_vec(&v).unwrap())).map_err(|e| match e {}).boxed_unsync()
-            }
-            Body::Bytes(b) => Full::new(Bytes::from(b)).map_err(|e| match e {}).boxed_unsync(),
-            Body::Octets(b) => {
-                req = req.header("content-type", "application/octet-stream");
-                Full::new(Bytes::from(b)).map_err(|e| match e {}).boxed_unsync()
-            }
-            Body::Chunks(it) => {
-                let stream = futures_util::stream::iter(it.map(|b| Ok::<_, std::io::Error>(Frame::data(b))));
-                StreamBody::new(stream).boxed_unsync()
-            }
-        };
-        self.sender.ready().await?;
-        self.sender.send_request(req.body(body).unwrap()).await
+        Conn(http::Conn::unix(socket, "sandbox").await)
     }
 
     pub async fn call(&mut self, method: &str, path: &str, token: Option<&str>, body: Body) -> hyper::Result<Resp> {
@@ -308,35 +231,7 @@ impl Events {
     }
 }
 
-/// Whether a process is alive (and not a zombie).
-pub fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("");
-            state != "Z" && state != "X"
-        }
-        Err(_) => false,
-    }
-}
-
-/// Polls `f` every 20 ms until it is true or `limit` passes.
-pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    f()
-}
-
-/// Scratch space for tests, outside `/tmp`: an isolated sandbox gets a `/tmp` of its own, which
-/// would hide anything the test keeps under the host's `/tmp` (as the target directory is when
-/// the checkout itself is under `/tmp`).
+/// Scratch space for tests, outside `/tmp` (see `sandman_testkit::scratch!`).
 pub fn scratch() -> PathBuf {
-    let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let base = if target.starts_with("/tmp") { PathBuf::from("/var/tmp/sandman-tests") } else { target };
-    std::fs::create_dir_all(&base).unwrap_or_else(|e| panic!("cannot make {}: {e}", base.display()));
-    base
+    sandman_testkit::scratch!()
 }
