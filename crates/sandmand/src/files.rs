@@ -414,7 +414,7 @@ fn temp_name(name: &OsStr) -> OsString {
     let kept = OsStr::from_bytes(&bytes[..bytes.len().min(TEMP_NAME_KEEP)]);
     let mut temp = OsString::from(".");
     temp.push(kept);
-    temp.push(".sandman-");
+    temp.push(sandman_wire::daemon::TEMP_MARK);
     temp.push(random_hex());
     temp
 }

@@ -249,6 +249,27 @@ impl Spawned {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Asks the process to stop with SIGTERM, as a supervisor would, and kills it when it has
+    /// not exited within `grace`: a daemon stopped this way takes its children with it, where
+    /// one killed outright leaves them running.
+    pub fn stop(&mut self, grace: Duration) {
+        // Only while it is not reaped: its pid is still its own (a zombie holds it).
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        let asked = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        if asked.is_ok_and(|s| s.success()) {
+            let deadline = Instant::now() + grace;
+            while Instant::now() < deadline {
+                if !matches!(self.child.try_wait(), Ok(None)) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        self.kill();
+    }
 }
 
 impl Drop for Spawned {

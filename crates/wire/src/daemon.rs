@@ -8,6 +8,19 @@ use serde::{Deserialize, Serialize};
 /// Default TCP port of the daemon.
 pub const DEFAULT_PORT: u16 = 7778;
 
+/// What marks the temporary file of a write in progress: the daemon writes `.{name}.sandman-{32
+/// hex digits}` beside the target and renames it over the target once written, so that nobody
+/// sees a file half-written. A listing taken meanwhile shows it; [`is_write_in_progress`] tells.
+pub const TEMP_MARK: &str = ".sandman-";
+
+/// Whether a file name is the temporary file of a write in progress (see [`TEMP_MARK`]).
+pub fn is_write_in_progress(name: &str) -> bool {
+    name.starts_with('.')
+        && name
+            .rsplit_once(TEMP_MARK)
+            .is_some_and(|(_, suffix)| suffix.len() == 32 && suffix.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// `GET /v1/health`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -589,6 +602,15 @@ pub struct ExtractResult {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_writes_temporary_file_is_told_from_other_names() {
+        assert!(super::is_write_in_progress(".new.txt.sandman-11b1a7542c3e6bc3c0083e1241c804e7"));
+        assert!(!super::is_write_in_progress("new.txt"));
+        assert!(!super::is_write_in_progress(".new.txt.sandman-notes"));
+        assert!(!super::is_write_in_progress("x.sandman-11b1a7542c3e6bc3c0083e1241c804e7"));
+    }
+
     use super::*;
 
     #[test]

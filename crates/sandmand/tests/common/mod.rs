@@ -25,10 +25,21 @@ pub fn daemon_bin() -> PathBuf {
 }
 
 pub struct Daemon {
-    /// Killed when dropped; its log is printed when the test fails.
+    /// Stopped when dropped (see [`Daemon`]'s `Drop`); its log is printed when the test fails.
     pub process: Spawned,
     pub socket: PathBuf,
     pub dir: tempfile::TempDir,
+}
+
+/// How long a dropped daemon gets to stop its children after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+impl Drop for Daemon {
+    /// Stops the daemon as a supervisor would, so that what it started (a web app, sleeps) goes
+    /// with it rather than outliving the test.
+    fn drop(&mut self) {
+        self.process.stop(STOP_GRACE);
+    }
 }
 
 impl Daemon {

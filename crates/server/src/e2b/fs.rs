@@ -213,7 +213,9 @@ fn permissions(kind: FileKind, mode: u32) -> String {
 
 async fn snapshot(sbx: &Sbx, path: &str, depth: u32) -> Result<Snapshot, RpcError> {
     let listing = listing(sbx, path, depth).await?;
-    Ok(listing.entries.into_iter().map(|e| (e.path, (e.kind, e.size, e.mtime_ms))).collect())
+    // A write in progress is not an event: its rename over the target is, at the next look.
+    let done = |path: &str| !sandman_wire::daemon::is_write_in_progress(path.rsplit('/').next().unwrap_or(path));
+    Ok(listing.entries.into_iter().filter(|e| done(&e.path)).map(|e| (e.path, (e.kind, e.size, e.mtime_ms))).collect())
 }
 
 /// The events between two listings of `root`, named relative to it.
