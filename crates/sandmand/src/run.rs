@@ -88,6 +88,7 @@ fn start_here(children: &Children, launch: &Launch, io: Io) -> DaemonResult<Star
                 env: &launch.env,
                 cwd: &launch.cwd,
                 stdio: [stdin_r.as_fd(), out_w.as_fd(), err_w],
+                reset_signals: launch.ignored_signals,
             };
             let (pid, exit) = children.spawn_with(|| sys::posix_spawn(&plan)).map_err(spawn_err)?;
             // Only the command holds its ends now: each pipe ends when the command (and whatever

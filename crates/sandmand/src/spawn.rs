@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::sys::{ChildSetup, Rlimits};
+use crate::sys::{ChildSetup, Rlimits, SignalSet};
 
 /// PATH used when neither the sandbox nor the request sets one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -26,10 +26,10 @@ pub struct Defaults {
     pub euid: u32,
     /// Resource limits set on every process started (`--rlimit-*`).
     pub rlimits: Rlimits,
-    /// The daemon ignores some signals (it was started from a background job): every child
+    /// The signals the daemon ignores (it was started from a background job, say): every child
     /// resets them to their defaults before it execs. Checked once: the daemon never ignores a
     /// signal itself.
-    pub reset_signals: bool,
+    pub ignored_signals: SignalSet,
 }
 
 impl Defaults {
@@ -45,7 +45,7 @@ impl Defaults {
             passwd: PathBuf::from("/etc/passwd"),
             euid: crate::sys::euid(),
             rlimits: Rlimits::default(),
-            reset_signals: !crate::sys::ignored_signals().is_empty(),
+            ignored_signals: crate::sys::ignored_signals(),
         }
     }
 }
@@ -67,7 +67,8 @@ pub struct Launch {
     pub cwd: PathBuf,
     pub user: Option<UserIds>,
     pub rlimits: Rlimits,
-    pub reset_signals: bool,
+    /// Signals the command starts with at their default action rather than ignored.
+    pub ignored_signals: SignalSet,
 }
 
 /// The parts of a request that say what to run and how.
@@ -138,7 +139,7 @@ impl Launch {
                 p
             }
         };
-        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits, reset_signals: defaults.reset_signals })
+        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits, ignored_signals: defaults.ignored_signals })
     }
 
     /// A `Command` in a new process group, with stdout and stderr piped and the given stdin.
@@ -147,7 +148,11 @@ impl Launch {
         cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
         crate::sys::set_child_setup_on_exec(
             &mut cmd,
-            ChildSetup { rlimits: self.rlimits, controlling_tty: false, reset_signals: self.reset_signals },
+            ChildSetup {
+                rlimits: self.rlimits,
+                controlling_tty: false,
+                reset_signals: !self.ignored_signals.is_empty(),
+            },
         );
         cmd
     }
@@ -159,7 +164,11 @@ impl Launch {
         cmd.stdin(slave.try_clone()?).stdout(slave.try_clone()?).stderr(slave.try_clone()?);
         crate::sys::set_child_setup_on_exec(
             &mut cmd,
-            ChildSetup { rlimits: self.rlimits, controlling_tty: true, reset_signals: self.reset_signals },
+            ChildSetup {
+                rlimits: self.rlimits,
+                controlling_tty: true,
+                reset_signals: !self.ignored_signals.is_empty(),
+            },
         );
         Ok(cmd)
     }
@@ -184,9 +193,9 @@ impl Launch {
     }
 
     /// Whether it can start with `posix_spawn` (no fork): nothing to do between fork and exec
-    /// that `posix_spawn` cannot (another user's ids, rlimits, signals to reset).
+    /// that `posix_spawn` cannot (another user's ids, rlimits). Signals to reset it can do.
     pub fn spawns_without_fork(&self) -> bool {
-        self.user.is_none() && self.rlimits.is_empty() && !self.reset_signals
+        self.user.is_none() && self.rlimits.is_empty()
     }
 }
 
@@ -278,7 +287,7 @@ mod tests {
             passwd,
             euid: 0,
             rlimits: Rlimits::default(),
-            reset_signals: false,
+            ignored_signals: SignalSet::default(),
         }
     }
 
@@ -324,6 +333,12 @@ mod tests {
         let as_user =
             LaunchRequest { argv: Some(vec!["true".into()]), user: Some("4242".into()), ..Default::default() };
         assert!(Launch::parse(&d, as_user).is_ok_and(|l| !l.spawns_without_fork()));
+        // Signals the daemon inherited ignored are reset by posix_spawn too (regression: a daemon
+        // started by a Rust program, the server, inherits one of glibc's signals ignored, and so
+        // forked for every exec).
+        let ignoring = Defaults { ignored_signals: SignalSet::default().with(2).with(32), ..d.clone() };
+        let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        assert!(Launch::parse(&ignoring, plain).is_ok_and(|l| l.spawns_without_fork()));
         let limited = Defaults { rlimits: Rlimits { file_size: Some(1), ..Rlimits::default() }, ..d };
         let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
         assert!(Launch::parse(&limited, plain).is_ok_and(|l| !l.spawns_without_fork()));

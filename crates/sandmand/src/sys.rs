@@ -441,10 +441,51 @@ pub struct ChildSetup {
     pub reset_signals: bool,
 }
 
+/// A set of signals (1 to 64), small enough to copy into every launch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SignalSet(u64);
+
+impl SignalSet {
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// This set and `sig` (outside 1 to 64: this set).
+    #[must_use]
+    pub fn with(self, sig: i32) -> SignalSet {
+        match sig {
+            1..=64 => SignalSet(self.0 | 1 << (sig - 1)),
+            _ => self,
+        }
+    }
+
+    pub fn contains(self, sig: i32) -> bool {
+        (1..=64).contains(&sig) && self.0 & (1 << (sig - 1)) != 0
+    }
+
+    pub fn iter(self) -> impl Iterator<Item = i32> {
+        (1..=64).filter(move |&sig| self.contains(sig))
+    }
+
+    #[must_use]
+    pub fn union(self, other: SignalSet) -> SignalSet {
+        SignalSet(self.0 | other.0)
+    }
+}
+
+/// The C library's own real-time signals, below `SIGRTMIN` (32 and 33 under glibc): no program
+/// sees them through `sigaction`, and glibc's `posix_spawn` leaves them ignored in every child
+/// unless told to set them to their default.
+fn reserved_signals() -> SignalSet {
+    (32..libc::SIGRTMIN()).fold(SignalSet::default(), SignalSet::with)
+}
+
 /// The signals this process ignores (SIG_IGN), which its children would inherit through exec:
-/// SIGPIPE aside, which the Rust runtime ignores in every program and std resets in every child.
-pub fn ignored_signals() -> Vec<i32> {
-    let mut out = Vec::new();
+/// SIGPIPE aside, which the Rust runtime ignores in every program and every start of a child
+/// resets. A daemon started by a Rust program (std's `Command` is glibc's `posix_spawn`) has one
+/// of glibc's own signals ignored ([`reserved_signals`]).
+pub fn ignored_signals() -> SignalSet {
+    let mut out = SignalSet::default();
     for sig in 1..65 {
         if sig == libc::SIGKILL || sig == libc::SIGSTOP || sig == libc::SIGPIPE {
             continue;
@@ -456,7 +497,7 @@ pub fn ignored_signals() -> Vec<i32> {
         let rc =
             unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, std::ptr::null::<u64>(), old.as_mut_ptr(), 8usize) };
         if rc == 0 && old[0] == libc::SIG_IGN as u64 {
-            out.push(sig);
+            out = out.with(sig);
         }
     }
     out
@@ -499,14 +540,19 @@ pub struct SpawnPlan<'a> {
     pub cwd: &'a Path,
     /// The child's stdin, stdout and stderr, each duplicated onto 0, 1 and 2.
     pub stdio: [BorrowedFd<'a>; 3],
+    /// Signals the child sets back to their default action (SIGPIPE always is): those the
+    /// daemon inherited ignored ([`ignored_signals`]).
+    pub reset_signals: SignalSet,
 }
 
 /// Starts a process with the C library's `posix_spawn`: a vfork-style start
 /// (`clone(CLONE_VM|CLONE_VFORK)`) that lends the child the daemon's memory until it execs,
 /// rather than a fork, which copies the daemon's page tables, then pays for copy-on-write faults
 /// and TLB shootdowns on every thread, and for tearing the copy down at the exec. The child gets a
-/// process group of its own, an empty signal mask, `stdio` as 0, 1 and 2 (every other descriptor
-/// of the daemon is close-on-exec), and `cwd`. Answers its pid once it has exec'd; a failed exec
+/// process group of its own, an empty signal mask, SIGPIPE, the C library's own signals and
+/// `reset_signals` at their default action (the daemon ignores SIGPIPE, as every Rust program
+/// does, and a command must not inherit that: `yes | head -1` would end in `Broken pipe` errors), `stdio` as 0, 1 and 2 (every other
+/// descriptor of the daemon is close-on-exec), and `cwd`. Answers its pid once it has exec'd; a failed exec
 /// is this call's error.
 pub fn posix_spawn(plan: &SpawnPlan<'_>) -> io::Result<i32> {
     let nul = |_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a command's argv, environment or cwd");
@@ -525,6 +571,8 @@ pub fn posix_spawn(plan: &SpawnPlan<'_>) -> io::Result<i32> {
     // and destroyed once, below, whatever happens between; every pointer passed is to a live
     // local (the CStrings and the NULL-terminated pointer arrays outlive the call), and
     // posix_spawn only reads them. The descriptors in `stdio` are borrowed, so open, for the call.
+    // A `sigset_t` is at least one aligned 64-bit word (128 bytes under glibc), so writing its
+    // first word stays inside the live local.
     unsafe {
         let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
         check(libc::posix_spawnattr_init(&mut attr))?;
@@ -535,10 +583,18 @@ pub fn posix_spawn(plan: &SpawnPlan<'_>) -> io::Result<i32> {
         }
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
-        let flags = (libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGMASK) as libc::c_short;
+        let mut to_default: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut to_default);
+        // The kernel's layout, which glibc's is: signal n is bit n - 1 of the first word. Set
+        // directly, because `sigaddset` refuses glibc's own signals, which its `posix_spawn`
+        // would otherwise leave ignored in the child.
+        *(&raw mut to_default).cast::<u64>() |= plan.reset_signals.with(libc::SIGPIPE).union(reserved_signals()).0;
+        let flags =
+            (libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF) as libc::c_short;
         let mut pid: libc::pid_t = 0;
         let result = check(libc::posix_spawnattr_setpgroup(&mut attr, 0))
             .and_then(|()| check(libc::posix_spawnattr_setsigmask(&mut attr, &empty)))
+            .and_then(|()| check(libc::posix_spawnattr_setsigdefault(&mut attr, &to_default)))
             .and_then(|()| check(libc::posix_spawnattr_setflags(&mut attr, flags)))
             .and_then(|()| {
                 for (target, fd) in plan.stdio.iter().enumerate() {
