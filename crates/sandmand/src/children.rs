@@ -79,6 +79,8 @@ struct ForkGate {
 struct GateState {
     forks: usize,
     sweep_wanted: bool,
+    /// Forks waiting for a sweep to end: only then does its end wake anyone (a system call).
+    waiting: usize,
 }
 
 /// Leave to fork with std's `Command`: no `wait4` sweep starts until it is dropped.
@@ -102,7 +104,9 @@ impl ForkGate {
     fn enter(&self) -> ForkPass<'_> {
         let mut state = lock(&self.state);
         while state.sweep_wanted {
+            state.waiting += 1;
             state = self.reopened.wait(state).unwrap_or_else(PoisonError::into_inner);
+            state.waiting -= 1;
         }
         state.forks += 1;
         ForkPass { gate: self }
@@ -137,8 +141,11 @@ impl Drop for ForkPass<'_> {
 
 impl Drop for SweepPass<'_> {
     fn drop(&mut self) {
-        lock(&self.gate.state).sweep_wanted = false;
-        self.gate.reopened.notify_all();
+        let mut state = lock(&self.gate.state);
+        state.sweep_wanted = false;
+        if state.waiting > 0 {
+            self.gate.reopened.notify_all();
+        }
     }
 }
 
