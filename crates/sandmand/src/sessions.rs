@@ -1028,7 +1028,7 @@ mod tests {
 
     fn defaults() -> Defaults {
         Defaults {
-            env: BTreeMap::from([("PATH".into(), crate::spawn::DEFAULT_PATH.into())]),
+            env: Arc::new(BTreeMap::from([("PATH".into(), crate::spawn::DEFAULT_PATH.into())])),
             cwd: PathBuf::from("/"),
             shell: "/bin/sh".into(),
             passwd: PathBuf::from("/etc/passwd"),

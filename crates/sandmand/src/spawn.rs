@@ -6,6 +6,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 use crate::error::{DaemonError, DaemonResult};
 use crate::sys::{ChildSetup, Rlimits, SignalSet};
@@ -16,8 +17,9 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 /// What every process started by the daemon inherits unless the request says otherwise.
 #[derive(Debug, Clone)]
 pub struct Defaults {
-    /// The sandbox environment: the daemon's own, less anything `SANDMAN_*`.
-    pub env: BTreeMap<String, String>,
+    /// The sandbox environment: the daemon's own, less anything `SANDMAN_*`. Shared by every
+    /// launch ([`Env`]), never copied into each.
+    pub env: Arc<BTreeMap<String, String>>,
     pub cwd: PathBuf,
     /// Shell for `command` strings and sessions.
     pub shell: String,
@@ -39,7 +41,7 @@ impl Defaults {
         env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
         let cwd = cwd.or_else(|| std::env::current_dir().ok()).unwrap_or_else(|| PathBuf::from("/"));
         Defaults {
-            env,
+            env: Arc::new(env),
             cwd,
             shell,
             passwd: PathBuf::from("/etc/passwd"),
@@ -47,6 +49,35 @@ impl Defaults {
             rlimits: Rlimits::default(),
             ignored_signals: crate::sys::ignored_signals(),
         }
+    }
+}
+
+/// A command's environment: the sandbox's, shared by every launch, with the call's own variables
+/// over it.
+#[derive(Debug, Clone, Default)]
+pub struct Env {
+    base: Arc<BTreeMap<String, String>>,
+    over: BTreeMap<String, String>,
+}
+
+impl Env {
+    pub fn new(base: Arc<BTreeMap<String, String>>) -> Env {
+        Env { base, over: BTreeMap::new() }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.over.get(name).or_else(|| self.base.get(name)).map(String::as_str)
+    }
+
+    /// Sets `name` for this command only.
+    pub fn insert(&mut self, name: String, value: String) {
+        self.over.insert(name, value);
+    }
+
+    /// Every variable once, the call's own value where it set one.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        let inherited = self.base.iter().filter(|(k, _)| !self.over.contains_key(*k));
+        inherited.chain(&self.over).map(|(k, v)| (k.as_str(), v.as_str()))
     }
 }
 
@@ -63,7 +94,7 @@ pub struct UserIds {
 #[derive(Debug, Clone)]
 pub struct Launch {
     pub argv: Vec<String>,
-    pub env: BTreeMap<String, String>,
+    pub env: Env,
     pub cwd: PathBuf,
     pub user: Option<UserIds>,
     pub rlimits: Rlimits,
@@ -100,7 +131,7 @@ impl Launch {
         if argv.iter().any(|a| a.contains('\0')) {
             return Err(DaemonError::InvalidArgument("`argv` must not contain NUL bytes".into()));
         }
-        let mut env = defaults.env.clone();
+        let mut env = Env::new(Arc::clone(&defaults.env));
         for (k, v) in &req.env {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
                 return Err(DaemonError::InvalidArgument(format!("invalid environment variable `{k}`")));
@@ -125,7 +156,9 @@ impl Launch {
                 env.insert("LOGNAME".into(), name.clone());
             }
         }
-        env.extend(req.env);
+        for (k, v) in req.env {
+            env.insert(k, v);
+        }
         let cwd = match req.cwd {
             None => defaults.cwd.clone(),
             Some(cwd) => {
@@ -175,7 +208,7 @@ impl Launch {
 
     fn base(&self) -> Command {
         let mut cmd = Command::new(&self.argv[0]);
-        cmd.args(&self.argv[1..]).env_clear().envs(&self.env).current_dir(&self.cwd);
+        cmd.args(&self.argv[1..]).env_clear().envs(self.env.iter()).current_dir(&self.cwd);
         if let Some(u) = &self.user {
             // std clears the supplementary groups (setgroups(0)) when root sets a uid.
             cmd.uid(u.uid).gid(u.gid);
@@ -189,7 +222,7 @@ impl Launch {
 
     /// The PATH the program is looked up in: the command's own.
     pub fn path(&self) -> &str {
-        self.env.get("PATH").map_or(DEFAULT_PATH, String::as_str)
+        self.env.get("PATH").unwrap_or(DEFAULT_PATH)
     }
 
     /// Whether it can start with `posix_spawn` (no fork): nothing to do between fork and exec
@@ -281,7 +314,7 @@ mod tests {
 
     fn defaults(passwd: PathBuf) -> Defaults {
         Defaults {
-            env: BTreeMap::from([("PATH".into(), DEFAULT_PATH.into())]),
+            env: Arc::new(BTreeMap::from([("PATH".into(), DEFAULT_PATH.into())])),
             cwd: PathBuf::from("/"),
             shell: "/bin/sh".into(),
             passwd,
@@ -370,7 +403,9 @@ mod tests {
             ..Default::default()
         };
         let l = Launch::parse(&d, req).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(l.env.get("PATH").map(String::as_str), Some("/x"));
-        assert_eq!(l.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(l.env.get("PATH"), Some("/x"));
+        assert_eq!(l.env.get("A"), Some("1"));
+        let all: Vec<(&str, &str)> = l.env.iter().collect();
+        assert_eq!(all, [("A", "1"), ("PATH", "/x")], "each variable once, the request's value first");
     }
 }
