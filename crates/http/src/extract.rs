@@ -141,11 +141,26 @@ pub async fn read_limited(body: Body, limit: usize) -> Result<Bytes, BadRequest>
             }
         })?;
         if whole.len().saturating_add(chunk.len()) > limit {
+            drain(chunks, limit).await;
             return Err(too_large);
         }
         whole.extend_from_slice(&chunk);
     }
     Ok(whole.freeze())
+}
+
+/// Reads and drops what is left of a refused body, up to `most` bytes more, so that a client
+/// sending a body a little over the limit has sent it all and reads the answer: one cut off
+/// mid-send (the connection closed under it) sees a broken pipe, not the 413. Past `most` it
+/// stops, and the connection is closed on the rest: the work a refused body costs is bounded.
+async fn drain(mut chunks: impl Stream<Item = Result<Bytes, axum::Error>> + Unpin, most: usize) {
+    let mut dropped = 0usize;
+    while dropped <= most {
+        match chunks.next().await {
+            Some(Ok(chunk)) => dropped = dropped.saturating_add(chunk.len()),
+            _ => return,
+        }
+    }
 }
 
 /// True when a body error was caused by a length limit, found by walking `source()`.
@@ -209,6 +224,28 @@ mod tests {
         let whole = read_limited(Body::from("{}"), 1 << 10).await;
         assert_eq!(whole.ok().as_deref(), Some(&b"{}"[..]));
         assert!(matches!(read_limited(Body::from("{}"), 1).await, Err(BadRequest::TooLarge { limit: 1 })));
+    }
+
+    /// A body of `n` chunks of 1 KiB, counting the chunks read.
+    fn counted(n: usize) -> (Body, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let read = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = read.clone();
+        let chunks = futures_util::stream::iter(0..n).map(move |_| {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok::<_, std::io::Error>(Bytes::from(vec![b' '; 1024]))
+        });
+        (Body::from_stream(chunks), read)
+    }
+
+    #[tokio::test]
+    async fn a_body_a_little_over_the_limit_is_read_to_its_end_before_the_413_but_no_further() {
+        use std::sync::atomic::Ordering;
+        let (body, read) = counted(3);
+        assert!(matches!(read_limited(body, 1024).await, Err(BadRequest::TooLarge { limit: 1024 })));
+        assert_eq!(read.load(Ordering::SeqCst), 3, "the client had sent it all when it was answered");
+        let (body, read) = counted(100);
+        assert!(matches!(read_limited(body, 1024).await, Err(BadRequest::TooLarge { limit: 1024 })));
+        assert_eq!(read.load(Ordering::SeqCst), 4, "at most the limit again is read past the limit");
     }
 
     #[tokio::test]

@@ -232,12 +232,7 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
     // keeps its idle footprint to a few MiB. File work and the starts of commands go to the
     // blocking pool, whose threads leave after a second idle: thousands of idle sandboxes on
     // one machine keep no threads (each a task of the kernel's `pid_max`) for work done.
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .max_blocking_threads(16)
-        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
-        .build()
-    {
+    let runtime = match runtime() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -260,6 +255,26 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
 
 /// How long a thread of the daemon's blocking pool waits for more work before it exits.
 const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(1);
+
+/// The signals the daemon handles, which only the event loop's thread takes.
+const HANDLED_SIGNALS: [i32; 3] = [crate::sys::SIGCHLD, crate::sys::SIGTERM, crate::sys::SIGINT];
+
+/// The daemon's runtime: one thread serving, and a blocking pool that starts commands and does
+/// file work. The pool's threads block the signals the daemon handles, so that the kernel hands
+/// each SIGCHLD (one per command) to the event loop, which reads it, instead of waking a pool
+/// thread asleep between starts to run the handler.
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(16)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .on_thread_start(|| {
+            if let Err(err) = crate::sys::mask_signals(&HANDLED_SIGNALS, true) {
+                tracing::warn!(%err, "cannot block signals in a blocking-pool thread");
+            }
+        })
+        .build()
+}
 
 /// Why the environment file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -362,6 +377,27 @@ fn fail_code(err: &dyn std::error::Error) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A thread of the blocking pool (every start runs on one) blocks SIGCHLD, so that the
+    /// kernel never wakes one just to run the handler; the event loop's thread takes it.
+    #[test]
+    fn only_the_event_loop_takes_the_daemons_signals() {
+        let rt = runtime().unwrap_or_else(|e| panic!("{e}"));
+        let blocked = |status: String| {
+            let mask = status.lines().find_map(|l| l.strip_prefix("SigBlk:\t")).unwrap_or("0").to_string();
+            let mask = u64::from_str_radix(&mask, 16).unwrap_or(0);
+            HANDLED_SIGNALS.iter().map(|&s| mask & (1 << (s - 1)) != 0).collect::<Vec<_>>()
+        };
+        let pool = rt
+            .block_on(async {
+                tokio::task::spawn_blocking(|| std::fs::read_to_string("/proc/thread-self/status")).await
+            })
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(blocked(pool), [true; 3]);
+        let this = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(blocked(this), [false; 3], "the event loop's thread blocks the daemon's signals");
+    }
 
     #[test]
     fn a_cgroup_that_cannot_be_joined_is_named() {

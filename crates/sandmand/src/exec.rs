@@ -53,17 +53,24 @@ fn parse(daemon: &Daemon, req: ExecRequest, output_ceiling: Option<u64>) -> Daem
 }
 
 /// Starts the process and feeds it its stdin from a task of its own, so that a large stdin and
-/// a large output cannot deadlock each other.
-async fn start(daemon: &Daemon, parsed: &mut Parsed) -> DaemonResult<Started> {
-    let io = Io::Pipes { stdin: parsed.stdin.is_some(), merge: parsed.merge };
-    let mut started = run::start(&daemon.children, &parsed.launch, io).await?;
-    if let (Some(mut pipe), Some(text)) = (started.stdin.take(), parsed.stdin.take()) {
+/// a large output cannot deadlock each other. Answers the rest of the request.
+async fn start(daemon: &Daemon, parsed: Parsed) -> DaemonResult<(Started, Options)> {
+    let Parsed { launch, stdin, timeout, cap, merge } = parsed;
+    let io = Io::Pipes { stdin: stdin.is_some(), merge };
+    let mut started = run::start(&daemon.children, launch, io).await?;
+    if let (Some(mut pipe), Some(text)) = (started.stdin.take(), stdin) {
         daemon.tasks.spawn(async move {
             // A command that exits without reading its stdin closes the pipe: not an error.
             let _ = pipe.write_all(text.as_bytes()).await;
         });
     }
-    Ok(started)
+    Ok((started, Options { timeout, cap }))
+}
+
+/// What an exec still needs once its command has started.
+struct Options {
+    timeout: Option<Duration>,
+    cap: u64,
 }
 
 /// Collects output up to a cap per stream, and within the daemon's output budget, counting
@@ -125,10 +132,10 @@ pub async fn exec(
     State(daemon): State<Arc<Daemon>>,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> DaemonResult<Json<ExecResult>> {
-    let mut parsed = parse(&daemon, req, Some(daemon.config.limits.max_output_bytes))?;
-    let started = start(&daemon, &mut parsed).await?;
-    let mut sink = Capped::new(parsed.cap, daemon.output_budget.clone());
-    let status = run::drive(started, parsed.timeout, &mut sink).await;
+    let parsed = parse(&daemon, req, Some(daemon.config.limits.max_output_bytes))?;
+    let (started, opts) = start(&daemon, parsed).await?;
+    let mut sink = Capped::new(opts.cap, daemon.output_budget.clone());
+    let status = run::drive(started, opts.timeout, &mut sink).await;
     Ok(Json(ExecResult {
         status,
         stdout: String::from_utf8_lossy(&sink.stdout).into_owned(),
@@ -181,12 +188,10 @@ pub async fn exec_stream(
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> DaemonResult<Response> {
     // Streamed output is sent as it comes, never held: any `max_output_bytes` will do.
-    let mut parsed = parse(&daemon, req, None)?;
-    let started = start(&daemon, &mut parsed).await?;
+    let parsed = parse(&daemon, req, None)?;
+    let (started, Options { timeout, cap }) = start(&daemon, parsed).await?;
     let (tx, rx) = mpsc::channel(STREAM_EVENTS);
     let pid = started.pid as u32;
-    let timeout = parsed.timeout;
-    let cap = parsed.cap;
     daemon.tasks.spawn(async move {
         if tx.send(ExecEvent::Started { pid }).await.is_err() {
             crate::tree::kill_tree(pid as i32);

@@ -199,8 +199,9 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
 
     let mut defaults = Defaults::from_process(settings.shell.clone(), settings.workdir.clone());
     defaults.rlimits = settings.rlimits;
-    defaults.env.extend(std::mem::take(&mut settings.env));
-    defaults.env.retain(|k, _| !settings.drop_env.iter().any(|p| k.starts_with(p.as_str())));
+    let env = std::sync::Arc::make_mut(&mut defaults.env);
+    env.extend(std::mem::take(&mut settings.env));
+    env.retain(|k, _| !settings.drop_env.iter().any(|p| k.starts_with(p.as_str())));
     // Output held for callers counts against the sandbox's memory where the daemon shares its
     // cgroup: a quarter of it at most, so that no caller can have the daemon OOM-killed.
     let mut limits = settings.limits;

@@ -299,7 +299,8 @@ pub async fn start(
         }
         n
     };
-    let mut started = match run::start(&daemon.children, &launch, io).await {
+    let argv = launch.argv.clone();
+    let mut started = match run::start(&daemon.children, launch, io).await {
         Ok(s) => s,
         Err(e) => {
             if let Some(tag) = &req.tag {
@@ -317,7 +318,7 @@ pub async fn start(
         id: format!("p-{n}"),
         tag: req.tag,
         pid: started.pid,
-        argv: launch.argv.clone(),
+        argv,
         started_at_ms: now_ms(),
         output: Mutex::new(Output {
             stdout: Ring::new(retain as usize, daemon.output_budget.clone()),

@@ -25,6 +25,12 @@ const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
 /// Size of one read from a child's pipe, and so the largest output chunk.
 const READ_CHUNK: usize = 64 * 1024;
 
+/// Size of the first read from each of a child's pipes: most commands write little, and two
+/// zeroed 64 KiB buffers per command cost more than the rest of an exec's bookkeeping (the
+/// allocator grows and trims its heap for them each time). A read that fills its buffer grows
+/// it to [`READ_CHUNK`].
+const FIRST_READ: usize = 4 * 1024;
+
 /// A started process tree.
 #[derive(Debug)]
 pub struct Started {
@@ -60,8 +66,8 @@ fn watch_err<T>(pid: i32, res: std::io::Result<T>) -> DaemonResult<T> {
 /// Starts `launch` with its stdin, stdout and stderr as `io` says. The fork and exec run on the
 /// blocking pool: the event loop serves on meanwhile, and concurrent starts fork side by side on
 /// as many threads (see [`Children`]). A start whose caller went away meanwhile is killed.
-pub async fn start(children: &Arc<Children>, launch: &Launch, io: Io) -> DaemonResult<Started> {
-    let (children, launch) = (Arc::clone(children), launch.clone());
+pub async fn start(children: &Arc<Children>, launch: Launch, io: Io) -> DaemonResult<Started> {
+    let children = Arc::clone(children);
     let (tx, rx) = oneshot::channel();
     tokio::task::spawn_blocking(move || {
         if let Err(Ok(orphan)) = tx.send(start_here(&children, &launch, io)) {
@@ -77,9 +83,17 @@ fn start_here(children: &Children, launch: &Launch, io: Io) -> DaemonResult<Star
     match io {
         Io::Pipes { stdin: piped, merge } if launch.spawns_without_fork() => {
             let pipe_err = |e| DaemonError::Internal(format!("cannot make a pipe: {e}"));
-            let (stdin_r, stdin_w) = std::io::pipe().map_err(pipe_err)?;
-            let (out_r, out_w) = std::io::pipe().map_err(pipe_err)?;
-            let err = if merge { None } else { Some(std::io::pipe().map_err(pipe_err)?) };
+            // The command's stdin: a pipe whose write end is kept for the caller, or dropped at
+            // once so that the command reads end-of-file.
+            let (stdin_w, stdin_r) = match piped {
+                true => {
+                    let (ours, theirs) = sys::pipe_for_child(sys::KeepEnd::Write).map_err(pipe_err)?;
+                    (Some(ours), theirs)
+                }
+                false => (None, OwnedFd::from(std::io::pipe().map_err(pipe_err)?.0)),
+            };
+            let (out_r, out_w) = sys::pipe_for_child(sys::KeepEnd::Read).map_err(pipe_err)?;
+            let err = if merge { None } else { Some(sys::pipe_for_child(sys::KeepEnd::Read).map_err(pipe_err)?) };
             let err_w = err.as_ref().map_or(out_w.as_fd(), |(_, w)| w.as_fd());
             let program = sys::find_program(launch.program(), launch.path(), &launch.cwd).map_err(spawn_err)?;
             let plan = sys::SpawnPlan {
@@ -88,25 +102,26 @@ fn start_here(children: &Children, launch: &Launch, io: Io) -> DaemonResult<Star
                 env: &launch.env,
                 cwd: &launch.cwd,
                 stdio: [stdin_r.as_fd(), out_w.as_fd(), err_w],
+                reset_signals: launch.ignored_signals,
             };
             let (pid, exit) = children.spawn_with(|| sys::posix_spawn(&plan)).map_err(spawn_err)?;
             // Only the command holds its ends now: each pipe ends when the command (and whatever
-            // inherited it) is done with it. Dropping an unwanted stdin's write end closes it:
-            // the command reads end-of-file.
+            // inherited it) is done with it.
             drop(stdin_r);
             drop(out_w);
+            // The daemon's ends are pipes, made non-blocking by `pipe_for_child`.
             let stderr = match err {
                 Some((r, w)) => {
                     drop(w);
-                    Some(watch_err(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(r)))?)
+                    Some(watch_err(pid, pipe::Receiver::from_owned_fd_unchecked(r))?)
                 }
                 None => None,
             };
-            let stdin = match piped {
-                true => Some(watch_err(pid, pipe::Sender::from_owned_fd(OwnedFd::from(stdin_w)))?),
-                false => None,
+            let stdin = match stdin_w {
+                Some(w) => Some(watch_err(pid, pipe::Sender::from_owned_fd_unchecked(w))?),
+                None => None,
             };
-            let stdout = watch_err(pid, pipe::Receiver::from_owned_fd(OwnedFd::from(out_r)))?;
+            let stdout = watch_err(pid, pipe::Receiver::from_owned_fd_unchecked(out_r))?;
             Ok(Started { pid, stdin, stdout, stderr, pty: None, exit, started: Instant::now() })
         }
         Io::Pipes { stdin: piped, merge } => {
@@ -201,8 +216,8 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
     let mut timed_out = false;
     let mut abandoned = false;
     let (mut out_open, mut err_open) = (true, started.stderr.is_some());
-    let mut out_buf = vec![0u8; READ_CHUNK];
-    let mut err_buf = vec![0u8; READ_CHUNK];
+    let mut out_buf = vec![0u8; FIRST_READ];
+    let mut err_buf = vec![0u8; FIRST_READ];
     let mut reaped: Option<Reaped> = None;
     let mut drain_until: Option<Instant> = None;
     let far = Instant::now() + Duration::from_secs(86400 * 365);
@@ -224,6 +239,7 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
                         abandoned = true;
                         tree::kill_tree(pid);
                     }
+                    grow_when_full(&mut out_buf, n);
                 }
                 _ => out_open = false,
             },
@@ -233,6 +249,7 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
                         abandoned = true;
                         tree::kill_tree(pid);
                     }
+                    grow_when_full(&mut err_buf, n);
                 }
                 _ => err_open = false,
             },
@@ -260,6 +277,13 @@ pub async fn drive<S: OutputSink>(mut started: Started, timeout: Option<Duration
         timed_out,
         duration_ms: started.started.elapsed().as_millis() as u64,
         usage: reaped.usage,
+    }
+}
+
+/// Grows a read buffer to [`READ_CHUNK`] once a read of `n` bytes has filled it: more is coming.
+fn grow_when_full(buf: &mut Vec<u8>, n: usize) {
+    if n == buf.len() && buf.len() < READ_CHUNK {
+        buf.resize(READ_CHUNK, 0);
     }
 }
 

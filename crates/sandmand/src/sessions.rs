@@ -96,7 +96,7 @@ impl Sessions {
     pub async fn create(
         &self,
         defaults: &Defaults,
-        children: &Children,
+        children: &Arc<Children>,
         req: CreateSession,
     ) -> DaemonResult<SessionInfo> {
         let shell = req.shell.unwrap_or_else(|| defaults.shell.clone());
@@ -113,12 +113,14 @@ impl Sessions {
                 user: req.user,
             },
         )?;
-        let (mut child, exit) = children.spawn(&mut launch.command(Stdio::piped())).map_err(|e| {
-            DaemonError::InvalidArgument(format!(
-                "cannot start a session with `{shell}`: {e}; sessions need a shell in the sandbox (exec \
+        // The fork runs on the blocking pool, as every start does: never on the event loop.
+        let (mut child, exit) =
+            spawn_off_the_event_loop(children, launch.command(Stdio::piped())).await.map_err(|e| {
+                DaemonError::InvalidArgument(format!(
+                    "cannot start a session with `{shell}`: {e}; sessions need a shell in the sandbox (exec \
                  with `argv` works without one)"
-            ))
-        })?;
+                ))
+            })?;
         let pid = child.id() as i32;
         let pipes = match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
             (Some(stdin), Some(out), Some(err)) => {
@@ -223,6 +225,22 @@ fn number(id: &str) -> Option<u64> {
 
 fn not_found(id: &str) -> DaemonError {
     DaemonError::NotFound(format!("no session `{id}`"))
+}
+
+/// Starts `cmd` on the blocking pool and registers it; a shell whose caller went away meanwhile is
+/// killed.
+async fn spawn_off_the_event_loop(
+    children: &Arc<Children>,
+    mut cmd: std::process::Command,
+) -> std::io::Result<(std::process::Child, oneshot::Receiver<Reaped>)> {
+    let children = Arc::clone(children);
+    let (tx, rx) = oneshot::channel();
+    tokio::task::spawn_blocking(move || {
+        if let Err(Ok((orphan, _))) = tx.send(children.spawn(&mut cmd)) {
+            tree::kill_tree(orphan.id() as i32);
+        }
+    });
+    rx.await.map_err(|_| std::io::Error::other("the thread starting the shell failed"))?
 }
 
 /// `POST /v1/sessions` → 201 with the new session.
@@ -1010,7 +1028,7 @@ mod tests {
 
     fn defaults() -> Defaults {
         Defaults {
-            env: BTreeMap::from([("PATH".into(), crate::spawn::DEFAULT_PATH.into())]),
+            env: Arc::new(BTreeMap::from([("PATH".into(), crate::spawn::DEFAULT_PATH.into())])),
             cwd: PathBuf::from("/"),
             shell: "/bin/sh".into(),
             passwd: PathBuf::from("/etc/passwd"),
@@ -1018,7 +1036,7 @@ mod tests {
             rlimits: sys::Rlimits::default(),
             // As the daemon decides: a test run from a background job ignores SIGINT
             // (regression: the shell could not be interrupted there).
-            reset_signals: !sys::ignored_signals().is_empty(),
+            ignored_signals: sys::ignored_signals(),
         }
     }
 
@@ -1068,7 +1086,7 @@ mod tests {
         let _ = reaper.await;
     }
 
-    async fn state_survives_between_runs(sessions: &Sessions, d: &Defaults, children: &Children) {
+    async fn state_survives_between_runs(sessions: &Sessions, d: &Defaults, children: &Arc<Children>) {
         let info = sessions.create(d, children, CreateSession::default()).await.unwrap_or_else(|e| panic!("{e}"));
         assert!(info.alive && info.shell == "/bin/sh" && info.pid > 1);
         let id = info.id;
@@ -1114,7 +1132,7 @@ mod tests {
     async fn busy_sessions_refuse_a_second_run_and_interrupts_stop_the_first(
         sessions: &Sessions,
         d: &Defaults,
-        children: &Children,
+        children: &Arc<Children>,
     ) {
         let id = sessions.create(d, children, CreateSession::default()).await.unwrap_or_else(|e| panic!("{e}")).id;
         // The child prints, then becomes `sleep`: once "ready" is seen, SIGINT cannot miss it.
@@ -1140,7 +1158,7 @@ mod tests {
         sessions.delete(&id).unwrap_or_else(|e| panic!("{e}"));
     }
 
-    async fn an_abandoned_run_is_interrupted(sessions: &Sessions, d: &Defaults, children: &Children) {
+    async fn an_abandoned_run_is_interrupted(sessions: &Sessions, d: &Defaults, children: &Arc<Children>) {
         let id = sessions.create(d, children, CreateSession::default()).await.unwrap_or_else(|e| panic!("{e}")).id;
         let mut abandoned = Box::pin(sessions.run(&id, cmd("sh -c 'echo ready; exec sleep 30'")));
         tokio::select! {
@@ -1154,7 +1172,7 @@ mod tests {
         sessions.delete(&id).unwrap_or_else(|e| panic!("{e}"));
     }
 
-    async fn timeouts_interrupt_then_kill(sessions: &Sessions, d: &Defaults, children: &Children) {
+    async fn timeouts_interrupt_then_kill(sessions: &Sessions, d: &Defaults, children: &Arc<Children>) {
         let id = sessions.create(d, children, CreateSession::default()).await.unwrap_or_else(|e| panic!("{e}")).id;
         let r = run_ok(sessions, &id, SessionRun { timeout_ms: Some(1000), ..cmd("echo before; sleep 30") }).await;
         assert_eq!((r.stdout.as_str(), r.exit_code, r.timed_out), ("before\n", Some(130), true));
@@ -1181,7 +1199,7 @@ mod tests {
         sessions.delete(&id).unwrap_or_else(|e| panic!("{e}"));
     }
 
-    async fn exit_ends_the_session_with_its_code(sessions: &Sessions, d: &Defaults, children: &Children) {
+    async fn exit_ends_the_session_with_its_code(sessions: &Sessions, d: &Defaults, children: &Arc<Children>) {
         let req = CreateSession {
             env: BTreeMap::from([("GREETING".into(), "bye".into())]),
             cwd: Some("/tmp".into()),
@@ -1197,7 +1215,7 @@ mod tests {
         sessions.delete(&id).unwrap_or_else(|e| panic!("{e}"));
     }
 
-    async fn shells_that_cannot_run_sessions_are_refused(sessions: &Sessions, d: &Defaults, children: &Children) {
+    async fn shells_that_cannot_run_sessions_are_refused(sessions: &Sessions, d: &Defaults, children: &Arc<Children>) {
         let refused = |shell: &str| CreateSession { shell: Some(shell.into()), ..CreateSession::default() };
         let err = sessions.create(d, children, refused("/nonexistent/sh")).await.err();
         assert!(matches!(&err, Some(DaemonError::InvalidArgument(m)) if m.contains("need a shell")), "{err:?}");
@@ -1210,7 +1228,11 @@ mod tests {
         assert_eq!(sessions.count(), 0);
     }
 
-    async fn an_interrupt_right_after_create_spares_the_shell(sessions: &Sessions, d: &Defaults, children: &Children) {
+    async fn an_interrupt_right_after_create_spares_the_shell(
+        sessions: &Sessions,
+        d: &Defaults,
+        children: &Arc<Children>,
+    ) {
         let id = sessions.create(d, children, CreateSession::default()).await.unwrap_or_else(|e| panic!("{e}")).id;
         sessions.interrupt(&id).unwrap_or_else(|e| panic!("{e}"));
         let r = run_ok(sessions, &id, cmd("echo alive")).await;

@@ -6,9 +6,10 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 use crate::error::{DaemonError, DaemonResult};
-use crate::sys::{ChildSetup, Rlimits};
+use crate::sys::{ChildSetup, Rlimits, SignalSet};
 
 /// PATH used when neither the sandbox nor the request sets one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -16,8 +17,9 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 /// What every process started by the daemon inherits unless the request says otherwise.
 #[derive(Debug, Clone)]
 pub struct Defaults {
-    /// The sandbox environment: the daemon's own, less anything `SANDMAN_*`.
-    pub env: BTreeMap<String, String>,
+    /// The sandbox environment: the daemon's own, less anything `SANDMAN_*`. Shared by every
+    /// launch ([`Env`]), never copied into each.
+    pub env: Arc<BTreeMap<String, String>>,
     pub cwd: PathBuf,
     /// Shell for `command` strings and sessions.
     pub shell: String,
@@ -26,10 +28,10 @@ pub struct Defaults {
     pub euid: u32,
     /// Resource limits set on every process started (`--rlimit-*`).
     pub rlimits: Rlimits,
-    /// The daemon ignores some signals (it was started from a background job): every child
+    /// The signals the daemon ignores (it was started from a background job, say): every child
     /// resets them to their defaults before it execs. Checked once: the daemon never ignores a
     /// signal itself.
-    pub reset_signals: bool,
+    pub ignored_signals: SignalSet,
 }
 
 impl Defaults {
@@ -39,14 +41,43 @@ impl Defaults {
         env.entry("PATH".into()).or_insert_with(|| DEFAULT_PATH.into());
         let cwd = cwd.or_else(|| std::env::current_dir().ok()).unwrap_or_else(|| PathBuf::from("/"));
         Defaults {
-            env,
+            env: Arc::new(env),
             cwd,
             shell,
             passwd: PathBuf::from("/etc/passwd"),
             euid: crate::sys::euid(),
             rlimits: Rlimits::default(),
-            reset_signals: !crate::sys::ignored_signals().is_empty(),
+            ignored_signals: crate::sys::ignored_signals(),
         }
+    }
+}
+
+/// A command's environment: the sandbox's, shared by every launch, with the call's own variables
+/// over it.
+#[derive(Debug, Clone, Default)]
+pub struct Env {
+    base: Arc<BTreeMap<String, String>>,
+    over: BTreeMap<String, String>,
+}
+
+impl Env {
+    pub fn new(base: Arc<BTreeMap<String, String>>) -> Env {
+        Env { base, over: BTreeMap::new() }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.over.get(name).or_else(|| self.base.get(name)).map(String::as_str)
+    }
+
+    /// Sets `name` for this command only.
+    pub fn insert(&mut self, name: String, value: String) {
+        self.over.insert(name, value);
+    }
+
+    /// Every variable once, the call's own value where it set one.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        let inherited = self.base.iter().filter(|(k, _)| !self.over.contains_key(*k));
+        inherited.chain(&self.over).map(|(k, v)| (k.as_str(), v.as_str()))
     }
 }
 
@@ -63,11 +94,12 @@ pub struct UserIds {
 #[derive(Debug, Clone)]
 pub struct Launch {
     pub argv: Vec<String>,
-    pub env: BTreeMap<String, String>,
+    pub env: Env,
     pub cwd: PathBuf,
     pub user: Option<UserIds>,
     pub rlimits: Rlimits,
-    pub reset_signals: bool,
+    /// Signals the command starts with at their default action rather than ignored.
+    pub ignored_signals: SignalSet,
 }
 
 /// The parts of a request that say what to run and how.
@@ -99,7 +131,7 @@ impl Launch {
         if argv.iter().any(|a| a.contains('\0')) {
             return Err(DaemonError::InvalidArgument("`argv` must not contain NUL bytes".into()));
         }
-        let mut env = defaults.env.clone();
+        let mut env = Env::new(Arc::clone(&defaults.env));
         for (k, v) in &req.env {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
                 return Err(DaemonError::InvalidArgument(format!("invalid environment variable `{k}`")));
@@ -124,7 +156,9 @@ impl Launch {
                 env.insert("LOGNAME".into(), name.clone());
             }
         }
-        env.extend(req.env);
+        for (k, v) in req.env {
+            env.insert(k, v);
+        }
         let cwd = match req.cwd {
             None => defaults.cwd.clone(),
             Some(cwd) => {
@@ -138,7 +172,7 @@ impl Launch {
                 p
             }
         };
-        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits, reset_signals: defaults.reset_signals })
+        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits, ignored_signals: defaults.ignored_signals })
     }
 
     /// A `Command` in a new process group, with stdout and stderr piped and the given stdin.
@@ -147,7 +181,11 @@ impl Launch {
         cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
         crate::sys::set_child_setup_on_exec(
             &mut cmd,
-            ChildSetup { rlimits: self.rlimits, controlling_tty: false, reset_signals: self.reset_signals },
+            ChildSetup {
+                rlimits: self.rlimits,
+                controlling_tty: false,
+                reset_signals: !self.ignored_signals.is_empty(),
+            },
         );
         cmd
     }
@@ -159,14 +197,18 @@ impl Launch {
         cmd.stdin(slave.try_clone()?).stdout(slave.try_clone()?).stderr(slave.try_clone()?);
         crate::sys::set_child_setup_on_exec(
             &mut cmd,
-            ChildSetup { rlimits: self.rlimits, controlling_tty: true, reset_signals: self.reset_signals },
+            ChildSetup {
+                rlimits: self.rlimits,
+                controlling_tty: true,
+                reset_signals: !self.ignored_signals.is_empty(),
+            },
         );
         Ok(cmd)
     }
 
     fn base(&self) -> Command {
         let mut cmd = Command::new(&self.argv[0]);
-        cmd.args(&self.argv[1..]).env_clear().envs(&self.env).current_dir(&self.cwd);
+        cmd.args(&self.argv[1..]).env_clear().envs(self.env.iter()).current_dir(&self.cwd);
         if let Some(u) = &self.user {
             // std clears the supplementary groups (setgroups(0)) when root sets a uid.
             cmd.uid(u.uid).gid(u.gid);
@@ -180,13 +222,13 @@ impl Launch {
 
     /// The PATH the program is looked up in: the command's own.
     pub fn path(&self) -> &str {
-        self.env.get("PATH").map_or(DEFAULT_PATH, String::as_str)
+        self.env.get("PATH").unwrap_or(DEFAULT_PATH)
     }
 
     /// Whether it can start with `posix_spawn` (no fork): nothing to do between fork and exec
-    /// that `posix_spawn` cannot (another user's ids, rlimits, signals to reset).
+    /// that `posix_spawn` cannot (another user's ids, rlimits). Signals to reset it can do.
     pub fn spawns_without_fork(&self) -> bool {
-        self.user.is_none() && self.rlimits.is_empty() && !self.reset_signals
+        self.user.is_none() && self.rlimits.is_empty()
     }
 }
 
@@ -272,13 +314,13 @@ mod tests {
 
     fn defaults(passwd: PathBuf) -> Defaults {
         Defaults {
-            env: BTreeMap::from([("PATH".into(), DEFAULT_PATH.into())]),
+            env: Arc::new(BTreeMap::from([("PATH".into(), DEFAULT_PATH.into())])),
             cwd: PathBuf::from("/"),
             shell: "/bin/sh".into(),
             passwd,
             euid: 0,
             rlimits: Rlimits::default(),
-            reset_signals: false,
+            ignored_signals: SignalSet::default(),
         }
     }
 
@@ -324,6 +366,12 @@ mod tests {
         let as_user =
             LaunchRequest { argv: Some(vec!["true".into()]), user: Some("4242".into()), ..Default::default() };
         assert!(Launch::parse(&d, as_user).is_ok_and(|l| !l.spawns_without_fork()));
+        // Signals the daemon inherited ignored are reset by posix_spawn too (regression: a daemon
+        // started by a Rust program, the server, inherits one of glibc's signals ignored, and so
+        // forked for every exec).
+        let ignoring = Defaults { ignored_signals: SignalSet::default().with(2).with(32), ..d.clone() };
+        let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        assert!(Launch::parse(&ignoring, plain).is_ok_and(|l| l.spawns_without_fork()));
         let limited = Defaults { rlimits: Rlimits { file_size: Some(1), ..Rlimits::default() }, ..d };
         let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
         assert!(Launch::parse(&limited, plain).is_ok_and(|l| !l.spawns_without_fork()));
@@ -355,7 +403,9 @@ mod tests {
             ..Default::default()
         };
         let l = Launch::parse(&d, req).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(l.env.get("PATH").map(String::as_str), Some("/x"));
-        assert_eq!(l.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(l.env.get("PATH"), Some("/x"));
+        assert_eq!(l.env.get("A"), Some("1"));
+        let all: Vec<(&str, &str)> = l.env.iter().collect();
+        assert_eq!(all, [("A", "1"), ("PATH", "/x")], "each variable once, the request's value first");
     }
 }

@@ -441,10 +441,51 @@ pub struct ChildSetup {
     pub reset_signals: bool,
 }
 
+/// A set of signals (1 to 64), small enough to copy into every launch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SignalSet(u64);
+
+impl SignalSet {
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// This set and `sig` (outside 1 to 64: this set).
+    #[must_use]
+    pub fn with(self, sig: i32) -> SignalSet {
+        match sig {
+            1..=64 => SignalSet(self.0 | 1 << (sig - 1)),
+            _ => self,
+        }
+    }
+
+    pub fn contains(self, sig: i32) -> bool {
+        (1..=64).contains(&sig) && self.0 & (1 << (sig - 1)) != 0
+    }
+
+    pub fn iter(self) -> impl Iterator<Item = i32> {
+        (1..=64).filter(move |&sig| self.contains(sig))
+    }
+
+    #[must_use]
+    pub fn union(self, other: SignalSet) -> SignalSet {
+        SignalSet(self.0 | other.0)
+    }
+}
+
+/// The C library's own real-time signals, below `SIGRTMIN` (32 and 33 under glibc): no program
+/// sees them through `sigaction`, and glibc's `posix_spawn` leaves them ignored in every child
+/// unless told to set them to their default.
+fn reserved_signals() -> SignalSet {
+    (32..libc::SIGRTMIN()).fold(SignalSet::default(), SignalSet::with)
+}
+
 /// The signals this process ignores (SIG_IGN), which its children would inherit through exec:
-/// SIGPIPE aside, which the Rust runtime ignores in every program and std resets in every child.
-pub fn ignored_signals() -> Vec<i32> {
-    let mut out = Vec::new();
+/// SIGPIPE aside, which the Rust runtime ignores in every program and every start of a child
+/// resets. A daemon started by a Rust program (std's `Command` is glibc's `posix_spawn`) has one
+/// of glibc's own signals ignored ([`reserved_signals`]).
+pub fn ignored_signals() -> SignalSet {
+    let mut out = SignalSet::default();
     for sig in 1..65 {
         if sig == libc::SIGKILL || sig == libc::SIGSTOP || sig == libc::SIGPIPE {
             continue;
@@ -456,7 +497,7 @@ pub fn ignored_signals() -> Vec<i32> {
         let rc =
             unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, std::ptr::null::<u64>(), old.as_mut_ptr(), 8usize) };
         if rc == 0 && old[0] == libc::SIG_IGN as u64 {
-            out.push(sig);
+            out = out.with(sig);
         }
     }
     out
@@ -495,36 +536,38 @@ pub struct SpawnPlan<'a> {
     /// The program's path (with a `/`; PATH was searched already).
     pub program: &'a Path,
     pub argv: &'a [String],
-    pub env: &'a std::collections::BTreeMap<String, String>,
+    pub env: &'a crate::spawn::Env,
     pub cwd: &'a Path,
     /// The child's stdin, stdout and stderr, each duplicated onto 0, 1 and 2.
     pub stdio: [BorrowedFd<'a>; 3],
+    /// Signals the child sets back to their default action (SIGPIPE always is): those the
+    /// daemon inherited ignored ([`ignored_signals`]).
+    pub reset_signals: SignalSet,
 }
 
 /// Starts a process with the C library's `posix_spawn`: a vfork-style start
 /// (`clone(CLONE_VM|CLONE_VFORK)`) that lends the child the daemon's memory until it execs,
 /// rather than a fork, which copies the daemon's page tables, then pays for copy-on-write faults
 /// and TLB shootdowns on every thread, and for tearing the copy down at the exec. The child gets a
-/// process group of its own, an empty signal mask, `stdio` as 0, 1 and 2 (every other descriptor
-/// of the daemon is close-on-exec), and `cwd`. Answers its pid once it has exec'd; a failed exec
+/// process group of its own, an empty signal mask, SIGPIPE, the C library's own signals and
+/// `reset_signals` at their default action (the daemon ignores SIGPIPE, as every Rust program
+/// does, and a command must not inherit that: `yes | head -1` would end in `Broken pipe` errors), `stdio` as 0, 1 and 2 (every other
+/// descriptor of the daemon is close-on-exec), and `cwd`. Answers its pid once it has exec'd; a failed exec
 /// is this call's error.
 pub fn posix_spawn(plan: &SpawnPlan<'_>) -> io::Result<i32> {
-    let nul = |_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a command's argv, environment or cwd");
-    let program = CString::new(plan.program.as_os_str().as_bytes()).map_err(nul)?;
-    let cwd = CString::new(plan.cwd.as_os_str().as_bytes()).map_err(nul)?;
-    let argv: Vec<CString> =
-        plan.argv.iter().map(|a| CString::new(a.as_bytes())).collect::<Result<_, _>>().map_err(nul)?;
-    let envp: Vec<CString> =
-        plan.env.iter().map(|(k, v)| CString::new(format!("{k}={v}"))).collect::<Result<_, _>>().map_err(nul)?;
-    let mut argv_ptrs: Vec<*mut libc::c_char> = argv.iter().map(|a| a.as_ptr().cast_mut()).collect();
-    argv_ptrs.push(std::ptr::null_mut());
-    let mut envp_ptrs: Vec<*mut libc::c_char> = envp.iter().map(|e| e.as_ptr().cast_mut()).collect();
-    envp_ptrs.push(std::ptr::null_mut());
+    let nul = || io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a command's argv, environment or cwd");
+    let program = CString::new(plan.program.as_os_str().as_bytes()).map_err(|_| nul())?;
+    let cwd = CString::new(plan.cwd.as_os_str().as_bytes()).map_err(|_| nul())?;
+    let argv = CStrings::pack(plan.argv.iter().map(|a| [a.as_bytes()])).ok_or_else(nul)?;
+    let envp = CStrings::pack(plan.env.iter().map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes()])).ok_or_else(nul)?;
+    let (argv_ptrs, envp_ptrs) = (argv.pointers(), envp.pointers());
     let check = |rc: libc::c_int| if rc == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(rc)) };
     // SAFETY: `attr` and `actions` are initialised by their `_init` calls before any other use
     // and destroyed once, below, whatever happens between; every pointer passed is to a live
-    // local (the CStrings and the NULL-terminated pointer arrays outlive the call), and
+    // local (the packed strings and the NULL-terminated pointer arrays outlive the call), and
     // posix_spawn only reads them. The descriptors in `stdio` are borrowed, so open, for the call.
+    // A `sigset_t` is at least one aligned 64-bit word (128 bytes under glibc), so writing its
+    // first word stays inside the live local.
     unsafe {
         let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
         check(libc::posix_spawnattr_init(&mut attr))?;
@@ -535,10 +578,18 @@ pub fn posix_spawn(plan: &SpawnPlan<'_>) -> io::Result<i32> {
         }
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
-        let flags = (libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGMASK) as libc::c_short;
+        let mut to_default: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut to_default);
+        // The kernel's layout, which glibc's is: signal n is bit n - 1 of the first word. Set
+        // directly, because `sigaddset` refuses glibc's own signals, which its `posix_spawn`
+        // would otherwise leave ignored in the child.
+        *(&raw mut to_default).cast::<u64>() |= plan.reset_signals.with(libc::SIGPIPE).union(reserved_signals()).0;
+        let flags =
+            (libc::POSIX_SPAWN_SETPGROUP | libc::POSIX_SPAWN_SETSIGMASK | libc::POSIX_SPAWN_SETSIGDEF) as libc::c_short;
         let mut pid: libc::pid_t = 0;
         let result = check(libc::posix_spawnattr_setpgroup(&mut attr, 0))
             .and_then(|()| check(libc::posix_spawnattr_setsigmask(&mut attr, &empty)))
+            .and_then(|()| check(libc::posix_spawnattr_setsigdefault(&mut attr, &to_default)))
             .and_then(|()| check(libc::posix_spawnattr_setflags(&mut attr, flags)))
             .and_then(|()| {
                 for (target, fd) in plan.stdio.iter().enumerate() {
@@ -559,6 +610,74 @@ pub fn posix_spawn(plan: &SpawnPlan<'_>) -> io::Result<i32> {
         libc::posix_spawn_file_actions_destroy(&mut actions);
         libc::posix_spawnattr_destroy(&mut attr);
         result.map(|()| pid)
+    }
+}
+
+/// Which end of a pipe the daemon keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepEnd {
+    Read,
+    Write,
+}
+
+/// A pipe between the daemon and a command it starts: the daemon's end (`keep`) non-blocking,
+/// for the event loop, and the command's blocking, as programs expect of their stdio; both
+/// close-on-exec. Answers (the daemon's end, the command's end). Two system calls, where
+/// `std::io::pipe` and tokio's checked conversion take five.
+pub fn pipe_for_child(keep: KeepEnd) -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: `fds` is a live array of the two ints pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just made by pipe2 and are owned by nothing else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (ours, theirs) = match keep {
+        KeepEnd::Read => (read, write),
+        KeepEnd::Write => (write, read),
+    };
+    // A fresh pipe end has no status flag but its access mode, which F_SETFL leaves alone.
+    // SAFETY: F_SETFL takes an int by value.
+    if unsafe { libc::fcntl(ours.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((ours, theirs))
+}
+
+/// NUL-terminated strings packed in one buffer: two allocations for an environment of dozens of
+/// variables, rather than two per variable.
+#[derive(Debug)]
+struct CStrings {
+    buf: Vec<u8>,
+    starts: Vec<usize>,
+}
+
+impl CStrings {
+    /// Each item's parts joined, then a NUL; `None` when a part holds a NUL.
+    fn pack<'a, const N: usize>(items: impl Iterator<Item = [&'a [u8]; N]>) -> Option<CStrings> {
+        let mut out = CStrings { buf: Vec::new(), starts: Vec::with_capacity(items.size_hint().0) };
+        for parts in items {
+            out.starts.push(out.buf.len());
+            for part in parts {
+                if part.contains(&0) {
+                    return None;
+                }
+                out.buf.extend_from_slice(part);
+            }
+            out.buf.push(0);
+        }
+        Some(out)
+    }
+
+    /// The NULL-terminated array of pointers to each string that exec wants; valid while `self`
+    /// is alive and unchanged.
+    fn pointers(&self) -> Vec<*mut libc::c_char> {
+        let base = self.buf.as_ptr();
+        let mut ptrs: Vec<*mut libc::c_char> =
+            self.starts.iter().map(|&i| base.wrapping_add(i).cast::<libc::c_char>().cast_mut()).collect();
+        ptrs.push(std::ptr::null_mut());
+        ptrs
     }
 }
 
@@ -707,6 +826,20 @@ mod tests {
         // SAFETY: the pointer is to a live, writable local.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut mine) }, 0);
         assert_ne!(mine.rlim_cur, 256 << 20, "the test process itself was limited");
+    }
+
+    #[test]
+    fn packed_c_strings_point_at_each_string_and_refuse_nul() {
+        let env = [("A", "1"), ("PATH", "/bin")];
+        let packed = CStrings::pack(env.iter().map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes()]))
+            .unwrap_or_else(|| panic!("refused"));
+        let ptrs = packed.pointers();
+        assert_eq!(ptrs.len(), 3);
+        assert!(ptrs[2].is_null());
+        // SAFETY: each pointer is into `packed`, alive, and NUL-terminated by `pack`.
+        let strs: Vec<&std::ffi::CStr> = ptrs[..2].iter().map(|&p| unsafe { std::ffi::CStr::from_ptr(p) }).collect();
+        assert_eq!(strs, [c"A=1", c"PATH=/bin"]);
+        assert!(CStrings::pack([[b"a\0b".as_slice()]].into_iter()).is_none());
     }
 
     #[test]

@@ -276,6 +276,19 @@ async fn commands_start_with_default_signals_whatever_the_daemon_inherited() {
     assert_eq!(waited["exit"]["signal"], 2, "{waited}");
 }
 
+/// Every Rust program ignores SIGPIPE, the daemon too, and a start without a fork
+/// (`posix_spawn`) passed that on: `yes | head -1` ended in `Broken pipe` errors. A daemon started
+/// by a Rust program (this test, the server) also inherits one of glibc's own signals ignored;
+/// none of that reaches a command.
+#[tokio::test]
+async fn commands_never_inherit_the_daemons_ignored_sigpipe() {
+    let d = Daemon::start().await;
+    let r = d.exec(json!({"argv": ["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"]})).await;
+    assert_eq!(r["stdout"], "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n");
+    let r = d.exec(json!({"command": "yes | head -n 1"})).await;
+    assert_eq!((&r["stdout"], &r["stderr"], &r["exit_code"]), (&json!("y\n"), &json!(""), &json!(0)), "{r}");
+}
+
 /// Before, a `timeout_ms` of u64::MAX overflowed adding it to the start instant: a panic, and in
 /// the shipped build (`panic = "abort"`) the whole daemon died with every process in it.
 #[tokio::test]
