@@ -2,11 +2,13 @@
 //! unmodified task image (init container, node directory or image volume), one shared watch of
 //! every sandbox pod, API writes paced by a token bucket. Start at [`KubeProvider`]; the pod is
 //! built in [`pod`], its status read in [`status`], what it applied read back in [`applied`],
-//! images pulled ahead in [`prepare`], and `docs/kubernetes.md` is the guide.
+//! images pulled ahead in [`prepare`], the daemon told from a stranger at its address in
+//! [`identity`], and `docs/kubernetes.md` is the guide.
 
 pub mod api;
 pub mod applied;
 pub mod config;
+pub mod identity;
 pub mod pace;
 pub mod pod;
 pub mod prepare;
@@ -46,6 +48,19 @@ use crate::watch::Tracker;
 /// than a claim (the kubelet's status, say) wrote the pod between the read and the update.
 const CLAIM_TRIES: u32 = 3;
 
+/// How a create makes sure the daemon at its pod's address is the sandbox's own before handing
+/// the address out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IdentityCheck {
+    /// The daemon proves the sandbox's token to a fresh challenge ([`identity::prove`]); a
+    /// daemon of another sandbox answering at a reused pod IP fails the create.
+    #[default]
+    Challenge,
+    /// The address the pod's status names is taken as it is. Only for tests on a mocked API
+    /// server, whose pod IPs no daemon listens at.
+    Trust,
+}
+
 /// Name of the NetworkPolicy that cuts off `network: none` and `eval` sandboxes.
 pub const NETWORK_NONE_POLICY: &str = "sandman-network-none";
 
@@ -71,6 +86,7 @@ pub struct KubeProvider {
     /// The watch task; cancelled on shutdown (the pods stay for the next server).
     tasks: TaskTracker,
     cancel: CancellationToken,
+    identity: IdentityCheck,
 }
 
 impl KubeProvider {
@@ -117,7 +133,14 @@ impl KubeProvider {
             policy: OnceCell::new(),
             tasks,
             cancel,
+            identity: IdentityCheck::default(),
         })
+    }
+
+    /// Sets how creates check the daemon's identity (a challenge by default).
+    pub fn with_identity_check(mut self, check: IdentityCheck) -> Self {
+        self.identity = check;
+        self
     }
 
     /// Connects with the client the environment gives (in a pod: its service account; else
@@ -289,6 +312,47 @@ impl KubeProvider {
     }
 }
 
+impl KubeProvider {
+    /// Makes sure the daemon at `addr` is the sandbox's own ([`identity::prove`]), while the
+    /// watch still shows its pod running: a pod that ends meanwhile fails the create with why.
+    async fn verify_daemon(
+        &self,
+        spec: &SandboxSpec,
+        addr: &str,
+        rx: &mut tokio_watch::Receiver<PodState>,
+        deadline: Instant,
+    ) -> Result<(), ProviderError> {
+        if self.identity == IdentityCheck::Trust {
+            return Ok(());
+        }
+        let proved = identity::prove(addr, &spec.token, deadline);
+        let ended = async {
+            loop {
+                if rx.changed().await.is_err() {
+                    return ProviderError::Backend("the pod watch has stopped".into());
+                }
+                if !matches!(*rx.borrow(), PodState::Ready { .. }) {
+                    // Pending again (not seen in practice) waits on; an end is the answer.
+                    if let Err(e) = self.wait_running(&spec.id, rx, deadline).await {
+                        return e;
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            proved = proved => proved.map_err(|e| {
+                let reason = match e {
+                    identity::IdentityError::Unreachable { .. } => Reason::ReadyTimeout,
+                    _ => Reason::DaemonStartFailed,
+                };
+                tracing::warn!(sandbox = %spec.id, err = %e, "the daemon at the pod's address is not the sandbox's");
+                ProviderError::Failed { reason, message: e.to_string() }
+            }),
+            e = ended => Err(e),
+        }
+    }
+}
+
 impl Drop for KubeProvider {
     fn drop(&mut self) {
         // The watch stops; the pods run on for the next server.
@@ -357,10 +421,17 @@ impl Provider for KubeProvider {
                 return Err(e);
             }
         }
-        match self.wait_running(&spec.id, &mut rx, deadline).await {
+        let running = match self.wait_running(&spec.id, &mut rx, deadline).await {
             Ok(ip) => {
+                let addr = daemon_addr(&ip, self.config.daemon_port);
+                self.verify_daemon(spec, &addr, &mut rx, deadline).await.map(|()| addr)
+            }
+            Err(e) => Err(e),
+        };
+        match running {
+            Ok(addr) => {
                 creating.ok = true;
-                Ok(Endpoint::Tcp(daemon_addr(&ip, self.config.daemon_port)))
+                Ok(Endpoint::Tcp(addr))
             }
             Err(e) => {
                 // A pod that will never serve is removed now; its reason is in the error.
