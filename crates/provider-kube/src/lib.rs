@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod applied;
+pub mod capacity;
 pub mod config;
 pub mod identity;
 pub mod pace;

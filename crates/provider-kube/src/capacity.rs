@@ -1,0 +1,638 @@
+//! Capacity-aware admission: how much room the nodes that may run sandboxes have, and a gate that
+//! lets creates through as room appears instead of making pods the scheduler cannot place. Start
+//! at [`Admission`]; [`Room`] is the arithmetic over Node and Pod objects as watches hold them.
+//!
+//! A create that fits an eligible node is admitted at once and counted on that node (as the
+//! scheduler's own cache assumes a pod) until the watch shows its pod bound. One that fits none
+//! now may still be admitted while fewer than `max_pending` such creates are out, so that a
+//! cluster autoscaler sees pending pods and adds nodes; the rest wait here, in order, with their
+//! position and the resource they wait for. Only a request no eligible node could hold even empty
+//! (bigger than the largest node) is refused at once, and a wait longer than its deadline ends
+//! `unschedulable` too.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::sync::{Mutex, PoisonError};
+
+use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use sandman_wire::server::Quantity;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::config::KubeConfig;
+
+/// What a pod asks the scheduler for, as the scheduler counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ask {
+    pub cpu_milli: u64,
+    pub memory: u64,
+    pub pods: u64,
+}
+
+/// A resource a node can be short of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resource {
+    Cpu,
+    Memory,
+    Pods,
+    /// No node may run sandboxes at all (none ready, or none matching the selector).
+    Nodes,
+}
+
+impl fmt::Display for Resource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Resource::Cpu => "cpu",
+            Resource::Memory => "memory",
+            Resource::Pods => "pods",
+            Resource::Nodes => "an eligible node",
+        })
+    }
+}
+
+impl Ask {
+    /// The pod's effective requests: per resource, the larger of its containers' sum and its
+    /// largest init container (init containers run one at a time, before the others).
+    pub fn of_pod(pod: &Pod) -> Ask {
+        let Some(spec) = pod.spec.as_ref() else { return Ask { pods: 1, ..Ask::default() } };
+        let sum = spec.containers.iter().map(requests).fold(Ask::default(), |a, b| Ask {
+            cpu_milli: a.cpu_milli + b.cpu_milli,
+            memory: a.memory + b.memory,
+            pods: 0,
+        });
+        let init = spec.init_containers.iter().flatten().map(requests).fold(Ask::default(), |a, b| Ask {
+            cpu_milli: a.cpu_milli.max(b.cpu_milli),
+            memory: a.memory.max(b.memory),
+            pods: 0,
+        });
+        Ask { cpu_milli: sum.cpu_milli.max(init.cpu_milli), memory: sum.memory.max(init.memory), pods: 1 }
+    }
+
+    /// The first resource `free` has too little of for this ask.
+    fn short_of(&self, free: &Ask) -> Option<Resource> {
+        if self.cpu_milli > free.cpu_milli {
+            Some(Resource::Cpu)
+        } else if self.memory > free.memory {
+            Some(Resource::Memory)
+        } else if self.pods > free.pods {
+            Some(Resource::Pods)
+        } else {
+            None
+        }
+    }
+
+    fn plus(&self, o: &Ask) -> Ask {
+        Ask { cpu_milli: self.cpu_milli + o.cpu_milli, memory: self.memory + o.memory, pods: self.pods + o.pods }
+    }
+
+    fn minus(&self, o: &Ask) -> Ask {
+        Ask {
+            cpu_milli: self.cpu_milli.saturating_sub(o.cpu_milli),
+            memory: self.memory.saturating_sub(o.memory),
+            pods: self.pods.saturating_sub(o.pods),
+        }
+    }
+}
+
+fn requests(c: &Container) -> Ask {
+    let get = |name: &str| {
+        c.resources.as_ref().and_then(|r| r.requests.as_ref()).and_then(|r| r.get(name)).map(|q| q.0.clone())
+    };
+    Ask {
+        cpu_milli: get("cpu").map_or(0, |q| quantity(&q, 1000.0)),
+        memory: get("memory").map_or(0, |q| quantity(&q, 1.0)),
+        pods: 0,
+    }
+}
+
+/// A Kubernetes quantity in units of `1/scale` of its base unit (millicores: 1000), rounded up.
+fn quantity(q: &str, scale: f64) -> u64 {
+    Quantity::Text(q.to_string()).value().map_or(0, |v| (v * scale).ceil().max(0.0) as u64)
+}
+
+/// One eligible node: what it offers and what the pods bound to it request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRoom {
+    pub name: String,
+    pub allocatable: Ask,
+    pub requested: Ask,
+}
+
+impl NodeRoom {
+    fn free(&self) -> Ask {
+        self.allocatable.minus(&self.requested)
+    }
+}
+
+/// Where a request fits now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fit {
+    /// On this node.
+    Node(String),
+    /// On none now; it would on an empty one. The resource the roomiest node lacks.
+    Wait(Resource),
+    /// On no eligible node even empty: it can never be scheduled.
+    Never { largest: String, resource: Resource },
+}
+
+/// The room of the nodes that may run sandboxes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Room {
+    pub nodes: Vec<NodeRoom>,
+}
+
+impl Room {
+    /// The room of the eligible nodes (Ready, schedulable, matching the provider's node
+    /// selector, every NoSchedule/NoExecute taint tolerated), less what every pod bound to them
+    /// and not ended requests, whoever made it.
+    pub fn observe<'a>(
+        nodes: impl IntoIterator<Item = &'a Node>,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        config: &KubeConfig,
+    ) -> Room {
+        let mut room: BTreeMap<String, NodeRoom> = nodes
+            .into_iter()
+            .filter(|n| eligible(n, config))
+            .map(|n| {
+                let name = n.metadata.name.clone().unwrap_or_default();
+                let alloc = n.status.as_ref().and_then(|s| s.allocatable.as_ref());
+                let get = |k: &str, scale: f64| alloc.and_then(|a| a.get(k)).map_or(0, |q| quantity(&q.0, scale));
+                let allocatable =
+                    Ask { cpu_milli: get("cpu", 1000.0), memory: get("memory", 1.0), pods: get("pods", 1.0) };
+                (name.clone(), NodeRoom { name, allocatable, requested: Ask::default() })
+            })
+            .collect();
+        for pod in pods {
+            let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+            if matches!(phase, Some("Succeeded" | "Failed")) {
+                continue;
+            }
+            let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).and_then(|n| room.get_mut(n)) else {
+                continue;
+            };
+            node.requested = node.requested.plus(&Ask::of_pod(pod));
+        }
+        Room { nodes: room.into_values().collect() }
+    }
+
+    /// Where `ask` fits: the eligible node with the most cpu left that holds it.
+    pub fn fit(&self, ask: &Ask) -> Fit {
+        let roomiest = |nodes: &mut dyn Iterator<Item = &NodeRoom>| {
+            nodes.max_by_key(|n| (n.free().cpu_milli, n.free().memory, std::cmp::Reverse(n.name.clone()))).cloned()
+        };
+        if let Some(n) = roomiest(&mut self.nodes.iter().filter(|n| ask.short_of(&n.free()).is_none())) {
+            return Fit::Node(n.name);
+        }
+        let Some(largest) =
+            self.nodes.iter().max_by_key(|n| (n.allocatable.cpu_milli, n.allocatable.memory, n.name.clone()))
+        else {
+            return Fit::Wait(Resource::Nodes);
+        };
+        if self.nodes.iter().all(|n| ask.short_of(&n.allocatable).is_some()) {
+            let resource = ask.short_of(&largest.allocatable).unwrap_or(Resource::Cpu);
+            return Fit::Never { largest: largest.name.clone(), resource };
+        }
+        let short = roomiest(&mut self.nodes.iter()).and_then(|n| ask.short_of(&n.free()));
+        Fit::Wait(short.unwrap_or(Resource::Cpu))
+    }
+
+    fn take(&mut self, node: &str, ask: &Ask) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.name == node) {
+            n.requested = n.requested.plus(ask);
+        }
+    }
+
+    fn describe(&self, name: &str) -> String {
+        match self.nodes.iter().find(|n| n.name == name) {
+            Some(n) => format!(
+                "`{}` ({} cpu, {} memory, {} pods allocatable)",
+                n.name,
+                n.allocatable.cpu_milli as f64 / 1000.0,
+                n.allocatable.memory,
+                n.allocatable.pods
+            ),
+            None => format!("`{name}`"),
+        }
+    }
+}
+
+/// Whether the provider's pods may run on `node`: Ready, schedulable, labelled as the node
+/// selector asks, and every NoSchedule/NoExecute taint tolerated.
+pub fn eligible(node: &Node, config: &KubeConfig) -> bool {
+    let labels = node.metadata.labels.as_ref();
+    let selected = config.node_selector.iter().all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v));
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    let cordoned = node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+    selected && ready && !cordoned && crate::prepare::eligible(node, &config.tolerations).is_ok()
+}
+
+/// Where a create waits: its place in the queue (0: next) and what it waits for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    pub position: usize,
+    pub resource: Resource,
+}
+
+impl fmt::Display for Waiting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "waiting for capacity ({}), position {} in the queue", self.resource, self.position + 1)
+    }
+}
+
+/// Why a create was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// No eligible node could hold the request even empty.
+    #[error(
+        "the request ({cpu} cpu, {memory} bytes of memory) is more {resource} than the largest eligible node {node} has"
+    )]
+    NeverFits { resource: Resource, node: String, cpu: String, memory: u64 },
+    /// It waited for room until its deadline.
+    #[error("no room on the eligible nodes before the wait's deadline: still waiting for capacity ({resource})")]
+    TimedOut { resource: Resource },
+}
+
+/// The gate every create passes before its pod is made.
+#[derive(Debug)]
+pub struct Admission {
+    /// Creates admitted with no node to hold them (pending pods for an autoscaler to see).
+    max_pending: usize,
+    /// The room, the admitted creates not yet seen bound, the queue. Locked briefly, never across
+    /// an await.
+    state: Mutex<State>,
+    /// Wakes the waiters when the room changes or a create is done.
+    changed: Notify,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    room: Room,
+    /// Admitted creates whose pods the watches do not show bound yet, by sandbox id: the node
+    /// counted for them (none: admitted pending), and their ask.
+    assumed: BTreeMap<String, (Option<String>, Ask)>,
+    /// Tickets of the waiting creates, first come first served.
+    queue: VecDeque<u64>,
+    next_ticket: u64,
+    /// What the first in the queue waits for: what everyone behind it waits for too.
+    head_waits: Option<Resource>,
+}
+
+impl State {
+    /// The room as seen, with the assumed creates counted on their nodes, and the pending ones
+    /// on whatever room has appeared since: the scheduler places them there first.
+    fn room_now(&self) -> Room {
+        let mut room = self.room.clone();
+        for (node, ask) in self.assumed.values() {
+            if let Some(node) = node {
+                room.take(node, ask);
+            }
+        }
+        for (node, ask) in self.assumed.values() {
+            if node.is_none()
+                && let Fit::Node(n) = room.fit(ask)
+            {
+                room.take(&n, ask);
+            }
+        }
+        room
+    }
+
+    fn pending(&self) -> usize {
+        self.assumed.values().filter(|(node, _)| node.is_none()).count()
+    }
+}
+
+impl Admission {
+    pub fn new(max_pending: usize) -> Admission {
+        Admission { max_pending, state: Mutex::default(), changed: Notify::new() }
+    }
+
+    /// Replaces the room with what the watches show now. `bound` says whether a sandbox's pod
+    /// is now seen on a node (its ask is in the room then) or gone: its assumption is dropped.
+    pub fn observe(&self, room: Room, settled: impl Fn(&str) -> bool) {
+        let mut s = self.lock();
+        s.room = room;
+        s.assumed.retain(|id, _| !settled(id));
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// The create of `id` ended without its pod being bound (failed, or deleted): its
+    /// assumption goes.
+    pub fn forget(&self, id: &str) {
+        if self.lock().assumed.remove(id).is_some() {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Waits until `ask` may be created: at once when an eligible node holds it or fewer than
+    /// `max_pending` admitted creates have no node; else in order behind the creates that came
+    /// first, telling `waiting` its place and what it waits for each time either changes.
+    /// Refuses at once what no eligible node could ever hold, and gives up at `deadline`.
+    pub async fn admit(
+        &self,
+        id: &str,
+        ask: Ask,
+        deadline: Instant,
+        mut waiting: impl FnMut(&Waiting),
+    ) -> Result<(), AdmissionError> {
+        let ticket = {
+            let mut s = self.lock();
+            let t = s.next_ticket;
+            s.next_ticket += 1;
+            s.queue.push_back(t);
+            t
+        };
+        let mut queued = Queued { admission: self, ticket };
+        let mut last: Option<Waiting> = None;
+        loop {
+            // Registered before the state is read, so that no change between is missed.
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let outcome = {
+                let mut s = self.lock();
+                let position = s.queue.iter().position(|t| *t == ticket).unwrap_or(0);
+                match s.room_now().fit(&ask) {
+                    Fit::Never { largest, resource } => Err(AdmissionError::NeverFits {
+                        resource,
+                        node: s.room.describe(&largest),
+                        cpu: (ask.cpu_milli as f64 / 1000.0).to_string(),
+                        memory: ask.memory,
+                    }),
+                    Fit::Node(node) if position == 0 => {
+                        s.assumed.insert(id.to_string(), (Some(node), ask));
+                        Ok(None)
+                    }
+                    Fit::Wait(_) if position == 0 && s.pending() < self.max_pending => {
+                        s.assumed.insert(id.to_string(), (None, ask));
+                        Ok(None)
+                    }
+                    Fit::Wait(resource) if position == 0 => {
+                        s.head_waits = Some(resource);
+                        Ok(Some(Waiting { position, resource }))
+                    }
+                    // In order: behind a create that waits, whether this one fits or not.
+                    Fit::Node(_) | Fit::Wait(_) => {
+                        Ok(Some(Waiting { position, resource: s.head_waits.unwrap_or(Resource::Cpu) }))
+                    }
+                }
+            };
+            let wait = match outcome {
+                Err(e) => return Err(e),
+                Ok(None) => {
+                    queued.leave();
+                    return Ok(());
+                }
+                Ok(Some(w)) => w,
+            };
+            if last.as_ref() != Some(&wait) {
+                waiting(&wait);
+                last = Some(wait.clone());
+            }
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(AdmissionError::TimedOut { resource: wait.resource });
+                }
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A place in the queue, given up however the wait ends (admitted, refused, cancelled).
+struct Queued<'a> {
+    admission: &'a Admission,
+    ticket: u64,
+}
+
+impl Queued<'_> {
+    fn leave(&mut self) {
+        let mut s = self.admission.lock();
+        if let Some(at) = s.queue.iter().position(|t| *t == self.ticket) {
+            s.queue.remove(at);
+            drop(s);
+            // The next in line may go now.
+            self.admission.changed.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A real kubelet's Node, recorded from the local v1.36 cluster: 2 cpu, 24581252Ki, 250 pods.
+    fn node() -> Node {
+        serde_json::from_str(include_str!("../tests/fixtures/node-kubelet-ready.json")).unwrap()
+    }
+
+    /// The recorded running sandbox pod (task 100m/64Mi, init 10m/16Mi), on `node`.
+    fn pod_on(name: &str, node: &str) -> Pod {
+        let mut pod: Pod = serde_json::from_str(include_str!("../tests/fixtures/pod-running-ready.json")).unwrap();
+        pod.metadata.name = Some(name.to_string());
+        pod.spec.as_mut().unwrap().node_name = Some(node.to_string());
+        pod
+    }
+
+    fn config() -> KubeConfig {
+        KubeConfig { namespace: "ns".into(), daemon_image: "d".into(), ..KubeConfig::default() }
+    }
+
+    fn cpu(milli: u64) -> Ask {
+        Ask { cpu_milli: milli, memory: 64 << 20, pods: 1 }
+    }
+
+    #[test]
+    fn a_pods_ask_is_its_containers_sum_or_its_largest_init_container() {
+        let pod = pod_on("p", "node-1");
+        assert_eq!(Ask::of_pod(&pod), Ask { cpu_milli: 100, memory: 64 << 20, pods: 1 });
+        let mut big_init = pod.clone();
+        let init = &mut big_init.spec.as_mut().unwrap().init_containers.as_mut().unwrap()[0];
+        init.resources
+            .as_mut()
+            .unwrap()
+            .requests
+            .as_mut()
+            .unwrap()
+            .insert("cpu".into(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("1500m".into()));
+        assert_eq!(Ask::of_pod(&big_init).cpu_milli, 1500);
+    }
+
+    #[test]
+    fn the_room_of_a_node_is_its_allocatable_less_its_live_pods() {
+        let mut ended = pod_on("done", "node-1");
+        ended.status.as_mut().unwrap().phase = Some("Succeeded".into());
+        let pods = [pod_on("a", "node-1"), pod_on("b", "node-1"), pod_on("elsewhere", "vm"), ended];
+        let room = Room::observe([&node()], &pods, &config());
+        assert_eq!(room.nodes.len(), 1);
+        let n = &room.nodes[0];
+        assert_eq!(n.allocatable, Ask { cpu_milli: 2000, memory: 24_581_252 * 1024, pods: 250 });
+        assert_eq!(n.requested, Ask { cpu_milli: 200, memory: 128 << 20, pods: 2 });
+    }
+
+    #[test]
+    fn nodes_not_ready_cordoned_tainted_or_unselected_hold_nothing() {
+        let mut not_ready = node();
+        for c in not_ready.status.as_mut().unwrap().conditions.as_mut().unwrap() {
+            if c.type_ == "Ready" {
+                c.status = "False".into();
+            }
+        }
+        let mut cordoned = node();
+        cordoned.spec.get_or_insert_default().unschedulable = Some(true);
+        let mut tainted = node();
+        tainted.spec.get_or_insert_default().taints = Some(vec![k8s_openapi::api::core::v1::Taint {
+            key: "gpu".into(),
+            effect: "NoSchedule".into(),
+            ..Default::default()
+        }]);
+        for n in [not_ready, cordoned, tainted] {
+            assert!(!eligible(&n, &config()), "{:?}", n.spec);
+            assert_eq!(Room::observe([&n], [], &config()).fit(&cpu(100)), Fit::Wait(Resource::Nodes));
+        }
+        let selective = KubeConfig { node_selector: [("pool".into(), "sandbox".into())].into(), ..config() };
+        assert!(!eligible(&node(), &selective));
+        assert!(eligible(&node(), &config()));
+    }
+
+    #[test]
+    fn a_request_bigger_than_the_largest_node_never_fits_and_names_it() {
+        let room = Room::observe([&node()], [], &config());
+        assert_eq!(room.fit(&cpu(64_000)), Fit::Never { largest: "node-1".into(), resource: Resource::Cpu });
+        assert_eq!(room.fit(&cpu(2000)), Fit::Node("node-1".into()));
+        // Full now, but it would fit the node empty: it waits.
+        let pods: Vec<Pod> = (0..20).map(|i| pod_on(&format!("p{i}"), "node-1")).collect();
+        let full = Room::observe([&node()], &pods, &config());
+        assert_eq!(full.fit(&cpu(100)), Fit::Wait(Resource::Cpu));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_create_that_can_never_fit_is_refused_at_once_naming_the_largest_node() {
+        let gate = Admission::new(4);
+        gate.observe(Room::observe([&node()], [], &config()), |_| false);
+        let err = gate.admit("big", cpu(64_000), Instant::now() + Duration::from_secs(600), |_| {}).await.unwrap_err();
+        assert!(matches!(err, AdmissionError::NeverFits { resource: Resource::Cpu, .. }), "{err:?}");
+        assert!(err.to_string().contains("`node-1` (2 cpu"), "{err}");
+    }
+
+    /// 40 creates of 100m on the recorded 2-cpu node with one pod of 100m on it already: 19
+    /// fit and go at once, 4 more go as pending pods (the bound), 17 wait in order; as pods are
+    /// seen bound and then deleted, the waiters go in order; one left waiting past its deadline
+    /// ends timed out.
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_beyond_the_room_waits_in_order_and_goes_as_room_appears() {
+        let gate = Arc::new(Admission::new(4));
+        let existing = vec![pod_on("other-team", "node-1")];
+        gate.observe(Room::observe([&node()], &existing, &config()), |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for i in 0..40 {
+            let (gate, tx) = (gate.clone(), tx.clone());
+            tasks.push(tokio::spawn(async move {
+                let id = format!("s{i:02}");
+                let mut seen = Vec::new();
+                let r = gate.admit(&id, cpu(100), deadline, |w| seen.push(w.clone())).await;
+                let _ = tx.send((id, r, seen));
+            }));
+            // Each in its turn, so that the order of arrival is known.
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut admitted = Vec::new();
+        while let Ok((id, r, seen)) = rx.try_recv() {
+            assert!(r.is_ok() && seen.is_empty(), "{id}: {r:?} {seen:?}");
+            admitted.push(id);
+        }
+        assert_eq!(admitted.len(), 19 + 4, "{admitted:?}");
+        assert_eq!(gate.lock().pending(), 4);
+        assert_eq!(gate.lock().queue.len(), 17);
+
+        // The admitted pods are seen: 19 bound to the node, 4 pending without a node.
+        let mut pods = existing.clone();
+        for id in &admitted[..19] {
+            pods.push(pod_on(id, "node-1"));
+        }
+        let bound: Vec<String> = admitted[..19].to_vec();
+        gate.observe(Room::observe([&node()], &pods, &config()), |id| bound.iter().any(|b| b == id));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(rx.try_recv().is_err(), "a create went with no room and the pending bound reached");
+
+        // Six sandboxes are released: the four pending pods will be scheduled there first, and
+        // the first two waiters go, in the order they came.
+        pods.drain(1..7);
+        gate.observe(Room::observe([&node()], &pods, &config()), |id| bound.iter().any(|b| b == id));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut next = Vec::new();
+        while let Ok((id, r, seen)) = rx.try_recv() {
+            assert!(r.is_ok(), "{id}: {r:?}");
+            assert_eq!(seen.first().map(|w| w.resource), Some(Resource::Cpu), "{id}: {seen:?}");
+            next.push(id);
+        }
+        next.sort();
+        assert_eq!(next, ["s23", "s24"]);
+
+        // The rest wait until their deadline and end timed out, waiting for cpu.
+        tokio::time::sleep_until(deadline + Duration::from_millis(1)).await;
+        let mut timed_out = 0;
+        while let Ok((id, r, _)) = rx.try_recv() {
+            assert_eq!(r, Err(AdmissionError::TimedOut { resource: Resource::Cpu }), "{id}");
+            timed_out += 1;
+        }
+        assert_eq!(timed_out, 15);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert!(gate.lock().queue.is_empty(), "a place in the queue outlived its wait");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_learns_its_place_and_a_cancelled_wait_gives_it_up() {
+        let gate = Arc::new(Admission::new(0));
+        let pods: Vec<Pod> = (0..20).map(|i| pod_on(&format!("p{i}"), "node-1")).collect();
+        gate.observe(Room::observe([&node()], &pods, &config()), |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let first = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("first", cpu(100), deadline, |_| {}).await })
+        };
+        tokio::task::yield_now().await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let second = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("second", cpu(100), deadline, |w| tx.send(w.clone()).unwrap()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let w = rx.try_recv().unwrap();
+        assert_eq!(w, Waiting { position: 1, resource: Resource::Cpu });
+        assert_eq!(w.to_string(), "waiting for capacity (cpu), position 2 in the queue");
+        // The first gives up (its create was cancelled): the second moves up.
+        first.abort();
+        let _ = first.await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(rx.try_recv().unwrap(), Waiting { position: 0, resource: Resource::Cpu });
+        second.abort();
+        let _ = second.await;
+        assert!(gate.lock().queue.is_empty());
+    }
+}
