@@ -2,13 +2,14 @@
 //! lets creates through as room appears instead of making pods the scheduler cannot place. Start
 //! at [`Admission`]; [`Room`] is the arithmetic over Node and Pod objects as watches hold them.
 //!
-//! A create that fits an eligible node is admitted at once and counted on that node (as the
-//! scheduler's own cache assumes a pod) until the watch shows its pod bound. One that fits none
-//! now may still be admitted while fewer than `max_pending` such creates are out, so that a
-//! cluster autoscaler sees pending pods and adds nodes; the rest wait here, in order, with their
-//! position and the resource they wait for. Only a request no eligible node could hold even empty
-//! (bigger than the largest node) is refused at once, and a wait longer than its deadline ends
-//! `unschedulable` too.
+//! At most `max_pending` admitted creates have pods the watch does not show bound to a node yet:
+//! the API server never holds more unscheduled sandbox pods than that. Within the bound, a
+//! create that fits an eligible node is admitted and counted on that node (as the scheduler's
+//! own cache assumes a pod) until its pod is seen bound; one that fits none now is admitted too,
+//! its pod left pending so that a cluster autoscaler sees the demand and adds nodes. The rest
+//! wait here, in order, with their position and what they wait for. Only a request no eligible
+//! node could hold even empty (bigger than the largest node) is refused at once; a wait longer
+//! than its deadline ends `unschedulable` too.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -18,6 +19,7 @@ use k8s_openapi::api::core::v1::{Container, Node, Pod};
 use sandman_wire::server::Quantity;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::KubeConfig;
 
@@ -37,6 +39,8 @@ pub enum Resource {
     Pods,
     /// No node may run sandboxes at all (none ready, or none matching the selector).
     Nodes,
+    /// There is room, but `max_pending` pods wait for the scheduler already.
+    Scheduler,
 }
 
 impl fmt::Display for Resource {
@@ -46,6 +50,7 @@ impl fmt::Display for Resource {
             Resource::Memory => "memory",
             Resource::Pods => "pods",
             Resource::Nodes => "an eligible node",
+            Resource::Scheduler => "the scheduler to place the pending pods",
         })
     }
 }
@@ -259,7 +264,7 @@ pub enum AdmissionError {
 /// The gate every create passes before its pod is made.
 #[derive(Debug)]
 pub struct Admission {
-    /// Creates admitted with no node to hold them (pending pods for an autoscaler to see).
+    /// Admitted creates whose pods are not seen bound yet, at most.
     max_pending: usize,
     /// The room, the admitted creates not yet seen bound, the queue. Locked briefly, never across
     /// an await.
@@ -279,6 +284,8 @@ struct State {
     next_ticket: u64,
     /// What the first in the queue waits for: what everyone behind it waits for too.
     head_waits: Option<Resource>,
+    /// Whether the room has been observed once: before, nothing is known and nothing goes.
+    observed: bool,
 }
 
 impl State {
@@ -301,14 +308,17 @@ impl State {
         room
     }
 
+    /// Admitted creates made (or about to make) pods that fit no node now.
+    #[cfg(test)]
     fn pending(&self) -> usize {
         self.assumed.values().filter(|(node, _)| node.is_none()).count()
     }
 }
 
 impl Admission {
+    /// At least one create at a time goes through, whatever `max_pending` says.
     pub fn new(max_pending: usize) -> Admission {
-        Admission { max_pending, state: Mutex::default(), changed: Notify::new() }
+        Admission { max_pending: max_pending.max(1), state: Mutex::default(), changed: Notify::new() }
     }
 
     /// Replaces the room with what the watches show now. `bound` says whether a sandbox's pod
@@ -316,6 +326,7 @@ impl Admission {
     pub fn observe(&self, room: Room, settled: impl Fn(&str) -> bool) {
         let mut s = self.lock();
         s.room = room;
+        s.observed = true;
         s.assumed.retain(|id, _| !settled(id));
         drop(s);
         self.changed.notify_waiters();
@@ -329,10 +340,10 @@ impl Admission {
         }
     }
 
-    /// Waits until `ask` may be created: at once when an eligible node holds it or fewer than
-    /// `max_pending` admitted creates have no node; else in order behind the creates that came
-    /// first, telling `waiting` its place and what it waits for each time either changes.
-    /// Refuses at once what no eligible node could ever hold, and gives up at `deadline`.
+    /// Waits until `ask` may be created: when it is first in line and fewer than `max_pending`
+    /// admitted pods are unbound (counted on the node that holds it, or pending where none
+    /// does). Tells `waiting` its place and what it waits for each time either changes. Refuses
+    /// at once what no eligible node could ever hold, and gives up at `deadline`.
     pub async fn admit(
         &self,
         id: &str,
@@ -357,28 +368,35 @@ impl Admission {
             let outcome = {
                 let mut s = self.lock();
                 let position = s.queue.iter().position(|t| *t == ticket).unwrap_or(0);
-                match s.room_now().fit(&ask) {
+                let fit = if s.observed { s.room_now().fit(&ask) } else { Fit::Wait(Resource::Nodes) };
+                let full = !s.observed || s.assumed.len() >= self.max_pending;
+                match fit {
                     Fit::Never { largest, resource } => Err(AdmissionError::NeverFits {
                         resource,
                         node: s.room.describe(&largest),
                         cpu: (ask.cpu_milli as f64 / 1000.0).to_string(),
                         memory: ask.memory,
                     }),
-                    Fit::Node(node) if position == 0 => {
-                        s.assumed.insert(id.to_string(), (Some(node), ask));
-                        Ok(None)
+                    // In order: behind a create that waits, whether this one fits or not.
+                    _ if position > 0 => {
+                        Ok(Some(Waiting { position, resource: s.head_waits.unwrap_or(Resource::Scheduler) }))
                     }
-                    Fit::Wait(_) if position == 0 && s.pending() < self.max_pending => {
-                        s.assumed.insert(id.to_string(), (None, ask));
-                        Ok(None)
+                    Fit::Node(_) if full => {
+                        s.head_waits = Some(Resource::Scheduler);
+                        Ok(Some(Waiting { position, resource: Resource::Scheduler }))
                     }
-                    Fit::Wait(resource) if position == 0 => {
+                    Fit::Wait(resource) if full => {
                         s.head_waits = Some(resource);
                         Ok(Some(Waiting { position, resource }))
                     }
-                    // In order: behind a create that waits, whether this one fits or not.
-                    Fit::Node(_) | Fit::Wait(_) => {
-                        Ok(Some(Waiting { position, resource: s.head_waits.unwrap_or(Resource::Cpu) }))
+                    Fit::Node(node) => {
+                        s.assumed.insert(id.to_string(), (Some(node), ask));
+                        Ok(None)
+                    }
+                    // No room now: a pending pod, within the bound, for an autoscaler to see.
+                    Fit::Wait(_) => {
+                        s.assumed.insert(id.to_string(), (None, ask));
+                        Ok(None)
                     }
                 }
             };
@@ -429,6 +447,63 @@ impl Queued<'_> {
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
         self.leave();
+    }
+}
+
+/// Keeps `gate`'s room up to date until cancelled: one watch of every Node, one of every pod of
+/// the cluster not ended (the scheduler's view: other teams' pods take room too), each into a
+/// reflector store; after each batch of events the room is computed again and the creates
+/// whose pods are now seen on a node stop being assumed. Before both have listed once the room
+/// is empty, so creates wait.
+pub async fn watch(
+    client: kube::Client,
+    config: KubeConfig,
+    gate: std::sync::Arc<Admission>,
+    cancel: CancellationToken,
+) {
+    use futures_util::{FutureExt, StreamExt};
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+
+    let (nodes, node_writer) = reflector::store::<Node>();
+    let (pods, pod_writer) = reflector::store::<Pod>();
+    let node_events = watcher(kube::Api::<Node>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(node_writer)
+        .map(|e| e.err().map(|e| e.to_string()));
+    let live = watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
+    let pod_events = watcher(kube::Api::<Pod>::all(client), live)
+        .default_backoff()
+        .reflect(pod_writer)
+        .map(|e| e.err().map(|e| e.to_string()));
+    let mut events = std::pin::pin!(futures_util::stream::select(node_events, pod_events));
+    loop {
+        let next = tokio::select! {
+            _ = cancel.cancelled() => return,
+            next = events.next() => next,
+        };
+        match next {
+            None => return,
+            Some(Some(err)) => tracing::warn!(%err, "capacity watch failed; resuming"),
+            Some(None) => {}
+        }
+        // The rest of the batch first: one computation for many events.
+        while let Some(Some(next)) = events.next().now_or_never() {
+            if let Some(err) = next {
+                tracing::warn!(%err, "capacity watch failed; resuming");
+            }
+        }
+        if nodes.wait_until_ready().now_or_never().is_none() || pods.wait_until_ready().now_or_never().is_none() {
+            continue;
+        }
+        let (all_nodes, all_pods) = (nodes.state(), pods.state());
+        let room = Room::observe(all_nodes.iter().map(AsRef::as_ref), all_pods.iter().map(AsRef::as_ref), &config);
+        let bound: std::collections::HashSet<&str> = all_pods
+            .iter()
+            .filter(|p| p.metadata.namespace.as_deref() == Some(config.namespace.as_str()))
+            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
+            .filter_map(|p| crate::pod::sandbox_id(&p.metadata))
+            .collect();
+        gate.observe(room, |id| bound.contains(id));
     }
 }
 
@@ -527,6 +602,24 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn nothing_goes_before_the_room_is_known() {
+        let gate = Arc::new(Admission::new(4));
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let big = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("big", cpu(64_000), deadline, |w| tx.send(w.clone()).unwrap()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(rx.try_recv().unwrap(), Waiting { position: 0, resource: Resource::Nodes });
+        assert!(gate.lock().assumed.is_empty(), "admitted before the nodes were known");
+        // Once the nodes are known, what can never fit is refused.
+        gate.observe(Room::observe([&node()], [], &config()), |_| false);
+        let err = big.await.unwrap().unwrap_err();
+        assert!(matches!(err, AdmissionError::NeverFits { .. }), "{err:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_create_that_can_never_fit_is_refused_at_once_naming_the_largest_node() {
         let gate = Admission::new(4);
         gate.observe(Room::observe([&node()], [], &config()), |_| false);
@@ -535,15 +628,40 @@ mod tests {
         assert!(err.to_string().contains("`node-1` (2 cpu"), "{err}");
     }
 
-    /// 40 creates of 100m on the recorded 2-cpu node with one pod of 100m on it already: 19
-    /// fit and go at once, 4 more go as pending pods (the bound), 17 wait in order; as pods are
-    /// seen bound and then deleted, the waiters go in order; one left waiting past its deadline
-    /// ends timed out.
+    /// Sees every admitted create's pod bound to node-1 (those the room holds) and answers the
+    /// ids admitted since the last call.
+    async fn settle(
+        gate: &Admission,
+        pods: &mut Vec<Pod>,
+        rx: &mut tokio::sync::mpsc::UnboundedReceiver<(String, Result<(), AdmissionError>, Vec<Waiting>)>,
+        bind: usize,
+    ) -> Vec<String> {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut admitted = Vec::new();
+        while let Ok((id, r, _)) = rx.try_recv() {
+            assert!(r.is_ok(), "{id}: {r:?}");
+            admitted.push(id);
+        }
+        admitted.sort();
+        let unbound: Vec<String> = gate.lock().assumed.keys().cloned().collect();
+        for id in unbound.iter().take(bind) {
+            pods.push(pod_on(id, "node-1"));
+        }
+        let bound: Vec<String> = pods.iter().filter_map(|p| p.metadata.name.clone()).collect();
+        gate.observe(Room::observe([&node()], pods.iter(), &config()), |id| bound.iter().any(|b| b == id));
+        admitted
+    }
+
+    /// 40 creates of 100m on the recorded 2-cpu node with one pod of 100m on it already, at
+    /// most 4 unbound at a time: they go 4 by 4 as the scheduler binds them until the node is
+    /// full (19); 4 more go as pending pods for an autoscaler, and the other 17 wait, in order,
+    /// for cpu. When 6 sandboxes end, the 4 pending pods are bound there, 2 more go there and 2
+    /// as pending pods; the rest wait until their deadline and end timed out.
     #[tokio::test(start_paused = true)]
     async fn a_burst_beyond_the_room_waits_in_order_and_goes_as_room_appears() {
         let gate = Arc::new(Admission::new(4));
-        let existing = vec![pod_on("other-team", "node-1")];
-        gate.observe(Room::observe([&node()], &existing, &config()), |_| false);
+        let mut pods = vec![pod_on("other-team", "node-1")];
+        gate.observe(Room::observe([&node()], &pods, &config()), |_| false);
         let deadline = Instant::now() + Duration::from_secs(600);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut tasks = Vec::new();
@@ -558,48 +676,38 @@ mod tests {
             // Each in its turn, so that the order of arrival is known.
             tokio::task::yield_now().await;
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        let mut admitted = Vec::new();
-        while let Ok((id, r, seen)) = rx.try_recv() {
-            assert!(r.is_ok() && seen.is_empty(), "{id}: {r:?} {seen:?}");
-            admitted.push(id);
+        let mut rounds = Vec::new();
+        // Bind what fits: 4 at a time; in the fifth round the node holds 3 (19 in all), and
+        // the twentieth, s19, goes as a pending pod.
+        for bind in [4, 4, 4, 4, 3] {
+            rounds.push(settle(&gate, &mut pods, &mut rx, bind).await.len());
         }
-        assert_eq!(admitted.len(), 19 + 4, "{admitted:?}");
+        assert_eq!(rounds, [4, 4, 4, 4, 4], "never more than 4 unbound at once");
+        assert_eq!(gate.lock().assumed.keys().collect::<Vec<_>>(), ["s19"]);
+        // Three more go as pending pods (4, the bound); the other 17 wait for cpu.
+        let pending = settle(&gate, &mut pods, &mut rx, 0).await;
+        assert_eq!(pending, ["s20", "s21", "s22"]);
         assert_eq!(gate.lock().pending(), 4);
         assert_eq!(gate.lock().queue.len(), 17);
+        assert!(settle(&gate, &mut pods, &mut rx, 0).await.is_empty(), "a create went with the bound reached");
 
-        // The admitted pods are seen: 19 bound to the node, 4 pending without a node.
-        let mut pods = existing.clone();
-        for id in &admitted[..19] {
-            pods.push(pod_on(id, "node-1"));
-        }
-        let bound: Vec<String> = admitted[..19].to_vec();
-        gate.observe(Room::observe([&node()], &pods, &config()), |id| bound.iter().any(|b| b == id));
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        assert!(rx.try_recv().is_err(), "a create went with no room and the pending bound reached");
-
-        // Six sandboxes are released: the four pending pods will be scheduled there first, and
-        // the first two waiters go, in the order they came.
+        // Six sandboxes end; the scheduler binds the four pending pods there; two more go onto
+        // the room left, and two as pending pods again (the bound).
         pods.drain(1..7);
-        gate.observe(Room::observe([&node()], &pods, &config()), |id| bound.iter().any(|b| b == id));
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        let mut next = Vec::new();
-        while let Ok((id, r, seen)) = rx.try_recv() {
-            assert!(r.is_ok(), "{id}: {r:?}");
-            assert_eq!(seen.first().map(|w| w.resource), Some(Resource::Cpu), "{id}: {seen:?}");
-            next.push(id);
-        }
-        next.sort();
-        assert_eq!(next, ["s23", "s24"]);
+        assert!(settle(&gate, &mut pods, &mut rx, 4).await.is_empty());
+        let next = settle(&gate, &mut pods, &mut rx, 0).await;
+        assert_eq!(next, ["s23", "s24", "s25", "s26"]);
+        assert_eq!(gate.lock().pending(), 2);
 
         // The rest wait until their deadline and end timed out, waiting for cpu.
         tokio::time::sleep_until(deadline + Duration::from_millis(1)).await;
         let mut timed_out = 0;
-        while let Ok((id, r, _)) = rx.try_recv() {
+        while let Ok((id, r, seen)) = rx.try_recv() {
             assert_eq!(r, Err(AdmissionError::TimedOut { resource: Resource::Cpu }), "{id}");
+            assert!(seen.iter().any(|w| w.resource == Resource::Cpu), "{id}: {seen:?}");
             timed_out += 1;
         }
-        assert_eq!(timed_out, 15);
+        assert_eq!(timed_out, 13);
         for t in tasks {
             t.await.unwrap();
         }
@@ -608,10 +716,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_waiter_learns_its_place_and_a_cancelled_wait_gives_it_up() {
-        let gate = Arc::new(Admission::new(0));
+        let gate = Arc::new(Admission::new(1));
         let pods: Vec<Pod> = (0..20).map(|i| pod_on(&format!("p{i}"), "node-1")).collect();
         gate.observe(Room::observe([&node()], &pods, &config()), |_| false);
         let deadline = Instant::now() + Duration::from_secs(600);
+        // The node is full; one pending pod, the bound, goes for an autoscaler to see.
+        gate.admit("pending", cpu(100), deadline, |w| panic!("{w}")).await.unwrap();
         let first = {
             let gate = gate.clone();
             tokio::spawn(async move { gate.admit("first", cpu(100), deadline, |_| {}).await })

@@ -37,7 +37,8 @@ use tokio_util::task::TaskTracker;
 
 pub use crate::api::KubeError;
 use crate::api::{KubeApi, chain};
-pub use crate::config::{ConfigError, Injection, KubeConfig, PullPolicy, TokenDelivery};
+use crate::capacity::{Admission, Ask, Waiting};
+pub use crate::config::{CapacityConfig, ConfigError, Injection, KubeConfig, PullPolicy, TokenDelivery};
 use crate::pace::Pacer;
 use crate::pod::{
     LABEL_CLAIMED, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NETWORK, MANAGED_BY, daemon_addr, label_value, pod_name,
@@ -88,6 +89,10 @@ pub struct KubeProvider {
     tasks: TaskTracker,
     cancel: CancellationToken,
     identity: IdentityCheck,
+    /// The gate of capacity-aware admission, when configured.
+    admission: Option<Arc<Admission>>,
+    /// The creates waiting for capacity, and where. Locked briefly, never across an await.
+    waiting: Mutex<HashMap<String, Waiting>>,
 }
 
 impl KubeProvider {
@@ -115,6 +120,10 @@ impl KubeProvider {
             ),
             &runtime,
         );
+        let admission = config.capacity.as_ref().map(|c| Arc::new(Admission::new(c.max_pending)));
+        if let Some(gate) = &admission {
+            tasks.spawn_on(capacity::watch(client.clone(), config.clone(), gate.clone(), cancel.clone()), &runtime);
+        }
         let pacer = Pacer::new(config.write_qps, config.write_burst);
         tracing::info!(
             namespace = %config.namespace,
@@ -135,7 +144,31 @@ impl KubeProvider {
             tasks,
             cancel,
             identity: IdentityCheck::default(),
+            admission,
+            waiting: Mutex::default(),
         })
+    }
+
+    /// Where the create of `id` waits for capacity, while it does.
+    pub fn waiting(&self, id: &str) -> Option<Waiting> {
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).get(id).cloned()
+    }
+
+    /// Passes the create through capacity-aware admission, when configured: waits for room,
+    /// reporting where it waits; a request that can never fit, or a wait past `wait_s`, fails
+    /// it with `unschedulable`. Answers the admission, which a failed create gives back.
+    async fn admit<'a>(&'a self, spec: &'a SandboxSpec, pod: &Pod) -> Result<Option<Admitted<'a>>, ProviderError> {
+        let (Some(gate), Some(cap)) = (&self.admission, &self.config.capacity) else { return Ok(None) };
+        let deadline = Instant::now() + Duration::from_secs(cap.wait_s);
+        let admitted = gate
+            .admit(&spec.id, Ask::of_pod(pod), deadline, |w| {
+                tracing::info!(sandbox = %spec.id, "{w}");
+                self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
+            })
+            .await;
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&spec.id);
+        admitted.map_err(|e| ProviderError::Failed { reason: Reason::Unschedulable, message: e.to_string() })?;
+        Ok(Some(Admitted { gate, id: &spec.id, kept: false }))
     }
 
     /// Sets how creates check the daemon's identity (a challenge by default).
@@ -270,7 +303,10 @@ impl KubeProvider {
         rx: &mut tokio_watch::Receiver<PodState>,
         deadline: Instant,
     ) -> Result<String, ProviderError> {
-        let grace = Duration::from_secs(self.config.unschedulable_grace_s);
+        // Under capacity-aware admission a pod may be made with no room on purpose (for an
+        // autoscaler to see): it waits as long as a create would have waited in the gate.
+        let capacity_wait = self.config.capacity.as_ref().map_or(0, |c| c.wait_s);
+        let grace = Duration::from_secs(self.config.unschedulable_grace_s.max(capacity_wait));
         let mut unschedulable_since: Option<Instant> = None;
         loop {
             let now = Instant::now();
@@ -368,6 +404,22 @@ fn same_spec(stored: &SandboxSpec, spec: &SandboxSpec) -> bool {
     *stored == spec
 }
 
+/// A create let through the capacity gate: given back unless its pod came to run (then the
+/// watch sees it bound and the gate counts it from there).
+struct Admitted<'a> {
+    gate: &'a Admission,
+    id: &'a str,
+    kept: bool,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.gate.forget(self.id);
+        }
+    }
+}
+
 /// Ends the tracker's create however the create ends.
 struct Creating<'a> {
     tracker: &'a Tracker,
@@ -402,6 +454,7 @@ impl Provider for KubeProvider {
         if pod::no_network(spec) {
             self.ensure_policy().await?;
         }
+        let mut admitted = self.admit(spec, &pod).await?;
         let deadline = Instant::now() + Duration::from_secs(self.config.create_timeout_s);
         let name = pod_name(&spec.id);
         let mut rx = self.tracker.begin_create(&spec.id, spec.job.as_deref().map(label_value));
@@ -432,6 +485,9 @@ impl Provider for KubeProvider {
         match running {
             Ok(addr) => {
                 creating.ok = true;
+                if let Some(a) = admitted.as_mut() {
+                    a.kept = true;
+                }
                 Ok(Endpoint::Tcp(addr))
             }
             Err(e) => {

@@ -44,7 +44,7 @@ use kube::{Api, Client};
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Endpoint, NodeProgress, NodeState, Prepared, Provider, ProviderError, SandboxSpec};
 use sandman_provider_kube::pace::WriteSlot;
-use sandman_provider_kube::{KubeConfig, KubeProvider};
+use sandman_provider_kube::{CapacityConfig, KubeConfig, KubeProvider};
 use sandman_wire::daemon::Observed;
 use sandman_wire::server::{Profile, Quantity, Reason, Resources};
 use serde_json::{Value, json};
@@ -911,5 +911,119 @@ async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports(
 
     drop(forward);
     p.delete("e1").await.unwrap();
+    registered.remove().await;
+}
+
+// ---- capacity-aware admission, on a real kubelet ----
+
+/// `echo hi` through the daemon at `addr` (any address: a real pod's IP here).
+async fn echo(addr: &str, token: &str) -> Result<(), String> {
+    let (status, out) = call(addr, "POST", "/v1/exec", Some(token), Some(json!({"argv": ["/bin/echo", "hi"]}))).await?;
+    if status == 200 && out["exit_code"] == 0 && out["stdout"] == "hi\n" {
+        Ok(())
+    } else {
+        Err(format!("exec at {addr}: {status} {out}"))
+    }
+}
+
+/// A rollout asking more cpu than the node has: 200 episodes of 100m each (create, three execs,
+/// release), 60 under way at a time, on a real kubelet's node. With capacity-aware admission
+/// every one completes (none fails `unschedulable`), and the API server never holds more
+/// unscheduled sandbox pods than the bound; a create asking 64 cpu fails at once with
+/// `unschedulable`, naming the largest node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
+async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
+    let kubeconfig = e2e_kubeconfig();
+    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
+        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
+    let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
+    let episodes: usize = env_or("SANDMAN_E2E_EPISODES", 200);
+    let at_once: usize = env_or("SANDMAN_E2E_EPISODES_AT_ONCE", 60);
+    let max_pending = 4;
+    let client = client(&kubeconfig, None).await;
+    sweep_leftovers(&client).await;
+    let namespace = format!("sandman-e2e-cap-{}", unique());
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), None).await;
+    let config = KubeConfig {
+        namespace: namespace.clone(),
+        daemon_image,
+        manage_network_policy: false,
+        capacity: Some(CapacityConfig { max_pending, wait_s: 600 }),
+        ..KubeConfig::default()
+    };
+    let p = Arc::new(KubeProvider::new(client.clone(), config).unwrap());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+
+    // Never: more cpu than any node has.
+    let mut big = spec("never", &task_image);
+    big.resources = Resources { cpu: Some(Quantity::Text("64".into())), ..Resources::default() };
+    match tokio::time::timeout(Duration::from_secs(60), p.create(&big))
+        .await
+        .unwrap_or_else(|_| panic!("a create of 64 cpu waited"))
+    {
+        Err(ProviderError::Failed { reason: Reason::Unschedulable, message }) => {
+            assert!(message.contains("largest eligible node"), "{message}")
+        }
+        other => panic!("a create of 64 cpu was not refused as unschedulable: {other:?}"),
+    }
+    assert!(pods.get_opt("sandman-never").await.unwrap().is_none(), "a pod was made for a request that can never fit");
+
+    // The API server's unscheduled sandbox pods, watched through the rollout.
+    let most_pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watcher = {
+        let (pods, most, stop) = (pods.clone(), most_pending.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let list = pods.list(&ListParams::default()).await.unwrap();
+                let pending = list
+                    .items
+                    .iter()
+                    .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
+                    .filter(|p| p.metadata.deletion_timestamp.is_none())
+                    .count();
+                most.fetch_max(pending, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    let started = Instant::now();
+    let results = futures_util::stream::iter((0..episodes).map(|i| {
+        let p = p.clone();
+        let task_image = task_image.clone();
+        async move {
+            let mut s = spec(&format!("ep{i:03}"), &task_image);
+            s.resources = Resources { cpu: Some(Quantity::Text("100m".into())), ..Resources::default() };
+            let endpoint = p.create(&s).await.map_err(|e| format!("{}: {e}", s.id))?;
+            let Endpoint::Tcp(addr) = endpoint else { return Err(format!("{}: not a TCP endpoint", s.id)) };
+            for _ in 0..3 {
+                echo(&addr, &s.token).await.map_err(|e| format!("{}: {e}", s.id))?;
+            }
+            p.delete(&s.id).await.map_err(|e| format!("{}: delete: {e}", s.id))?;
+            Ok::<_, String>(())
+        }
+    }))
+    .buffer_unordered(at_once)
+    .collect::<Vec<_>>()
+    .await;
+    let span = started.elapsed();
+    stop.cancel();
+    watcher.await.unwrap();
+    let failed: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    assert!(failed.is_empty(), "{} of {episodes} episodes failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
+    let most = most_pending.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(most <= max_pending, "{most} unscheduled sandbox pods at once, over the bound of {max_pending}");
+    println!(
+        "capacity rollout: {episodes} episodes of 100m, {at_once} at a time, in {:.1} s; at most {most} unscheduled pods (bound {max_pending})",
+        span.as_secs_f64()
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !pods.list(&ListParams::default()).await.unwrap().items.is_empty() {
+        assert!(Instant::now() < deadline, "pods left 120 s after the rollout");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     registered.remove().await;
 }
