@@ -15,7 +15,7 @@ use sandman_provider::ProviderError;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::pace::{Pacer, backoff, retry_after};
+use crate::pace::{Pacer, WriteSlot, backoff, retry_after};
 
 /// How often one write is retried after `429` (or a `503` with `Retry-After`) before it fails.
 const MAX_THROTTLED_RETRIES: u32 = 8;
@@ -242,10 +242,11 @@ impl KubeApi {
         let mut throttled = 0;
         let mut transient = 0;
         loop {
-            if paced {
-                self.pacer.acquire().await;
-            }
+            let slot = if paced { Some(WriteSlot(self.pacer.acquire().await)) } else { None };
             let mut attempt = http::Request::builder().method(parts.method.clone()).uri(parts.uri.clone());
+            if let Some(slot) = slot {
+                attempt = attempt.extension(slot);
+            }
             for (k, v) in &parts.headers {
                 attempt = attempt.header(k, v);
             }

@@ -155,6 +155,28 @@ pub struct KubeConfig {
     /// How long [`Provider::prepare`](sandman_provider::Provider::prepare) waits for the nodes
     /// to pull an image; the nodes not done by then are reported failed.
     pub prepare_timeout_s: u64,
+    /// Capacity-aware admission ([`crate::capacity`]): creates wait in the provider for room on
+    /// the eligible nodes instead of becoming pods the scheduler cannot place. Unset: off, every
+    /// create makes its pod at once. It watches every Node and every pod of the cluster, so it
+    /// needs list and watch on both cluster-wide.
+    pub capacity: Option<CapacityConfig>,
+}
+
+/// Capacity-aware admission.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CapacityConfig {
+    /// Creates that may make their pods with no node to hold them, so that a cluster
+    /// autoscaler sees pending pods and adds nodes.
+    pub max_pending: usize,
+    /// How long a create may wait for room before it fails with `unschedulable`.
+    pub wait_s: u64,
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        CapacityConfig { max_pending: 4, wait_s: 600 }
+    }
 }
 
 impl Default for KubeConfig {
@@ -190,6 +212,7 @@ impl Default for KubeConfig {
             manage_network_policy: true,
             pod_pids_limit: None,
             prepare_timeout_s: 600,
+            capacity: None,
         }
     }
 }

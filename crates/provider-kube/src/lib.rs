@@ -2,11 +2,14 @@
 //! unmodified task image (init container, node directory or image volume), one shared watch of
 //! every sandbox pod, API writes paced by a token bucket. Start at [`KubeProvider`]; the pod is
 //! built in [`pod`], its status read in [`status`], what it applied read back in [`applied`],
-//! images pulled ahead in [`prepare`], and `docs/kubernetes.md` is the guide.
+//! images pulled ahead in [`prepare`], the daemon told from a stranger at its address in
+//! [`identity`], and `docs/kubernetes.md` is the guide.
 
 pub mod api;
 pub mod applied;
+pub mod capacity;
 pub mod config;
+pub mod identity;
 pub mod pace;
 pub mod pod;
 pub mod prepare;
@@ -34,7 +37,8 @@ use tokio_util::task::TaskTracker;
 
 pub use crate::api::KubeError;
 use crate::api::{KubeApi, chain};
-pub use crate::config::{ConfigError, Injection, KubeConfig, PullPolicy, TokenDelivery};
+use crate::capacity::{Admission, Ask, Waiting};
+pub use crate::config::{CapacityConfig, ConfigError, Injection, KubeConfig, PullPolicy, TokenDelivery};
 use crate::pace::Pacer;
 use crate::pod::{
     LABEL_CLAIMED, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NETWORK, MANAGED_BY, daemon_addr, label_value, pod_name,
@@ -45,6 +49,19 @@ use crate::watch::Tracker;
 /// How often a claim reads the pod and tries its conditional update again when something other
 /// than a claim (the kubelet's status, say) wrote the pod between the read and the update.
 const CLAIM_TRIES: u32 = 3;
+
+/// How a create makes sure the daemon at its pod's address is the sandbox's own before handing
+/// the address out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IdentityCheck {
+    /// The daemon proves the sandbox's token to a fresh challenge ([`identity::prove`]); a
+    /// daemon of another sandbox answering at a reused pod IP fails the create.
+    #[default]
+    Challenge,
+    /// The address the pod's status names is taken as it is. Only for tests on a mocked API
+    /// server, whose pod IPs no daemon listens at.
+    Trust,
+}
 
 /// Name of the NetworkPolicy that cuts off `network: none` and `eval` sandboxes.
 pub const NETWORK_NONE_POLICY: &str = "sandman-network-none";
@@ -71,6 +88,11 @@ pub struct KubeProvider {
     /// The watch task; cancelled on shutdown (the pods stay for the next server).
     tasks: TaskTracker,
     cancel: CancellationToken,
+    identity: IdentityCheck,
+    /// The gate of capacity-aware admission, when configured.
+    admission: Option<Arc<Admission>>,
+    /// The creates waiting for capacity, and where. Locked briefly, never across an await.
+    waiting: Mutex<HashMap<String, Waiting>>,
 }
 
 impl KubeProvider {
@@ -98,6 +120,10 @@ impl KubeProvider {
             ),
             &runtime,
         );
+        let admission = config.capacity.as_ref().map(|c| Arc::new(Admission::new(c.max_pending)));
+        if let Some(gate) = &admission {
+            tasks.spawn_on(capacity::watch(client.clone(), config.clone(), gate.clone(), cancel.clone()), &runtime);
+        }
         let pacer = Pacer::new(config.write_qps, config.write_burst);
         tracing::info!(
             namespace = %config.namespace,
@@ -117,7 +143,38 @@ impl KubeProvider {
             policy: OnceCell::new(),
             tasks,
             cancel,
+            identity: IdentityCheck::default(),
+            admission,
+            waiting: Mutex::default(),
         })
+    }
+
+    /// Where the create of `id` waits for capacity, while it does.
+    pub fn waiting(&self, id: &str) -> Option<Waiting> {
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).get(id).cloned()
+    }
+
+    /// Passes the create through capacity-aware admission, when configured: waits for room,
+    /// reporting where it waits; a request that can never fit, or a wait past `wait_s`, fails
+    /// it with `unschedulable`. Answers the admission, which a failed create gives back.
+    async fn admit<'a>(&'a self, spec: &'a SandboxSpec, pod: &Pod) -> Result<Option<Admitted<'a>>, ProviderError> {
+        let (Some(gate), Some(cap)) = (&self.admission, &self.config.capacity) else { return Ok(None) };
+        let deadline = Instant::now() + Duration::from_secs(cap.wait_s);
+        let admitted = gate
+            .admit(&spec.id, Ask::of_pod(pod), deadline, |w| {
+                tracing::info!(sandbox = %spec.id, "{w}");
+                self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
+            })
+            .await;
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&spec.id);
+        admitted.map_err(|e| ProviderError::Failed { reason: Reason::Unschedulable, message: e.to_string() })?;
+        Ok(Some(Admitted { gate, id: &spec.id, kept: false }))
+    }
+
+    /// Sets how creates check the daemon's identity (a challenge by default).
+    pub fn with_identity_check(mut self, check: IdentityCheck) -> Self {
+        self.identity = check;
+        self
     }
 
     /// Connects with the client the environment gives (in a pod: its service account; else
@@ -246,7 +303,10 @@ impl KubeProvider {
         rx: &mut tokio_watch::Receiver<PodState>,
         deadline: Instant,
     ) -> Result<String, ProviderError> {
-        let grace = Duration::from_secs(self.config.unschedulable_grace_s);
+        // Under capacity-aware admission a pod may be made with no room on purpose (for an
+        // autoscaler to see): it waits as long as a create would have waited in the gate.
+        let capacity_wait = self.config.capacity.as_ref().map_or(0, |c| c.wait_s);
+        let grace = Duration::from_secs(self.config.unschedulable_grace_s.max(capacity_wait));
         let mut unschedulable_since: Option<Instant> = None;
         loop {
             let now = Instant::now();
@@ -289,6 +349,47 @@ impl KubeProvider {
     }
 }
 
+impl KubeProvider {
+    /// Makes sure the daemon at `addr` is the sandbox's own ([`identity::prove`]), while the
+    /// watch still shows its pod running: a pod that ends meanwhile fails the create with why.
+    async fn verify_daemon(
+        &self,
+        spec: &SandboxSpec,
+        addr: &str,
+        rx: &mut tokio_watch::Receiver<PodState>,
+        deadline: Instant,
+    ) -> Result<(), ProviderError> {
+        if self.identity == IdentityCheck::Trust {
+            return Ok(());
+        }
+        let proved = identity::prove(addr, &spec.token, deadline);
+        let ended = async {
+            loop {
+                if rx.changed().await.is_err() {
+                    return ProviderError::Backend("the pod watch has stopped".into());
+                }
+                if !matches!(*rx.borrow(), PodState::Ready { .. }) {
+                    // Pending again (not seen in practice) waits on; an end is the answer.
+                    if let Err(e) = self.wait_running(&spec.id, rx, deadline).await {
+                        return e;
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            proved = proved => proved.map_err(|e| {
+                let reason = match e {
+                    identity::IdentityError::Unreachable { .. } => Reason::ReadyTimeout,
+                    _ => Reason::DaemonStartFailed,
+                };
+                tracing::warn!(sandbox = %spec.id, err = %e, "the daemon at the pod's address is not the sandbox's");
+                ProviderError::Failed { reason, message: e.to_string() }
+            }),
+            e = ended => Err(e),
+        }
+    }
+}
+
 impl Drop for KubeProvider {
     fn drop(&mut self) {
         // The watch stops; the pods run on for the next server.
@@ -301,6 +402,22 @@ fn same_spec(stored: &SandboxSpec, spec: &SandboxSpec) -> bool {
     let mut spec = spec.clone();
     spec.token = String::new();
     *stored == spec
+}
+
+/// A create let through the capacity gate: given back unless its pod came to run (then the
+/// watch sees it bound and the gate counts it from there).
+struct Admitted<'a> {
+    gate: &'a Admission,
+    id: &'a str,
+    kept: bool,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.gate.forget(self.id);
+        }
+    }
 }
 
 /// Ends the tracker's create however the create ends.
@@ -337,6 +454,7 @@ impl Provider for KubeProvider {
         if pod::no_network(spec) {
             self.ensure_policy().await?;
         }
+        let mut admitted = self.admit(spec, &pod).await?;
         let deadline = Instant::now() + Duration::from_secs(self.config.create_timeout_s);
         let name = pod_name(&spec.id);
         let mut rx = self.tracker.begin_create(&spec.id, spec.job.as_deref().map(label_value));
@@ -357,10 +475,20 @@ impl Provider for KubeProvider {
                 return Err(e);
             }
         }
-        match self.wait_running(&spec.id, &mut rx, deadline).await {
+        let running = match self.wait_running(&spec.id, &mut rx, deadline).await {
             Ok(ip) => {
+                let addr = daemon_addr(&ip, self.config.daemon_port);
+                self.verify_daemon(spec, &addr, &mut rx, deadline).await.map(|()| addr)
+            }
+            Err(e) => Err(e),
+        };
+        match running {
+            Ok(addr) => {
                 creating.ok = true;
-                Ok(Endpoint::Tcp(daemon_addr(&ip, self.config.daemon_port)))
+                if let Some(a) = admitted.as_mut() {
+                    a.kept = true;
+                }
+                Ok(Endpoint::Tcp(addr))
             }
             Err(e) => {
                 // A pod that will never serve is removed now; its reason is in the error.

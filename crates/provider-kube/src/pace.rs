@@ -14,6 +14,14 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 const BACKOFF_BASE: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 
+/// The slot the pacer granted a write, carried by its request as an extension. What sits below
+/// the provider (a log of writes, a metrics layer) sees each write's slot there: the moment a
+/// request passes a layer trails its slot by however long the client's queue held it, so writes
+/// are seen bunched by scheduling delays the bucket cannot know of, while their slots keep to
+/// the bucket exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteSlot(pub Instant);
+
 /// A token bucket: `burst` writes may go at once, then `qps` per second on average. Writes are
 /// granted slots in the order they ask (a reservation each, so nothing polls), and no write
 /// starts inside a hold.
@@ -44,8 +52,9 @@ impl Pacer {
         }
     }
 
-    /// Waits for the slot of one write.
-    pub async fn acquire(&self) {
+    /// Waits for the slot of one write; answers the slot (the bucket's time, which the wake-up
+    /// may trail).
+    pub async fn acquire(&self) -> Instant {
         loop {
             let slot = self.reserve();
             tokio::time::sleep_until(slot).await;
@@ -53,7 +62,7 @@ impl Pacer {
             // the writes held back must not all go at once when the hold ends.
             match self.lock().hold_until {
                 Some(until) if until > Instant::now() => continue,
-                _ => return,
+                _ => return slot,
             }
         }
     }
@@ -131,8 +140,9 @@ mod tests {
         for _ in 0..45 {
             let p = pacer.clone();
             tasks.push(tokio::spawn(async move {
-                p.acquire().await;
-                Instant::now()
+                let slot = p.acquire().await;
+                assert_eq!(slot, Instant::now(), "on a paused clock a write wakes at its slot");
+                slot
             }));
         }
         let mut starts = Vec::new();
@@ -159,8 +169,9 @@ mod tests {
         for _ in 0..10 {
             let p = pacer.clone();
             tasks.push(tokio::spawn(async move {
-                p.acquire().await;
-                Instant::now()
+                let slot = p.acquire().await;
+                assert_eq!(slot, Instant::now(), "on a paused clock a write wakes at its slot");
+                slot
             }));
         }
         let mut starts = Vec::new();

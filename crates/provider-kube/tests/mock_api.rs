@@ -16,7 +16,7 @@ use http::StatusCode;
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
 use sandman_provider_kube::pod::build_pod;
-use sandman_provider_kube::{KubeConfig, KubeProvider};
+use sandman_provider_kube::{IdentityCheck, KubeConfig, KubeProvider};
 use sandman_wire::server::Reason;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -26,8 +26,14 @@ fn config() -> KubeConfig {
     KubeConfig { namespace: NAMESPACE.into(), daemon_image: "sandmand:test".into(), ..KubeConfig::default() }
 }
 
+/// The provider on a mocked API server, whose pod IPs no daemon listens at: addresses are
+/// trusted (the identity check has tests of its own, below and in `identity`).
 fn provider(client: kube::Client) -> KubeProvider {
-    KubeProvider::new(client, config()).unwrap_or_else(|e| panic!("{e}"))
+    provider_with(client, config())
+}
+
+fn provider_with(client: kube::Client, config: KubeConfig) -> KubeProvider {
+    KubeProvider::new(client, config).unwrap_or_else(|e| panic!("{e}")).with_identity_check(IdentityCheck::Trust)
 }
 
 /// A recorded pod given another sandbox id (its name and label).
@@ -213,6 +219,49 @@ async fn failures_in_the_pod_status_fail_the_create_at_once_and_remove_the_pod()
     }
 }
 
+/// Creates `sbx-0001` whose pod runs at 127.0.0.1, where a daemon stand-in holding `token`
+/// answers; the provider checks identities.
+async fn create_at_a_daemon_holding(token: &str) -> (Result<Endpoint, ProviderError>, String, common::Mock) {
+    let (daemon, _stub) = common::daemon_stub(token.to_string()).await;
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let feed = watches.lock().unwrap().push();
+    let (client, mock) = scripted(watches);
+    let config = KubeConfig { daemon_port: daemon.port(), ..config() };
+    let p = KubeProvider::new(client, config).unwrap();
+    let s = spec("sbx-0001", "busybox:local");
+    let mut running = json("pod-running-ready.json");
+    running["status"]["podIP"] = "127.0.0.1".into();
+    running["status"]["podIPs"] = serde_json::json!([{"ip": "127.0.0.1"}]);
+    let feeder = async {
+        mock.until("the secret's create", |seen| seen.iter().any(|r| is(r, "POST", "/secrets"))).await;
+        feed.send(event("MODIFIED", &running)).await.unwrap();
+    };
+    let (result, ()) = tokio::join!(tokio::time::timeout(Duration::from_secs(30), p.create(&s)), feeder);
+    (result.unwrap_or_else(|_| panic!("the create did not end within 30 s")), daemon.to_string(), mock)
+}
+
+#[tokio::test]
+async fn a_create_hands_out_its_address_once_the_daemon_there_proves_the_sandboxs_token() {
+    let (result, daemon, mock) = create_at_a_daemon_holding("token-sbx-0001").await;
+    assert_eq!(result.unwrap(), Endpoint::Tcp(daemon));
+    assert!(!mock.seen().iter().any(|r| r.method == "DELETE"), "the pod of a good create was deleted");
+}
+
+#[tokio::test]
+async fn a_reused_pod_ip_answered_by_another_sandboxs_daemon_fails_the_create_and_removes_the_pod() {
+    let (result, daemon, mock) = create_at_a_daemon_holding("token-of-another-sandbox").await;
+    match result {
+        Err(ProviderError::Failed { reason: Reason::DaemonStartFailed, message }) => {
+            assert!(message.contains(&daemon) && message.contains("another sandbox"), "{message}")
+        }
+        other => panic!("a stranger's daemon was taken for the sandbox's: {other:?}"),
+    }
+    assert!(
+        mock.seen().iter().any(|r| r.method == "DELETE" && r.path.ends_with("/pods/sandman-sbx-0001")),
+        "the pod was not deleted"
+    );
+}
+
 #[tokio::test]
 async fn a_create_conflicting_with_another_pod_fails_and_a_retried_create_goes_on() {
     let ours = spec("sbx-0001", "busybox:local");
@@ -313,7 +362,7 @@ async fn writes_keep_to_the_configured_rate() {
     let cluster = Cluster::shared();
     let (client, mock) = client_on(&cluster);
     let (qps, burst) = (5.0, 3);
-    let p = KubeProvider::new(client, KubeConfig { write_qps: qps, write_burst: burst, ..config() }).unwrap();
+    let p = provider_with(client, KubeConfig { write_qps: qps, write_burst: burst, ..config() });
     let specs: Vec<SandboxSpec> = (0..15).map(|i| spec(&format!("rate{i}"), "busybox:1")).collect();
     let started = Instant::now();
     let results = futures_util::future::join_all(specs.iter().map(|s| p.create(s))).await;
@@ -605,7 +654,7 @@ async fn applied_reads_the_pod_back_and_a_missing_pod_is_not_found() {
         }
         Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
     });
-    let p = KubeProvider::new(client, KubeConfig { pod_pids_limit: Some(4096), ..config() }).unwrap();
+    let p = provider_with(client, KubeConfig { pod_pids_limit: Some(4096), ..config() });
     let a = p.applied("sbx-0001").await.unwrap();
     assert_eq!(a.image.as_deref(), Some("sha256:c0966323d8fdf2e5ca2a03565cd3bd6d24d9d19a25e2c4aeb1f7005767e4adba"));
     assert_eq!((a.cpu, a.memory, a.pids), (Some(1.0), Some(268_435_456), Some(4096)));
@@ -714,7 +763,7 @@ async fn prepare_on(
         }
         Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
     });
-    let p = KubeProvider::new(client, config).unwrap();
+    let p = provider_with(client, config);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let creates = |seen: &[common::Seen]| seen.iter().filter(|r| is(r, "POST", "/pods")).cloned().collect::<Vec<_>>();
     let feeder = async {
@@ -889,7 +938,7 @@ async fn prepare_without_the_right_to_list_nodes_says_which_role_grants_it() {
         }
         ok(pod_list("1", vec![]))
     });
-    let p = KubeProvider::new(client, prepare_config()).unwrap();
+    let p = provider_with(client, prepare_config());
     let (tx, _rx) = mpsc::unbounded_channel();
     match p.prepare(PREPARED, tx).await {
         Err(ProviderError::Backend(m)) => {

@@ -11,11 +11,12 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{any, get, post};
 use sandman_wire::ErrorCode;
-use sandman_wire::daemon::{Health, Info, Keepalive};
+use sandman_wire::daemon::{Health, HealthQuery, Info, Keepalive, MAX_HEALTH_CHALLENGE, health_proof_input};
 
 use sandman_http::error_response;
 
 use crate::error::DaemonError;
+use crate::extract::ApiQuery;
 use crate::state::Daemon;
 use crate::{archive, exec, files, ports, processes, sessions};
 
@@ -111,8 +112,27 @@ async fn authorize(State(daemon): State<Arc<Daemon>>, req: Request, next: Next) 
     Response::from_parts(parts, sandman_http::holding(body, held))
 }
 
-async fn health() -> Json<Health> {
-    Json(Health { status: "ok".into(), version: VERSION.into() })
+/// Needs no token; with a `challenge`, proves the token without revealing it (see
+/// [`Health::proof`]), so a caller can tell this daemon from another at the same address.
+async fn health(
+    State(daemon): State<Arc<Daemon>>,
+    ApiQuery(query): ApiQuery<HealthQuery>,
+) -> Result<Json<Health>, DaemonError> {
+    let proof = match query.challenge {
+        Some(c) if c.len() > MAX_HEALTH_CHALLENGE => {
+            return Err(DaemonError::InvalidArgument(format!("challenge is longer than {MAX_HEALTH_CHALLENGE} bytes")));
+        }
+        Some(c) => Some(health_proof(&daemon.config.token, &c)),
+        None => None,
+    };
+    Ok(Json(Health { status: "ok".into(), version: VERSION.into(), proof }))
+}
+
+/// Lowercase hex of HMAC-SHA256(token, [`health_proof_input`]).
+fn health_proof(token: &str, challenge: &str) -> String {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+    let tag = ring::hmac::sign(&key, &health_proof_input(challenge));
+    tag.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 async fn info(State(daemon): State<Arc<Daemon>>) -> Json<Info> {
@@ -159,6 +179,43 @@ mod tests {
         };
         let defaults = crate::spawn::Defaults::from_process("/bin/sh".into(), None);
         Daemon::new(config, defaults, crate::children::Children::new(), None)
+    }
+
+    async fn health_of(daemon: &Arc<Daemon>, query: &str) -> (u16, serde_json::Value) {
+        let req = axum::http::Request::builder().uri(format!("/v1/health{query}")).body(Body::empty());
+        let resp = router(daemon.clone()).oneshot(req.unwrap_or_default()).await.unwrap_or_else(|e| match e {});
+        let status = resp.status().as_u16();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap_or_default();
+        (status, serde_json::from_slice(&body).unwrap_or_default())
+    }
+
+    #[tokio::test]
+    async fn health_proves_the_token_for_a_challenge_without_needing_it() {
+        let daemon = test_daemon();
+        let (status, plain) = health_of(&daemon, "").await;
+        assert_eq!((status, plain.get("proof")), (200, None), "{plain}");
+
+        let (status, answer) = health_of(&daemon, "?challenge=n1").await;
+        assert_eq!(status, 200, "{answer}");
+        let proof = answer["proof"].as_str().unwrap_or_default().to_string();
+        // HMAC-SHA256 keyed with the token `t`, checked with another implementation's verify.
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"t");
+        let tag: Vec<u8> =
+            (0..proof.len() / 2).filter_map(|i| u8::from_str_radix(proof.get(2 * i..2 * i + 2)?, 16).ok()).collect();
+        assert_eq!(tag.len(), 32, "{proof}");
+        assert!(ring::hmac::verify(&key, &health_proof_input("n1"), &tag).is_ok(), "{proof}");
+        // Another challenge, another proof; another token, another proof.
+        let (_, other) = health_of(&daemon, "?challenge=n2").await;
+        assert_ne!(other["proof"], answer["proof"]);
+        assert_ne!(health_proof("u", "n1"), proof);
+    }
+
+    #[tokio::test]
+    async fn health_refuses_a_long_challenge_and_unknown_fields() {
+        let daemon = test_daemon();
+        let long = "x".repeat(MAX_HEALTH_CHALLENGE + 1);
+        assert_eq!(health_of(&daemon, &format!("?challenge={long}")).await.0, 400);
+        assert_eq!(health_of(&daemon, "?challeng=n1").await.0, 400);
     }
 
     #[tokio::test]

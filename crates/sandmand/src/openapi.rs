@@ -46,7 +46,7 @@ pub fn json() -> String {
     doc.to_pretty_json().unwrap_or_default()
 }
 
-#[utoipa::path(get, path = "/v1/health", security(()), responses((status = 200, body = Health)))]
+#[utoipa::path(get, path = "/v1/health", security(()), params(HealthQuery), responses((status = 200, body = Health), (status = 400, body = ErrorBody)))]
 fn health() {}
 #[utoipa::path(get, path = "/v1/info", responses((status = 200, body = Info), (status = 401, body = ErrorBody)))]
 fn info() {}

@@ -28,6 +28,37 @@ pub struct Health {
     /// Always `"ok"` when the daemon answers.
     pub status: String,
     pub version: String,
+    /// The answer to the query's `challenge`: lowercase hex of HMAC-SHA256 keyed with the
+    /// daemon's token over [`health_proof_input`]. Only the daemon holding the sandbox's token can
+    /// give it, so a caller that knows the token tells its own daemon from another one answering
+    /// at the same address (a reused pod IP), without sending the token there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proof: Option<String>,
+}
+
+/// Query of `GET /v1/health`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct HealthQuery {
+    /// A fresh random string (at most [`MAX_HEALTH_CHALLENGE`] bytes) for the daemon to prove
+    /// its token with: the answer carries `proof`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub challenge: Option<String>,
+}
+
+/// The longest `challenge` the daemon answers.
+pub const MAX_HEALTH_CHALLENGE: usize = 128;
+
+/// What the health proof signs: a fixed context, a zero byte, then the challenge. The context
+/// keeps the proof from being usable as a MAC of anything else made with the token.
+pub fn health_proof_input(challenge: &str) -> Vec<u8> {
+    const CONTEXT: &[u8] = b"sandmand health proof v1";
+    let mut input = Vec::with_capacity(CONTEXT.len() + 1 + challenge.len());
+    input.extend_from_slice(CONTEXT);
+    input.push(0);
+    input.extend_from_slice(challenge.as_bytes());
+    input
 }
 
 /// `GET /v1/info`.
@@ -605,10 +636,10 @@ mod tests {
 
     #[test]
     fn a_writes_temporary_file_is_told_from_other_names() {
-        assert!(super::is_write_in_progress(".new.txt.sandman-11b1a7542c3e6bc3c0083e1241c804e7"));
-        assert!(!super::is_write_in_progress("new.txt"));
-        assert!(!super::is_write_in_progress(".new.txt.sandman-notes"));
-        assert!(!super::is_write_in_progress("x.sandman-11b1a7542c3e6bc3c0083e1241c804e7"));
+        assert!(is_write_in_progress(".new.txt.sandman-11b1a7542c3e6bc3c0083e1241c804e7"));
+        assert!(!is_write_in_progress("new.txt"));
+        assert!(!is_write_in_progress(".new.txt.sandman-notes"));
+        assert!(!is_write_in_progress("x.sandman-11b1a7542c3e6bc3c0083e1241c804e7"));
     }
 
     use super::*;

@@ -5,6 +5,8 @@
 //! the images and OOM-kills the pods it is told to, and kills the process when the pod is deleted.
 //! The pull pods of `prepare` (label `sandman.dev/prepare`) it "pulls": they succeed at once, or
 //! fail with `ErrImagePull` for the images it is told to fail.
+//! Its daemons die with it however it ends (a parent-death signal), an address something
+//! already listens at is never handed out, and on SIGTERM it deletes its Node.
 //! It is part of the tests (`tests/e2e.rs`); `docs/kubernetes.md` says how to run it by hand.
 #![allow(clippy::print_stdout)]
 
@@ -32,6 +34,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 const FAKE_TAINT: &str = "sandman.dev/fake";
+/// The Node's annotation naming the namespace whose pods it runs, so that whoever sweeps up
+/// after a run that ended badly knows what went with it.
+const NAMESPACE_ANNOTATION: &str = "sandman.dev/fake-node-namespace";
 const TASK: &str = "task";
 const INIT: &str = "sandman-init";
 /// The label and container of the pull pods of `prepare`.
@@ -179,7 +184,8 @@ impl FakeNode {
         let node: Node = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {
-                "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", FAKE_TAINT: "true"}},
+                "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", FAKE_TAINT: "true"},
+                "annotations": {NAMESPACE_ANNOTATION: self.args.namespace}},
             "spec": {"taints": [{"key": FAKE_TAINT, "value": "true", "effect": "NoSchedule"}]}
         }))?;
         match nodes.create(&PostParams::default(), &node).await {
@@ -348,6 +354,18 @@ impl FakeNode {
         }
     }
 
+    /// The next loopback address where nothing listens at `port`: a daemon left by another run
+    /// (or anything else) keeps its address, and no pod is ever given it.
+    async fn free_ip(&self, port: u16) -> Ipv4Addr {
+        loop {
+            let ip = self.next_ip();
+            match tokio::net::TcpStream::connect((ip, port)).await {
+                Ok(_) => tracing::warn!(%ip, port, "something listens there already; skipping the address"),
+                Err(_) => return ip,
+            }
+        }
+    }
+
     /// Runs the pod: its image "pulled", its daemon started on a loopback address of its own,
     /// Running reported once the daemon listens; then its end reported.
     async fn start(self: Arc<Self>, pod: Pod, stop: CancellationToken) {
@@ -368,7 +386,8 @@ impl FakeNode {
             self.patch_status(&pod, waiting_status(&pod, "ErrImagePull", &message)).await;
             return;
         }
-        let ip = self.next_ip();
+        let port = listen_port(task).unwrap_or(7778);
+        let ip = self.free_ip(port).await;
         let started = now();
         let dir = self.args.state_dir.join(pod.metadata.uid.as_deref().unwrap_or_default());
         let mut child = match self.spawn_daemon(&pod, task, ip, &dir).await {
@@ -380,7 +399,6 @@ impl FakeNode {
                 return;
             }
         };
-        let port = listen_port(task).unwrap_or(7778);
         let listening = wait_listening(ip, port, &mut child).await;
         if let Err(why) = listening {
             let _ = child.kill().await;
@@ -481,6 +499,7 @@ impl FakeNode {
             .stderr(log)
             .process_group(0)
             .kill_on_drop(true);
+        sys::die_with_this_process(&mut cmd);
         for e in task.env.iter().flatten() {
             if let Some(v) = &e.value {
                 cmd.env(&e.name, v);
@@ -668,4 +687,29 @@ fn terminated_status(pod: &Pod, code: i32, reason: &str, message: Option<&str>, 
         "containerStatuses": [{"name": TASK, "image": image_of(pod, TASK), "imageID": "", "ready": false, "restartCount": 0,
             "started": false, "state": {"terminated": terminated}}]
     }})
+}
+
+/// The node's only `unsafe`: each daemon is killed by the kernel when the node dies, however it
+/// dies (SIGKILL included), so that no daemon outlives its node holding a loopback address.
+#[allow(unsafe_code)]
+mod sys {
+    /// Has the kernel SIGKILL the command's process when the thread that started it ends (tokio's
+    /// worker threads live as long as the node's runtime), or at once if the node is already gone.
+    pub fn die_with_this_process(cmd: &mut tokio::process::Command) {
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the child between fork and exec and calls only
+        // async-signal-safe functions (prctl, getppid, _exit) on plain integers.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The node died between the fork and the prctl: the signal will never come.
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
 }

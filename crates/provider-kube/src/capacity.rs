@@ -1,0 +1,748 @@
+//! Capacity-aware admission: how much room the nodes that may run sandboxes have, and a gate that
+//! lets creates through as room appears instead of making pods the scheduler cannot place. Start
+//! at [`Admission`]; [`Room`] is the arithmetic over Node and Pod objects as watches hold them.
+//!
+//! At most `max_pending` admitted creates have pods the watch does not show bound to a node yet:
+//! the API server never holds more unscheduled sandbox pods than that. Within the bound, a
+//! create that fits an eligible node is admitted and counted on that node (as the scheduler's
+//! own cache assumes a pod) until its pod is seen bound; one that fits none now is admitted too,
+//! its pod left pending so that a cluster autoscaler sees the demand and adds nodes. The rest
+//! wait here, in order, with their position and what they wait for. Only a request no eligible
+//! node could hold even empty (bigger than the largest node) is refused at once; a wait longer
+//! than its deadline ends `unschedulable` too.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::sync::{Mutex, PoisonError};
+
+use k8s_openapi::api::core::v1::{Container, Node, Pod};
+use sandman_wire::server::Quantity;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::KubeConfig;
+
+/// What a pod asks the scheduler for, as the scheduler counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ask {
+    pub cpu_milli: u64,
+    pub memory: u64,
+    pub pods: u64,
+}
+
+/// A resource a node can be short of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resource {
+    Cpu,
+    Memory,
+    Pods,
+    /// No node may run sandboxes at all (none ready, or none matching the selector).
+    Nodes,
+    /// There is room, but `max_pending` pods wait for the scheduler already.
+    Scheduler,
+}
+
+impl fmt::Display for Resource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Resource::Cpu => "cpu",
+            Resource::Memory => "memory",
+            Resource::Pods => "pods",
+            Resource::Nodes => "an eligible node",
+            Resource::Scheduler => "the scheduler to place the pending pods",
+        })
+    }
+}
+
+impl Ask {
+    /// The pod's effective requests: per resource, the larger of its containers' sum and its
+    /// largest init container (init containers run one at a time, before the others).
+    pub fn of_pod(pod: &Pod) -> Ask {
+        let Some(spec) = pod.spec.as_ref() else { return Ask { pods: 1, ..Ask::default() } };
+        let sum = spec.containers.iter().map(requests).fold(Ask::default(), |a, b| Ask {
+            cpu_milli: a.cpu_milli + b.cpu_milli,
+            memory: a.memory + b.memory,
+            pods: 0,
+        });
+        let init = spec.init_containers.iter().flatten().map(requests).fold(Ask::default(), |a, b| Ask {
+            cpu_milli: a.cpu_milli.max(b.cpu_milli),
+            memory: a.memory.max(b.memory),
+            pods: 0,
+        });
+        Ask { cpu_milli: sum.cpu_milli.max(init.cpu_milli), memory: sum.memory.max(init.memory), pods: 1 }
+    }
+
+    /// The first resource `free` has too little of for this ask.
+    fn short_of(&self, free: &Ask) -> Option<Resource> {
+        if self.cpu_milli > free.cpu_milli {
+            Some(Resource::Cpu)
+        } else if self.memory > free.memory {
+            Some(Resource::Memory)
+        } else if self.pods > free.pods {
+            Some(Resource::Pods)
+        } else {
+            None
+        }
+    }
+
+    fn plus(&self, o: &Ask) -> Ask {
+        Ask { cpu_milli: self.cpu_milli + o.cpu_milli, memory: self.memory + o.memory, pods: self.pods + o.pods }
+    }
+
+    fn minus(&self, o: &Ask) -> Ask {
+        Ask {
+            cpu_milli: self.cpu_milli.saturating_sub(o.cpu_milli),
+            memory: self.memory.saturating_sub(o.memory),
+            pods: self.pods.saturating_sub(o.pods),
+        }
+    }
+}
+
+fn requests(c: &Container) -> Ask {
+    let get = |name: &str| {
+        c.resources.as_ref().and_then(|r| r.requests.as_ref()).and_then(|r| r.get(name)).map(|q| q.0.clone())
+    };
+    Ask {
+        cpu_milli: get("cpu").map_or(0, |q| quantity(&q, 1000.0)),
+        memory: get("memory").map_or(0, |q| quantity(&q, 1.0)),
+        pods: 0,
+    }
+}
+
+/// A Kubernetes quantity in units of `1/scale` of its base unit (millicores: 1000), rounded up.
+fn quantity(q: &str, scale: f64) -> u64 {
+    Quantity::Text(q.to_string()).value().map_or(0, |v| (v * scale).ceil().max(0.0) as u64)
+}
+
+/// One eligible node: what it offers and what the pods bound to it request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRoom {
+    pub name: String,
+    pub allocatable: Ask,
+    pub requested: Ask,
+}
+
+impl NodeRoom {
+    fn free(&self) -> Ask {
+        self.allocatable.minus(&self.requested)
+    }
+}
+
+/// Where a request fits now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fit {
+    /// On this node.
+    Node(String),
+    /// On none now; it would on an empty one. The resource the roomiest node lacks.
+    Wait(Resource),
+    /// On no eligible node even empty: it can never be scheduled.
+    Never { largest: String, resource: Resource },
+}
+
+/// The room of the nodes that may run sandboxes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Room {
+    pub nodes: Vec<NodeRoom>,
+}
+
+impl Room {
+    /// The room of the eligible nodes (Ready, schedulable, matching the provider's node
+    /// selector, every NoSchedule/NoExecute taint tolerated), less what every pod bound to them
+    /// and not ended requests, whoever made it.
+    pub fn observe<'a>(
+        nodes: impl IntoIterator<Item = &'a Node>,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        config: &KubeConfig,
+    ) -> Room {
+        let mut room: BTreeMap<String, NodeRoom> = nodes
+            .into_iter()
+            .filter(|n| eligible(n, config))
+            .map(|n| {
+                let name = n.metadata.name.clone().unwrap_or_default();
+                let alloc = n.status.as_ref().and_then(|s| s.allocatable.as_ref());
+                let get = |k: &str, scale: f64| alloc.and_then(|a| a.get(k)).map_or(0, |q| quantity(&q.0, scale));
+                let allocatable =
+                    Ask { cpu_milli: get("cpu", 1000.0), memory: get("memory", 1.0), pods: get("pods", 1.0) };
+                (name.clone(), NodeRoom { name, allocatable, requested: Ask::default() })
+            })
+            .collect();
+        for pod in pods {
+            let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+            if matches!(phase, Some("Succeeded" | "Failed")) {
+                continue;
+            }
+            let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).and_then(|n| room.get_mut(n)) else {
+                continue;
+            };
+            node.requested = node.requested.plus(&Ask::of_pod(pod));
+        }
+        Room { nodes: room.into_values().collect() }
+    }
+
+    /// Where `ask` fits: the eligible node with the most cpu left that holds it.
+    pub fn fit(&self, ask: &Ask) -> Fit {
+        let roomiest = |nodes: &mut dyn Iterator<Item = &NodeRoom>| {
+            nodes.max_by_key(|n| (n.free().cpu_milli, n.free().memory, std::cmp::Reverse(n.name.clone()))).cloned()
+        };
+        if let Some(n) = roomiest(&mut self.nodes.iter().filter(|n| ask.short_of(&n.free()).is_none())) {
+            return Fit::Node(n.name);
+        }
+        let Some(largest) =
+            self.nodes.iter().max_by_key(|n| (n.allocatable.cpu_milli, n.allocatable.memory, n.name.clone()))
+        else {
+            return Fit::Wait(Resource::Nodes);
+        };
+        if self.nodes.iter().all(|n| ask.short_of(&n.allocatable).is_some()) {
+            let resource = ask.short_of(&largest.allocatable).unwrap_or(Resource::Cpu);
+            return Fit::Never { largest: largest.name.clone(), resource };
+        }
+        let short = roomiest(&mut self.nodes.iter()).and_then(|n| ask.short_of(&n.free()));
+        Fit::Wait(short.unwrap_or(Resource::Cpu))
+    }
+
+    fn take(&mut self, node: &str, ask: &Ask) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.name == node) {
+            n.requested = n.requested.plus(ask);
+        }
+    }
+
+    fn describe(&self, name: &str) -> String {
+        match self.nodes.iter().find(|n| n.name == name) {
+            Some(n) => format!(
+                "`{}` ({} cpu, {} memory, {} pods allocatable)",
+                n.name,
+                n.allocatable.cpu_milli as f64 / 1000.0,
+                n.allocatable.memory,
+                n.allocatable.pods
+            ),
+            None => format!("`{name}`"),
+        }
+    }
+}
+
+/// Whether the provider's pods may run on `node`: Ready, schedulable, labelled as the node
+/// selector asks, and every NoSchedule/NoExecute taint tolerated.
+pub fn eligible(node: &Node, config: &KubeConfig) -> bool {
+    let labels = node.metadata.labels.as_ref();
+    let selected = config.node_selector.iter().all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v));
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    let cordoned = node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+    selected && ready && !cordoned && crate::prepare::eligible(node, &config.tolerations).is_ok()
+}
+
+/// Where a create waits: its place in the queue (0: next) and what it waits for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    pub position: usize,
+    pub resource: Resource,
+}
+
+impl fmt::Display for Waiting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "waiting for capacity ({}), position {} in the queue", self.resource, self.position + 1)
+    }
+}
+
+/// Why a create was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    /// No eligible node could hold the request even empty.
+    #[error(
+        "the request ({cpu} cpu, {memory} bytes of memory) is more {resource} than the largest eligible node {node} has"
+    )]
+    NeverFits { resource: Resource, node: String, cpu: String, memory: u64 },
+    /// It waited for room until its deadline.
+    #[error("no room on the eligible nodes before the wait's deadline: still waiting for capacity ({resource})")]
+    TimedOut { resource: Resource },
+}
+
+/// The gate every create passes before its pod is made.
+#[derive(Debug)]
+pub struct Admission {
+    /// Admitted creates whose pods are not seen bound yet, at most.
+    max_pending: usize,
+    /// The room, the admitted creates not yet seen bound, the queue. Locked briefly, never across
+    /// an await.
+    state: Mutex<State>,
+    /// Wakes the waiters when the room changes or a create is done.
+    changed: Notify,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    room: Room,
+    /// Admitted creates whose pods the watches do not show bound yet, by sandbox id: the node
+    /// counted for them (none: admitted pending), and their ask.
+    assumed: BTreeMap<String, (Option<String>, Ask)>,
+    /// Tickets of the waiting creates, first come first served.
+    queue: VecDeque<u64>,
+    next_ticket: u64,
+    /// What the first in the queue waits for: what everyone behind it waits for too.
+    head_waits: Option<Resource>,
+    /// Whether the room has been observed once: before, nothing is known and nothing goes.
+    observed: bool,
+}
+
+impl State {
+    /// The room as seen, with the assumed creates counted on their nodes, and the pending ones
+    /// on whatever room has appeared since: the scheduler places them there first.
+    fn room_now(&self) -> Room {
+        let mut room = self.room.clone();
+        for (node, ask) in self.assumed.values() {
+            if let Some(node) = node {
+                room.take(node, ask);
+            }
+        }
+        for (node, ask) in self.assumed.values() {
+            if node.is_none()
+                && let Fit::Node(n) = room.fit(ask)
+            {
+                room.take(&n, ask);
+            }
+        }
+        room
+    }
+
+    /// Admitted creates made (or about to make) pods that fit no node now.
+    #[cfg(test)]
+    fn pending(&self) -> usize {
+        self.assumed.values().filter(|(node, _)| node.is_none()).count()
+    }
+}
+
+impl Admission {
+    /// At least one create at a time goes through, whatever `max_pending` says.
+    pub fn new(max_pending: usize) -> Admission {
+        Admission { max_pending: max_pending.max(1), state: Mutex::default(), changed: Notify::new() }
+    }
+
+    /// Replaces the room with what the watches show now. `bound` says whether a sandbox's pod
+    /// is now seen on a node (its ask is in the room then) or gone: its assumption is dropped.
+    pub fn observe(&self, room: Room, settled: impl Fn(&str) -> bool) {
+        let mut s = self.lock();
+        s.room = room;
+        s.observed = true;
+        s.assumed.retain(|id, _| !settled(id));
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// The create of `id` ended without its pod being bound (failed, or deleted): its
+    /// assumption goes.
+    pub fn forget(&self, id: &str) {
+        if self.lock().assumed.remove(id).is_some() {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Waits until `ask` may be created: when it is first in line and fewer than `max_pending`
+    /// admitted pods are unbound (counted on the node that holds it, or pending where none
+    /// does). Tells `waiting` its place and what it waits for each time either changes. Refuses
+    /// at once what no eligible node could ever hold, and gives up at `deadline`.
+    pub async fn admit(
+        &self,
+        id: &str,
+        ask: Ask,
+        deadline: Instant,
+        mut waiting: impl FnMut(&Waiting),
+    ) -> Result<(), AdmissionError> {
+        let ticket = {
+            let mut s = self.lock();
+            let t = s.next_ticket;
+            s.next_ticket += 1;
+            s.queue.push_back(t);
+            t
+        };
+        let mut queued = Queued { admission: self, ticket };
+        let mut last: Option<Waiting> = None;
+        loop {
+            // Registered before the state is read, so that no change between is missed.
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let outcome = {
+                let mut s = self.lock();
+                let position = s.queue.iter().position(|t| *t == ticket).unwrap_or(0);
+                let fit = if s.observed { s.room_now().fit(&ask) } else { Fit::Wait(Resource::Nodes) };
+                let full = !s.observed || s.assumed.len() >= self.max_pending;
+                match fit {
+                    Fit::Never { largest, resource } => Err(AdmissionError::NeverFits {
+                        resource,
+                        node: s.room.describe(&largest),
+                        cpu: (ask.cpu_milli as f64 / 1000.0).to_string(),
+                        memory: ask.memory,
+                    }),
+                    // In order: behind a create that waits, whether this one fits or not.
+                    _ if position > 0 => {
+                        Ok(Some(Waiting { position, resource: s.head_waits.unwrap_or(Resource::Scheduler) }))
+                    }
+                    Fit::Node(_) if full => {
+                        s.head_waits = Some(Resource::Scheduler);
+                        Ok(Some(Waiting { position, resource: Resource::Scheduler }))
+                    }
+                    Fit::Wait(resource) if full => {
+                        s.head_waits = Some(resource);
+                        Ok(Some(Waiting { position, resource }))
+                    }
+                    Fit::Node(node) => {
+                        s.assumed.insert(id.to_string(), (Some(node), ask));
+                        Ok(None)
+                    }
+                    // No room now: a pending pod, within the bound, for an autoscaler to see.
+                    Fit::Wait(_) => {
+                        s.assumed.insert(id.to_string(), (None, ask));
+                        Ok(None)
+                    }
+                }
+            };
+            let wait = match outcome {
+                Err(e) => return Err(e),
+                Ok(None) => {
+                    queued.leave();
+                    return Ok(());
+                }
+                Ok(Some(w)) => w,
+            };
+            if last.as_ref() != Some(&wait) {
+                waiting(&wait);
+                last = Some(wait.clone());
+            }
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(AdmissionError::TimedOut { resource: wait.resource });
+                }
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A place in the queue, given up however the wait ends (admitted, refused, cancelled).
+struct Queued<'a> {
+    admission: &'a Admission,
+    ticket: u64,
+}
+
+impl Queued<'_> {
+    fn leave(&mut self) {
+        let mut s = self.admission.lock();
+        if let Some(at) = s.queue.iter().position(|t| *t == self.ticket) {
+            s.queue.remove(at);
+            drop(s);
+            // The next in line may go now.
+            self.admission.changed.notify_waiters();
+        }
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+/// Keeps `gate`'s room up to date until cancelled: one watch of every Node, one of every pod of
+/// the cluster not ended (the scheduler's view: other teams' pods take room too), each into a
+/// reflector store; after each batch of events the room is computed again and the creates
+/// whose pods are now seen on a node stop being assumed. Before both have listed once the room
+/// is empty, so creates wait.
+pub async fn watch(
+    client: kube::Client,
+    config: KubeConfig,
+    gate: std::sync::Arc<Admission>,
+    cancel: CancellationToken,
+) {
+    use futures_util::{FutureExt, StreamExt};
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+
+    let (nodes, node_writer) = reflector::store::<Node>();
+    let (pods, pod_writer) = reflector::store::<Pod>();
+    let node_events = watcher(kube::Api::<Node>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(node_writer)
+        .map(|e| e.err().map(|e| e.to_string()));
+    let live = watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
+    let pod_events = watcher(kube::Api::<Pod>::all(client), live)
+        .default_backoff()
+        .reflect(pod_writer)
+        .map(|e| e.err().map(|e| e.to_string()));
+    let mut events = std::pin::pin!(futures_util::stream::select(node_events, pod_events));
+    loop {
+        let next = tokio::select! {
+            _ = cancel.cancelled() => return,
+            next = events.next() => next,
+        };
+        match next {
+            None => return,
+            Some(Some(err)) => tracing::warn!(%err, "capacity watch failed; resuming"),
+            Some(None) => {}
+        }
+        // The rest of the batch first: one computation for many events.
+        while let Some(Some(next)) = events.next().now_or_never() {
+            if let Some(err) = next {
+                tracing::warn!(%err, "capacity watch failed; resuming");
+            }
+        }
+        if nodes.wait_until_ready().now_or_never().is_none() || pods.wait_until_ready().now_or_never().is_none() {
+            continue;
+        }
+        let (all_nodes, all_pods) = (nodes.state(), pods.state());
+        let room = Room::observe(all_nodes.iter().map(AsRef::as_ref), all_pods.iter().map(AsRef::as_ref), &config);
+        let bound: std::collections::HashSet<&str> = all_pods
+            .iter()
+            .filter(|p| p.metadata.namespace.as_deref() == Some(config.namespace.as_str()))
+            .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
+            .filter_map(|p| crate::pod::sandbox_id(&p.metadata))
+            .collect();
+        gate.observe(room, |id| bound.contains(id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A real kubelet's Node, recorded from the local v1.36 cluster: 2 cpu, 24581252Ki, 250 pods.
+    fn node() -> Node {
+        serde_json::from_str(include_str!("../tests/fixtures/node-kubelet-ready.json")).unwrap()
+    }
+
+    /// The recorded running sandbox pod (task 100m/64Mi, init 10m/16Mi), on `node`.
+    fn pod_on(name: &str, node: &str) -> Pod {
+        let mut pod: Pod = serde_json::from_str(include_str!("../tests/fixtures/pod-running-ready.json")).unwrap();
+        pod.metadata.name = Some(name.to_string());
+        pod.spec.as_mut().unwrap().node_name = Some(node.to_string());
+        pod
+    }
+
+    fn config() -> KubeConfig {
+        KubeConfig { namespace: "ns".into(), daemon_image: "d".into(), ..KubeConfig::default() }
+    }
+
+    fn cpu(milli: u64) -> Ask {
+        Ask { cpu_milli: milli, memory: 64 << 20, pods: 1 }
+    }
+
+    #[test]
+    fn a_pods_ask_is_its_containers_sum_or_its_largest_init_container() {
+        let pod = pod_on("p", "node-1");
+        assert_eq!(Ask::of_pod(&pod), Ask { cpu_milli: 100, memory: 64 << 20, pods: 1 });
+        let mut big_init = pod.clone();
+        let init = &mut big_init.spec.as_mut().unwrap().init_containers.as_mut().unwrap()[0];
+        init.resources
+            .as_mut()
+            .unwrap()
+            .requests
+            .as_mut()
+            .unwrap()
+            .insert("cpu".into(), k8s_openapi::apimachinery::pkg::api::resource::Quantity("1500m".into()));
+        assert_eq!(Ask::of_pod(&big_init).cpu_milli, 1500);
+    }
+
+    #[test]
+    fn the_room_of_a_node_is_its_allocatable_less_its_live_pods() {
+        let mut ended = pod_on("done", "node-1");
+        ended.status.as_mut().unwrap().phase = Some("Succeeded".into());
+        let pods = [pod_on("a", "node-1"), pod_on("b", "node-1"), pod_on("elsewhere", "vm"), ended];
+        let room = Room::observe([&node()], &pods, &config());
+        assert_eq!(room.nodes.len(), 1);
+        let n = &room.nodes[0];
+        assert_eq!(n.allocatable, Ask { cpu_milli: 2000, memory: 24_581_252 * 1024, pods: 250 });
+        assert_eq!(n.requested, Ask { cpu_milli: 200, memory: 128 << 20, pods: 2 });
+    }
+
+    #[test]
+    fn nodes_not_ready_cordoned_tainted_or_unselected_hold_nothing() {
+        let mut not_ready = node();
+        for c in not_ready.status.as_mut().unwrap().conditions.as_mut().unwrap() {
+            if c.type_ == "Ready" {
+                c.status = "False".into();
+            }
+        }
+        let mut cordoned = node();
+        cordoned.spec.get_or_insert_default().unschedulable = Some(true);
+        let mut tainted = node();
+        tainted.spec.get_or_insert_default().taints = Some(vec![k8s_openapi::api::core::v1::Taint {
+            key: "gpu".into(),
+            effect: "NoSchedule".into(),
+            ..Default::default()
+        }]);
+        for n in [not_ready, cordoned, tainted] {
+            assert!(!eligible(&n, &config()), "{:?}", n.spec);
+            assert_eq!(Room::observe([&n], [], &config()).fit(&cpu(100)), Fit::Wait(Resource::Nodes));
+        }
+        let selective = KubeConfig { node_selector: [("pool".into(), "sandbox".into())].into(), ..config() };
+        assert!(!eligible(&node(), &selective));
+        assert!(eligible(&node(), &config()));
+    }
+
+    #[test]
+    fn a_request_bigger_than_the_largest_node_never_fits_and_names_it() {
+        let room = Room::observe([&node()], [], &config());
+        assert_eq!(room.fit(&cpu(64_000)), Fit::Never { largest: "node-1".into(), resource: Resource::Cpu });
+        assert_eq!(room.fit(&cpu(2000)), Fit::Node("node-1".into()));
+        // Full now, but it would fit the node empty: it waits.
+        let pods: Vec<Pod> = (0..20).map(|i| pod_on(&format!("p{i}"), "node-1")).collect();
+        let full = Room::observe([&node()], &pods, &config());
+        assert_eq!(full.fit(&cpu(100)), Fit::Wait(Resource::Cpu));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_goes_before_the_room_is_known() {
+        let gate = Arc::new(Admission::new(4));
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let big = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("big", cpu(64_000), deadline, |w| tx.send(w.clone()).unwrap()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(rx.try_recv().unwrap(), Waiting { position: 0, resource: Resource::Nodes });
+        assert!(gate.lock().assumed.is_empty(), "admitted before the nodes were known");
+        // Once the nodes are known, what can never fit is refused.
+        gate.observe(Room::observe([&node()], [], &config()), |_| false);
+        let err = big.await.unwrap().unwrap_err();
+        assert!(matches!(err, AdmissionError::NeverFits { .. }), "{err:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_create_that_can_never_fit_is_refused_at_once_naming_the_largest_node() {
+        let gate = Admission::new(4);
+        gate.observe(Room::observe([&node()], [], &config()), |_| false);
+        let err = gate.admit("big", cpu(64_000), Instant::now() + Duration::from_secs(600), |_| {}).await.unwrap_err();
+        assert!(matches!(err, AdmissionError::NeverFits { resource: Resource::Cpu, .. }), "{err:?}");
+        assert!(err.to_string().contains("`node-1` (2 cpu"), "{err}");
+    }
+
+    /// Sees every admitted create's pod bound to node-1 (those the room holds) and answers the
+    /// ids admitted since the last call.
+    async fn settle(
+        gate: &Admission,
+        pods: &mut Vec<Pod>,
+        rx: &mut tokio::sync::mpsc::UnboundedReceiver<(String, Result<(), AdmissionError>, Vec<Waiting>)>,
+        bind: usize,
+    ) -> Vec<String> {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut admitted = Vec::new();
+        while let Ok((id, r, _)) = rx.try_recv() {
+            assert!(r.is_ok(), "{id}: {r:?}");
+            admitted.push(id);
+        }
+        admitted.sort();
+        let unbound: Vec<String> = gate.lock().assumed.keys().cloned().collect();
+        for id in unbound.iter().take(bind) {
+            pods.push(pod_on(id, "node-1"));
+        }
+        let bound: Vec<String> = pods.iter().filter_map(|p| p.metadata.name.clone()).collect();
+        gate.observe(Room::observe([&node()], pods.iter(), &config()), |id| bound.iter().any(|b| b == id));
+        admitted
+    }
+
+    /// 40 creates of 100m on the recorded 2-cpu node with one pod of 100m on it already, at
+    /// most 4 unbound at a time: they go 4 by 4 as the scheduler binds them until the node is
+    /// full (19); 4 more go as pending pods for an autoscaler, and the other 17 wait, in order,
+    /// for cpu. When 6 sandboxes end, the 4 pending pods are bound there, 2 more go there and 2
+    /// as pending pods; the rest wait until their deadline and end timed out.
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_beyond_the_room_waits_in_order_and_goes_as_room_appears() {
+        let gate = Arc::new(Admission::new(4));
+        let mut pods = vec![pod_on("other-team", "node-1")];
+        gate.observe(Room::observe([&node()], &pods, &config()), |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for i in 0..40 {
+            let (gate, tx) = (gate.clone(), tx.clone());
+            tasks.push(tokio::spawn(async move {
+                let id = format!("s{i:02}");
+                let mut seen = Vec::new();
+                let r = gate.admit(&id, cpu(100), deadline, |w| seen.push(w.clone())).await;
+                let _ = tx.send((id, r, seen));
+            }));
+            // Each in its turn, so that the order of arrival is known.
+            tokio::task::yield_now().await;
+        }
+        let mut rounds = Vec::new();
+        // Bind what fits: 4 at a time; in the fifth round the node holds 3 (19 in all), and
+        // the twentieth, s19, goes as a pending pod.
+        for bind in [4, 4, 4, 4, 3] {
+            rounds.push(settle(&gate, &mut pods, &mut rx, bind).await.len());
+        }
+        assert_eq!(rounds, [4, 4, 4, 4, 4], "never more than 4 unbound at once");
+        assert_eq!(gate.lock().assumed.keys().collect::<Vec<_>>(), ["s19"]);
+        // Three more go as pending pods (4, the bound); the other 17 wait for cpu.
+        let pending = settle(&gate, &mut pods, &mut rx, 0).await;
+        assert_eq!(pending, ["s20", "s21", "s22"]);
+        assert_eq!(gate.lock().pending(), 4);
+        assert_eq!(gate.lock().queue.len(), 17);
+        assert!(settle(&gate, &mut pods, &mut rx, 0).await.is_empty(), "a create went with the bound reached");
+
+        // Six sandboxes end; the scheduler binds the four pending pods there; two more go onto
+        // the room left, and two as pending pods again (the bound).
+        pods.drain(1..7);
+        assert!(settle(&gate, &mut pods, &mut rx, 4).await.is_empty());
+        let next = settle(&gate, &mut pods, &mut rx, 0).await;
+        assert_eq!(next, ["s23", "s24", "s25", "s26"]);
+        assert_eq!(gate.lock().pending(), 2);
+
+        // The rest wait until their deadline and end timed out, waiting for cpu.
+        tokio::time::sleep_until(deadline + Duration::from_millis(1)).await;
+        let mut timed_out = 0;
+        while let Ok((id, r, seen)) = rx.try_recv() {
+            assert_eq!(r, Err(AdmissionError::TimedOut { resource: Resource::Cpu }), "{id}");
+            assert!(seen.iter().any(|w| w.resource == Resource::Cpu), "{id}: {seen:?}");
+            timed_out += 1;
+        }
+        assert_eq!(timed_out, 13);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert!(gate.lock().queue.is_empty(), "a place in the queue outlived its wait");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_learns_its_place_and_a_cancelled_wait_gives_it_up() {
+        let gate = Arc::new(Admission::new(1));
+        let pods: Vec<Pod> = (0..20).map(|i| pod_on(&format!("p{i}"), "node-1")).collect();
+        gate.observe(Room::observe([&node()], &pods, &config()), |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        // The node is full; one pending pod, the bound, goes for an autoscaler to see.
+        gate.admit("pending", cpu(100), deadline, |w| panic!("{w}")).await.unwrap();
+        let first = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("first", cpu(100), deadline, |_| {}).await })
+        };
+        tokio::task::yield_now().await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let second = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("second", cpu(100), deadline, |w| tx.send(w.clone()).unwrap()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let w = rx.try_recv().unwrap();
+        assert_eq!(w, Waiting { position: 1, resource: Resource::Cpu });
+        assert_eq!(w.to_string(), "waiting for capacity (cpu), position 2 in the queue");
+        // The first gives up (its create was cancelled): the second moves up.
+        first.abort();
+        let _ = first.await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(rx.try_recv().unwrap(), Waiting { position: 0, resource: Resource::Cpu });
+        second.abort();
+        let _ = second.await;
+        assert!(gate.lock().queue.is_empty());
+    }
+}
