@@ -167,7 +167,8 @@ async fn serves_tcp_too() {
 
 #[tokio::test]
 async fn reaps_zombies_as_pid_1() {
-    let d = Daemon::start_with(&[], Some(&["unshare", "--pid", "--fork", "--mount-proc"])).await;
+    // `--kill-child`: the daemon (PID 1 of the namespace) dies with `unshare` when the test kills it.
+    let d = Daemon::start_with(&[], Some(&["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"])).await;
     let info = d.get("/v1/info").await.json();
     assert_eq!(info["pid"], 1, "not PID 1 in its namespace: {info}");
     // Orphans: the subshell exits at once, its sleeps are re-parented to PID 1 and exit later.
