@@ -26,8 +26,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use sandman_provider::{
-    Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, Prepared, Provider, ProviderError, ProviderEvent, Record,
-    SandboxSpec,
+    Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider,
+    ProviderError, ProviderEvent, Record, SandboxSpec,
 };
 use sandman_wire::server::{Applied, Reason};
 use tokio::sync::{OnceCell, mpsc, watch as tokio_watch};
@@ -93,6 +93,10 @@ pub struct KubeProvider {
     admission: Option<Arc<Admission>>,
     /// The creates waiting for capacity, and where. Locked briefly, never across an await.
     waiting: Mutex<HashMap<String, Waiting>>,
+    /// Where creates waiting for capacity tell their place (lossy: a full channel drops a line),
+    /// which the server passes on as progress events of those creates.
+    progress_tx: mpsc::Sender<Progress>,
+    progress_rx: Mutex<Option<mpsc::Receiver<Progress>>>,
 }
 
 impl KubeProvider {
@@ -104,6 +108,7 @@ impl KubeProvider {
             ProviderError::Backend("the kubernetes provider must be started inside a tokio runtime".into())
         })?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
+        let (progress_tx, progress_rx) = mpsc::channel(PROGRESS_CAPACITY);
         let tracker = Arc::new(Tracker::default());
         let (store, writer) = reflector::store();
         let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &config.namespace);
@@ -146,6 +151,8 @@ impl KubeProvider {
             identity: IdentityCheck::default(),
             admission,
             waiting: Mutex::default(),
+            progress_tx,
+            progress_rx: Mutex::new(Some(progress_rx)),
         })
     }
 
@@ -163,6 +170,7 @@ impl KubeProvider {
         let admitted = gate
             .admit(&spec.id, Ask::of_pod(pod), deadline, |w| {
                 tracing::info!(sandbox = %spec.id, "{w}");
+                let _ = self.progress_tx.try_send(Progress { id: spec.id.clone(), message: w.to_string() });
                 self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
             })
             .await;
@@ -648,6 +656,12 @@ impl Provider for KubeProvider {
 
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
         self.events_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// Creates waiting for capacity: "waiting for capacity (cpu), position 3 in the queue" each
+    /// time their place or what they wait for changes.
+    fn progress(&self) -> Option<mpsc::Receiver<Progress>> {
+        self.progress_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 
     /// Pulls `image` on every node that may run sandboxes, one short-lived pod per node; see
