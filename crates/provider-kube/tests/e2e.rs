@@ -1028,8 +1028,9 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
     // The channel ends with the provider; creates beyond the room told where they waited.
     drop(p);
     let waits = tokio::time::timeout(Duration::from_secs(10), told).await.unwrap().unwrap();
-    assert!(!waits.is_empty(), "no create told that it waited for capacity");
-    assert!(waits.iter().all(|w| w.id.starts_with("ep")), "{:?}", &waits[..waits.len().min(3)]);
-    println!("capacity rollout: {} progress lines of creates waiting for capacity", waits.len());
+    // (The 64-cpu create may have told one too, waiting for the first look at the nodes.)
+    let episodes_told = waits.iter().filter(|w| w.id.starts_with("ep")).count();
+    assert!(episodes_told > 0, "no episode told that it waited for capacity: {waits:?}");
+    println!("capacity rollout: {episodes_told} progress lines of episodes waiting for capacity");
     registered.remove().await;
 }
