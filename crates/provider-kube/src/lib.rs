@@ -49,6 +49,9 @@ use crate::watch::Tracker;
 /// How often a claim reads the pod and tries its conditional update again when something other
 /// than a claim (the kubelet's status, say) wrote the pod between the read and the update.
 const CLAIM_TRIES: u32 = 3;
+/// How often, at most, a create waiting for capacity is told its new place (what it waits for
+/// changing is told at once).
+const WAIT_TOLD_EVERY: Duration = Duration::from_secs(1);
 
 /// How a create makes sure the daemon at its pod's address is the sandbox's own before handing
 /// the address out.
@@ -167,11 +170,22 @@ impl KubeProvider {
     async fn admit<'a>(&'a self, spec: &'a SandboxSpec, pod: &Pod) -> Result<Option<Admitted<'a>>, ProviderError> {
         let (Some(gate), Some(cap)) = (&self.admission, &self.config.capacity) else { return Ok(None) };
         let deadline = Instant::now() + Duration::from_secs(cap.wait_s);
+        // Told (logged, and sent as progress) when what it waits for changes, else at most every
+        // WAIT_TOLD_EVERY: each admission moves every waiting create up one place, and telling
+        // each move would make lines without bound in the square of the queue's length.
+        let mut told: Option<(Instant, capacity::Resource)> = None;
         let admitted = gate
             .admit(&spec.id, Ask::of_pod(pod), deadline, |w| {
-                tracing::info!(sandbox = %spec.id, "{w}");
-                let _ = self.progress_tx.try_send(Progress { id: spec.id.clone(), message: w.to_string() });
                 self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
+                let now = Instant::now();
+                let due = told.as_ref().is_none_or(|(at, what)| {
+                    *what != w.resource || now.saturating_duration_since(*at) >= WAIT_TOLD_EVERY
+                });
+                if due {
+                    told = Some((now, w.resource));
+                    tracing::info!(sandbox = %spec.id, "{w}");
+                    let _ = self.progress_tx.try_send(Progress { id: spec.id.clone(), message: w.to_string() });
+                }
             })
             .await;
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&spec.id);
