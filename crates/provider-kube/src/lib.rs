@@ -26,8 +26,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use sandman_provider::{
-    Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, Prepared, Provider, ProviderError, ProviderEvent, Record,
-    SandboxSpec,
+    Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider,
+    ProviderError, ProviderEvent, Record, SandboxSpec,
 };
 use sandman_wire::server::{Applied, Reason};
 use tokio::sync::{OnceCell, mpsc, watch as tokio_watch};
@@ -49,6 +49,9 @@ use crate::watch::Tracker;
 /// How often a claim reads the pod and tries its conditional update again when something other
 /// than a claim (the kubelet's status, say) wrote the pod between the read and the update.
 const CLAIM_TRIES: u32 = 3;
+/// How often, at most, a create waiting for capacity is told its new place (what it waits for
+/// changing is told at once).
+const WAIT_TOLD_EVERY: Duration = Duration::from_secs(1);
 
 /// How a create makes sure the daemon at its pod's address is the sandbox's own before handing
 /// the address out.
@@ -93,6 +96,10 @@ pub struct KubeProvider {
     admission: Option<Arc<Admission>>,
     /// The creates waiting for capacity, and where. Locked briefly, never across an await.
     waiting: Mutex<HashMap<String, Waiting>>,
+    /// Where creates waiting for capacity tell their place (lossy: a full channel drops a line),
+    /// which the server passes on as progress events of those creates.
+    progress_tx: mpsc::Sender<Progress>,
+    progress_rx: Mutex<Option<mpsc::Receiver<Progress>>>,
 }
 
 impl KubeProvider {
@@ -104,6 +111,7 @@ impl KubeProvider {
             ProviderError::Backend("the kubernetes provider must be started inside a tokio runtime".into())
         })?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
+        let (progress_tx, progress_rx) = mpsc::channel(PROGRESS_CAPACITY);
         let tracker = Arc::new(Tracker::default());
         let (store, writer) = reflector::store();
         let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &config.namespace);
@@ -146,6 +154,8 @@ impl KubeProvider {
             identity: IdentityCheck::default(),
             admission,
             waiting: Mutex::default(),
+            progress_tx,
+            progress_rx: Mutex::new(Some(progress_rx)),
         })
     }
 
@@ -160,10 +170,22 @@ impl KubeProvider {
     async fn admit<'a>(&'a self, spec: &'a SandboxSpec, pod: &Pod) -> Result<Option<Admitted<'a>>, ProviderError> {
         let (Some(gate), Some(cap)) = (&self.admission, &self.config.capacity) else { return Ok(None) };
         let deadline = Instant::now() + Duration::from_secs(cap.wait_s);
+        // Told (logged, and sent as progress) when what it waits for changes, else at most every
+        // WAIT_TOLD_EVERY: each admission moves every waiting create up one place, and telling
+        // each move would make lines without bound in the square of the queue's length.
+        let mut told: Option<(Instant, capacity::Resource)> = None;
         let admitted = gate
             .admit(&spec.id, Ask::of_pod(pod), deadline, |w| {
-                tracing::info!(sandbox = %spec.id, "{w}");
                 self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
+                let now = Instant::now();
+                let due = told.as_ref().is_none_or(|(at, what)| {
+                    *what != w.resource || now.saturating_duration_since(*at) >= WAIT_TOLD_EVERY
+                });
+                if due {
+                    told = Some((now, w.resource));
+                    tracing::info!(sandbox = %spec.id, "{w}");
+                    let _ = self.progress_tx.try_send(Progress { id: spec.id.clone(), message: w.to_string() });
+                }
             })
             .await;
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&spec.id);
@@ -648,6 +670,12 @@ impl Provider for KubeProvider {
 
     fn events(&self) -> Option<mpsc::Receiver<ProviderEvent>> {
         self.events_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// Creates waiting for capacity: "waiting for capacity (cpu), position 3 in the queue" each
+    /// time their place or what they wait for changes.
+    fn progress(&self) -> Option<mpsc::Receiver<Progress>> {
+        self.progress_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 
     /// Pulls `image` on every node that may run sandboxes, one short-lived pod per node; see

@@ -943,6 +943,17 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
     };
     let p = Arc::new(KubeProvider::new(client.clone(), config).unwrap());
     let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    // What the creates that wait tell the server (which passes it on as their progress events).
+    let mut progress = p.progress().unwrap();
+    let told = tokio::spawn(async move {
+        let mut waits = Vec::new();
+        while let Some(line) = progress.recv().await {
+            if line.message.starts_with("waiting for capacity (") {
+                waits.push(line);
+            }
+        }
+        waits
+    });
 
     // Never: more cpu than any node has.
     let mut big = spec("never", &task_image);
@@ -1014,5 +1025,12 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
         assert!(Instant::now() < deadline, "pods left 120 s after the rollout");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The channel ends with the provider; creates beyond the room told where they waited.
+    drop(p);
+    let waits = tokio::time::timeout(Duration::from_secs(10), told).await.unwrap().unwrap();
+    // (The 64-cpu create may have told one too, waiting for the first look at the nodes.)
+    let episodes_told = waits.iter().filter(|w| w.id.starts_with("ep")).count();
+    assert!(episodes_told > 0, "no episode told that it waited for capacity: {waits:?}");
+    println!("capacity rollout: {episodes_told} progress lines of episodes waiting for capacity");
     registered.remove().await;
 }
