@@ -2,7 +2,7 @@
 //! admission, claims that hand a ready member to a create, and the journal of claims. The pools'
 //! own bookkeeping is [`crate::pool`]'s.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -141,14 +141,7 @@ impl Service {
 
     /// Every pool with its sizes; also sets the pool gauges.
     pub fn pool_list(&self) -> Vec<Pool> {
-        let mut claimed: HashMap<String, u64> = HashMap::new();
-        for sb in self.table.snapshot() {
-            if let (Some(p), Some(_)) = (sb.pool(), sb.claimed_ms)
-                && !sb.state().is_terminal()
-            {
-                *claimed.entry(p.to_string()).or_default() += 1;
-            }
-        }
+        let claimed = self.table.claimed_per_pool();
         let pools = self.pools.lock();
         let now = Instant::now();
         pools

@@ -55,6 +55,19 @@ impl Table {
         self.lock().by_job.keys().cloned().collect()
     }
 
+    /// Live claimed pool sandboxes, by pool, counted under the lock (no copy of the table).
+    pub(super) fn claimed_per_pool(&self) -> HashMap<String, u64> {
+        let mut claimed: HashMap<String, u64> = HashMap::new();
+        for sb in self.lock().by_id.values() {
+            if let (Some(p), Some(_)) = (sb.pool(), sb.claimed_ms)
+                && !sb.state().is_terminal()
+            {
+                *claimed.entry(p.to_string()).or_default() += 1;
+            }
+        }
+        claimed
+    }
+
     /// Forgets an ended sandbox: it leaves every index that still names it.
     pub(super) fn forget(&self, sb: &Sandbox) {
         let mut index = self.lock();
