@@ -226,13 +226,8 @@ impl Room {
 pub fn eligible(node: &Node, config: &KubeConfig) -> bool {
     let labels = node.metadata.labels.as_ref();
     let selected = config.node_selector.iter().all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v));
-    let ready = node
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-    let cordoned = node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
-    selected && ready && !cordoned && crate::prepare::eligible(node, &config.tolerations).is_ok()
+    // Ready, not cordoned and the taints tolerated: `prepare` asks the same of a node.
+    selected && crate::prepare::eligible(node, &config.tolerations).is_ok()
 }
 
 /// Where a create waits: its place in the queue (0: next) and what it waits for.

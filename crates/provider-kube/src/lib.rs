@@ -529,6 +529,11 @@ impl Provider for KubeProvider {
             return Ok(());
         }
         self.tracker.mark_deleting(id);
+        if let Some(gate) = &self.admission {
+            // A pod deleted before the capacity watch saw it bound would hold its place among
+            // the `max_pending` unbound ones for good.
+            gate.forget(id);
+        }
         let existed = self.api.delete_pod(&pod_name(id), self.config.termination_grace_s).await?;
         if !existed {
             self.tracker.forget(id);
