@@ -11,16 +11,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use e2e::{Http, Server, eventually, scratch};
+use sandman_testkit::require_root;
 use serde_json::{Value, json};
 
 /// The users every attack runs as: the sandbox's root, and an unprivileged one.
 const USERS: [Option<&str>; 2] = [None, Some("nobody")];
-
-fn require_root() {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let euid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|u| u.split_whitespace().nth(1));
-    assert_eq!(euid, Some("0"), "the attack suite needs root, as CI and scripts/test have");
-}
 
 /// A ready sandbox's id.
 async fn sandbox(http: &Http, body: Value) -> String {

@@ -184,6 +184,13 @@ mod tests {
         std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o500)).unwrap_or_else(|e| panic!("{e}"));
         dir.remove().unwrap_or_else(|e| panic!("{e}"));
         assert!(!dir.root.exists());
+        // As root (CI), the removal above goes through whatever the bits say: the bits are made
+        // writable again, checked on their own.
+        std::fs::create_dir_all(&locked).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o500)).unwrap_or_else(|e| panic!("{e}"));
+        make_writable(&dir.root);
+        let mode = std::fs::metadata(&locked).map(|m| m.permissions().mode() & 0o777).unwrap_or_default();
+        assert_eq!(mode, 0o700, "{mode:o}");
     }
 
     #[test]

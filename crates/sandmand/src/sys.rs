@@ -459,14 +459,6 @@ impl SignalSet {
         }
     }
 
-    pub fn contains(self, sig: i32) -> bool {
-        (1..=64).contains(&sig) && self.0 & (1 << (sig - 1)) != 0
-    }
-
-    pub fn iter(self) -> impl Iterator<Item = i32> {
-        (1..=64).filter(move |&sig| self.contains(sig))
-    }
-
     #[must_use]
     pub fn union(self, other: SignalSet) -> SignalSet {
         SignalSet(self.0 | other.0)
