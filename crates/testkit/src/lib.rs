@@ -201,14 +201,17 @@ impl Spawned {
 
     /// Waits up to `limit` for a line of its log for which `pick` answers something, and answers
     /// that. Fails the test, with the log, when the process exits first or the time is up.
+    /// Only whole lines count: a line the process is still writing (the log is read while it
+    /// writes) is not shown to `pick` until its end of line is there.
     pub fn wait_for_line<T>(&mut self, limit: Duration, mut pick: impl FnMut(&str) -> Option<T>) -> T {
         let start = Instant::now();
         loop {
-            if let Some(found) = self.log().lines().find_map(&mut pick) {
+            if let Some(found) = whole_lines(&self.log()).find_map(&mut pick) {
                 return found;
             }
             if let Ok(Some(status)) = self.child.try_wait() {
-                // The log may have grown between the read and the exit.
+                // The log may have grown between the read and the exit; what it ends with is
+                // all there will be.
                 if let Some(found) = self.log().lines().find_map(&mut pick) {
                     return found;
                 }
@@ -402,6 +405,11 @@ async fn health(addr: Addr<'_>, path: &str) -> Result<u16, String> {
     status.ok_or_else(|| format!("not an HTTP answer: {:?}", text.lines().next().unwrap_or_default()))
 }
 
+/// The lines of `log` that have their end of line: the last one may still be being written.
+fn whole_lines(log: &str) -> std::str::Lines<'_> {
+    log[..log.rfind('\n').map_or(0, |i| i + 1)].lines()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,6 +429,22 @@ mod tests {
         assert!(p.log().contains("serving on"));
         drop(p);
         assert!(!alive(pid));
+    }
+
+    #[test]
+    fn a_line_still_being_written_is_not_taken_for_a_whole_one() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        // The address comes a second after the words before it, as a write cut in two can.
+        let mut cmd = Command::new("/bin/sh");
+        cmd.args(["-c", "printf 'serving on http://' >&2; sleep 1; echo '127.0.0.1:9 now' >&2; exec sleep 600"]);
+        let mut p = Spawned::spawn("sh", &mut cmd, dir.path());
+        let addr = p.wait_for_line(Duration::from_secs(30), |l| {
+            l.split("serving on http://").nth(1).map(|r| r.split_whitespace().next().unwrap_or_default().to_string())
+        });
+        assert_eq!(addr, "127.0.0.1:9");
+        assert_eq!(whole_lines("a\nb").collect::<Vec<_>>(), ["a"]);
+        assert_eq!(whole_lines("a\nb\n").collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(whole_lines("partial").count(), 0);
     }
 
     #[test]
