@@ -395,7 +395,10 @@ impl ProcessProvider {
         log: std::fs::File,
     ) -> Result<(), ProviderError> {
         let Plan { args, env, .. } = plan;
-        let mut cmd = tokio::process::Command::new(&self.config.daemon_bin);
+        // A std child: tokio's would keep a pidfd of its own beside the one the watcher waits on,
+        // and at tens of thousands of sandboxes every descriptor per sandbox counts.
+        use std::os::unix::process::CommandExt;
+        let mut cmd = std::process::Command::new(&self.config.daemon_bin);
         cmd.args(&self.config.daemon_args);
         cmd.args(&args)
             .env_clear()
@@ -412,9 +415,9 @@ impl ProcessProvider {
                 start_failed(format!("cannot start the daemon `{}`: {e}", self.config.daemon_bin.display()))
             })
         })?;
-        let Some(pid) = child.id().map(|p| p as i32) else {
-            return Err(start_failed("the daemon exited before it could be watched".into()));
-        };
+        let pid = child.id() as i32;
+        // Dropping a std child neither kills nor reaps it: the watcher reaps it through `pid`.
+        drop(child);
         // Not yet reaped (only the watcher reaps it), so neither the pid nor /proc entry can name
         // another process yet.
         let watched = ProcId::of(pid)
@@ -438,10 +441,11 @@ impl ProcessProvider {
             return Err(ProviderError::io(format!("cannot write `{}`", dir.pid_file().display()), e));
         }
         let deleting = Arc::new(AtomicBool::new(false));
+        let pidfd = Arc::new(pidfd);
         self.lock_watched()
-            .insert(spec.id.clone(), Watched { daemon, pidfd: Arc::new(pidfd), deleting: deleting.clone() });
+            .insert(spec.id.clone(), Watched { daemon, pidfd: pidfd.clone(), deleting: deleting.clone() });
         let watch = self.watch(spec, dir, deleting);
-        self.tasks.spawn(watch.child(child));
+        self.tasks.spawn(watch.child(pid, pidfd));
         tracing::debug!(sandbox = %spec.id, pid, "daemon started");
         Ok(())
     }

@@ -1,5 +1,5 @@
-//! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `kill`,
-//! `pidfd_send_signal`, `geteuid` and `access`, which std does not expose.
+//! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `waitpid`,
+//! `kill`, `pidfd_send_signal`, `geteuid` and `access`, which std does not expose.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -55,6 +55,27 @@ pub fn kill_pinned(pid: i32, still_ours: impl FnOnce() -> bool) -> io::Result<()
     };
     let err = io::Error::last_os_error();
     if r == 0 || err.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(err) }
+}
+
+/// Reaps our exited child `pid` without blocking: its wait status, or `None` when it has not
+/// exited yet. Called once its pidfd is readable; until then the zombie keeps the pid ours.
+pub fn reap(pid: i32) -> io::Result<Option<std::process::ExitStatus>> {
+    use std::os::unix::process::ExitStatusExt;
+    let mut status = 0;
+    loop {
+        // SAFETY: `waitpid` writes one int that lives on this stack frame.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        match r {
+            0 => return Ok(None),
+            r if r == pid => return Ok(Some(std::process::ExitStatus::from_raw(status))),
+            _ => {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::Interrupted {
+                    return Err(err);
+                }
+            }
+        }
+    }
 }
 
 /// Sends `signal` to `pid` (a process group when `group`). One that is gone already is fine.

@@ -1,6 +1,6 @@
-//! Watching daemons die: one task per daemon, awaiting its exit (a child's `wait`, or, for a daemon
-//! an earlier server started, its pidfd becoming readable) and reporting a death nobody asked for
-//! as a `ProviderEvent`, after writing it to the sandbox's `ended.json`.
+//! Watching daemons die: one task per daemon, awaiting its pidfd becoming readable (and reaping it
+//! when it is our child), and reporting a death nobody asked for as a `ProviderEvent`, after
+//! writing it to the sandbox's `ended.json`.
 
 use std::os::fd::OwnedFd;
 use std::process::ExitStatus;
@@ -40,16 +40,20 @@ enum Exit {
 }
 
 impl Watch {
-    /// Awaits our own child's exit (reaping it), then reports.
-    pub async fn child(self, mut child: tokio::process::Child) {
-        let status = tokio::select! {
+    /// Awaits our own child's exit through its pidfd, reaps it, then reports.
+    pub async fn child(self, pid: i32, pidfd: Arc<AsyncFd<OwnedFd>>) {
+        tokio::select! {
             _ = self.cancel.cancelled() => return,
-            status = child.wait() => status,
-        };
-        match status {
-            Ok(status) => self.report(Exit::Status(status)).await,
-            Err(err) => {
-                tracing::warn!(sandbox = %self.id, %err, "cannot wait for the daemon");
+            ready = pidfd.readable() => {
+                if let Err(err) = ready {
+                    tracing::warn!(sandbox = %self.id, %err, "cannot watch the daemon's pidfd");
+                }
+            }
+        }
+        match crate::sys::reap(pid) {
+            Ok(Some(status)) => self.report(Exit::Status(status)).await,
+            outcome => {
+                tracing::warn!(sandbox = %self.id, pid, ?outcome, "cannot reap the daemon");
                 self.report(Exit::Unknown).await;
             }
         }

@@ -3,6 +3,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -14,16 +16,29 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandman_provider::Endpoint;
 use tokio::net::{TcpStream, UnixStream};
 
-/// A connection to a daemon, over either transport.
+/// A connection to a daemon, over either transport, counted while it is open.
 #[derive(Debug)]
-pub enum DaemonStream {
+pub struct DaemonStream {
+    io: Transport,
+    /// Whether the pool may keep it for another call: only while few enough are open.
+    reusable: bool,
+    _open: OpenGuard,
+}
+
+#[derive(Debug)]
+enum Transport {
     Unix(TokioIo<UnixStream>),
     Tcp(TokioIo<TcpStream>),
 }
 
 impl Connection for DaemonStream {
     fn connected(&self) -> Connected {
-        Connected::new()
+        let connected = Connected::new();
+        if !self.reusable {
+            // Serves its call, then is closed instead of waiting in the pool.
+            connected.poison();
+        }
+        connected
     }
 }
 
@@ -33,39 +48,67 @@ impl hyper::rt::Read for DaemonStream {
         cx: &mut Context<'_>,
         buf: hyper::rt::ReadBufCursor<'_>,
     ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            DaemonStream::Unix(s) => Pin::new(s).poll_read(cx, buf),
-            DaemonStream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+        match &mut self.get_mut().io {
+            Transport::Unix(s) => Pin::new(s).poll_read(cx, buf),
+            Transport::Tcp(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
 
 impl hyper::rt::Write for DaemonStream {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            DaemonStream::Unix(s) => Pin::new(s).poll_write(cx, buf),
-            DaemonStream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+        match &mut self.get_mut().io {
+            Transport::Unix(s) => Pin::new(s).poll_write(cx, buf),
+            Transport::Tcp(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            DaemonStream::Unix(s) => Pin::new(s).poll_flush(cx),
-            DaemonStream::Tcp(s) => Pin::new(s).poll_flush(cx),
+        match &mut self.get_mut().io {
+            Transport::Unix(s) => Pin::new(s).poll_flush(cx),
+            Transport::Tcp(s) => Pin::new(s).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            DaemonStream::Unix(s) => Pin::new(s).poll_shutdown(cx),
-            DaemonStream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+        match &mut self.get_mut().io {
+            Transport::Unix(s) => Pin::new(s).poll_shutdown(cx),
+            Transport::Tcp(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }
 
-/// Dials the endpoint encoded in a URI's host by [`authority`].
-#[derive(Debug, Clone, Default)]
-pub struct Connector;
+/// Counts the connections to daemons open at once.
+#[derive(Debug)]
+struct OpenGuard(Arc<AtomicUsize>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Dials the endpoint encoded in a URI's host by [`authority`]. A connection made while at most
+/// `keep` are open may go back to the pool for later calls; one made past that serves its call
+/// and is closed. One idle connection per sandbox would, at tens of thousands of sandboxes, cost
+/// as many open files as the sandboxes themselves; past `keep`, a call pays a new connection
+/// (a Unix socket's is tens of microseconds) instead.
+#[derive(Debug, Clone)]
+pub struct Connector {
+    open: Arc<AtomicUsize>,
+    keep: usize,
+}
+
+impl Connector {
+    pub fn new(keep: usize) -> Connector {
+        Connector { open: Arc::default(), keep }
+    }
+
+    /// Connections to daemons open now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+}
 
 impl tower::Service<Uri> for Connector {
     type Response = DaemonStream;
@@ -77,19 +120,25 @@ impl tower::Service<Uri> for Connector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
+        let (open, keep) = (self.open.clone(), self.keep);
         Box::pin(async move {
             let host = uri.host().unwrap_or_default();
-            match decode(host) {
-                Some(Endpoint::Unix(path)) => Ok(DaemonStream::Unix(TokioIo::new(UnixStream::connect(path).await?))),
+            let io = match decode(host) {
+                Some(Endpoint::Unix(path)) => Transport::Unix(TokioIo::new(UnixStream::connect(path).await?)),
                 Some(Endpoint::Tcp(addr)) => {
                     let s = TcpStream::connect(addr).await?;
                     s.set_nodelay(true)?;
-                    Ok(DaemonStream::Tcp(TokioIo::new(s)))
+                    Transport::Tcp(TokioIo::new(s))
                 }
                 None => {
-                    Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("not a daemon address: {host}")))
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("not a daemon address: {host}"),
+                    ));
                 }
-            }
+            };
+            let reusable = open.fetch_add(1, Ordering::Relaxed) < keep;
+            Ok(DaemonStream { io, reusable, _open: OpenGuard(open) })
         })
     }
 }
@@ -125,11 +174,25 @@ fn decode(host: &str) -> Option<Endpoint> {
 
 pub type DaemonClient = Client<Connector, Body>;
 
+/// The client the server uses: connections kept for reuse up to an eighth of the open files
+/// limit (see [`keep_for`]), each idle for at most 30 s.
 pub fn client() -> DaemonClient {
+    client_keeping(Connector::new(keep_for(crate::sys::open_files_limit())))
+}
+
+/// A client dialing through `connector`.
+pub fn client_keeping(connector: Connector) -> DaemonClient {
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(4)
-        .build(Connector)
+        .build(connector)
+}
+
+/// Connections kept for reuse under an open files limit of `files`: an eighth of it (the rest is
+/// for clients, a proxied call's connection, and the providers' per-sandbox descriptors), between
+/// 16 and 8192.
+pub fn keep_for(files: u64) -> usize {
+    usize::try_from(files / 8).unwrap_or(usize::MAX).clamp(16, 8192)
 }
 
 /// `http://<encoded endpoint><path_and_query>`.
@@ -236,5 +299,75 @@ mod tests {
         }
         assert_eq!(decode("zz"), None);
         assert_eq!(decode("u0"), None);
+    }
+
+    #[test]
+    fn an_eighth_of_the_open_files_limit_is_kept_for_reuse() {
+        assert_eq!((keep_for(20_000), keep_for(1024), keep_for(0), keep_for(1 << 20)), (2500, 128, 16, 8192));
+    }
+
+    /// Five calls at once open five connections; with two kept for reuse, the other three are
+    /// closed after their call, and the next calls reuse the two.
+    #[tokio::test]
+    async fn connections_past_those_kept_are_closed_after_their_call() {
+        use http_body_util::BodyExt;
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let socket = dir.path().join("d.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let together = Arc::new(tokio::sync::Barrier::new(5));
+        let server = {
+            let (accepted, together) = (accepted.clone(), together.clone());
+            let calls = Arc::new(AtomicUsize::new(0));
+            tokio::spawn(async move {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else { return };
+                    accepted.fetch_add(1, Ordering::SeqCst);
+                    let (together, calls) = (together.clone(), calls.clone());
+                    let svc = hyper::service::service_fn(move |_req| {
+                        let (together, first_five) = (together.clone(), calls.fetch_add(1, Ordering::SeqCst) < 5);
+                        async move {
+                            // The first five answer together, so they need five connections.
+                            if first_five {
+                                together.wait().await;
+                            }
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Body::from("ok")))
+                        }
+                    });
+                    tokio::spawn(
+                        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc),
+                    );
+                }
+            })
+        };
+        let connector = Connector::new(2);
+        let client = client_keeping(connector.clone());
+        let endpoint = Endpoint::Unix(socket);
+        let call = || {
+            let (client, endpoint) = (client.clone(), endpoint.clone());
+            async move {
+                let resp = client
+                    .request(
+                        http::Request::get(uri(&endpoint, "/v1/health").unwrap_or_else(|e| panic!("{e}")))
+                            .body(Body::empty())
+                            .unwrap_or_else(|e| panic!("{e}")),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+                resp.into_body().collect().await.unwrap_or_else(|e| panic!("{e}"));
+            }
+        };
+        futures_util::future::join_all((0..5).map(|_| call())).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 5);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while connector.open() > 2 {
+            assert!(std::time::Instant::now() < deadline, "{} connections still open, 2 kept", connector.open());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for _ in 0..4 {
+            call().await;
+        }
+        assert_eq!((accepted.load(Ordering::SeqCst), connector.open()), (5, 2), "the kept connections were reused");
+        server.abort();
     }
 }

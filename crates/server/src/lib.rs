@@ -147,6 +147,8 @@ pub async fn run(
 ) -> Result<(), ServeError> {
     // Checked once: ids and tokens are drawn later with no way to fail.
     sys::random_bytes(&mut [0u8; 1]).map_err(ServeError::Random)?;
+    // Raised first: what the server keeps open for daemons is sized by it.
+    let max_connections = connection_limit(args.max_connections);
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     let (token, source) = auth::load_or_generate(std::env::var("SANDMAN_TOKEN").ok(), &state_dir)
@@ -178,7 +180,7 @@ pub async fn run(
     let listen = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| args.listen.clone());
     let edge = sandman_http::serve::Edge {
         header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
-        max_connections: connection_limit(args.max_connections),
+        max_connections,
         drain: SHUTDOWN_DRAIN,
     };
     on_start(&Started { listen, token: source, recovered, found_dead });

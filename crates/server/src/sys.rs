@@ -12,11 +12,7 @@ const NR_OPEN: &str = "/proc/sys/fs/nr_open";
 /// tens of thousands of sandboxes whatever `ulimit -n` it was started under. Processes started
 /// later inherit it.
 pub fn raise_open_files_limit() -> std::io::Result<u64> {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `getrlimit` writes one plain C struct that lives on this stack frame.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let mut limit = open_files_rlimit()?;
     let ceiling = std::fs::read_to_string(NR_OPEN).ok().and_then(|t| t.trim().parse::<libc::rlim_t>().ok());
     let mut tries = Vec::with_capacity(2);
     if let Some(ceiling) = ceiling.filter(|&c| c > limit.rlim_max) {
@@ -35,6 +31,20 @@ pub fn raise_open_files_limit() -> std::io::Result<u64> {
         }
     }
     Ok(limit.rlim_cur)
+}
+
+/// The soft limit on open files now in force (0 when it cannot be read).
+pub fn open_files_limit() -> u64 {
+    open_files_rlimit().map_or(0, |l| l.rlim_cur)
+}
+
+fn open_files_rlimit() -> std::io::Result<libc::rlimit> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `getrlimit` writes one plain C struct that lives on this stack frame.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(limit)
 }
 
 /// Fills `buf` from the kernel's random pool with the `getrandom` system call, which needs no
