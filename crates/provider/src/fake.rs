@@ -29,8 +29,8 @@ pub struct FakeProvider {
     progress_tx: mpsc::Sender<Progress>,
     /// Handed to the server once.
     progress_rx: Mutex<Option<mpsc::Receiver<Progress>>>,
-    /// The endpoint every sandbox gets (the tests point it at a real daemon when they need one).
-    endpoint: Endpoint,
+    /// The endpoint of each sandbox (the tests point it at a daemon when they need one).
+    endpoint: Endpoints,
     /// What every sandbox reports as applied (see [`FakeProvider::set_applied`]).
     applied: Mutex<Applied>,
     /// Nodes a prepare pulls on, and how long each takes after the one before.
@@ -41,8 +41,36 @@ pub struct FakeProvider {
     create_delay: Mutex<std::time::Duration>,
 }
 
+/// Where the fake's sandboxes answer.
+enum Endpoints {
+    /// Every sandbox at the same one.
+    Same(Endpoint),
+    /// Each at what the function makes of its spec (a stand-in daemon that knows its token).
+    Each(Box<dyn Fn(&SandboxSpec) -> Endpoint + Send + Sync>),
+}
+
+impl std::fmt::Debug for Endpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoints::Same(e) => f.debug_tuple("Same").field(e).finish(),
+            Endpoints::Each(_) => f.write_str("Each(..)"),
+        }
+    }
+}
+
 impl FakeProvider {
+    /// Every sandbox answers at `endpoint`.
     pub fn new(endpoint: Endpoint) -> Self {
+        Self::with_endpoints(Endpoints::Same(endpoint))
+    }
+
+    /// Each sandbox answers at what `endpoint_of` makes of its spec, called once per create: a
+    /// test starts a stand-in daemon there that holds the sandbox's token, as a real one would.
+    pub fn each_at(endpoint_of: impl Fn(&SandboxSpec) -> Endpoint + Send + Sync + 'static) -> Self {
+        Self::with_endpoints(Endpoints::Each(Box::new(endpoint_of)))
+    }
+
+    fn with_endpoints(endpoint: Endpoints) -> Self {
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
         let (progress_tx, progress_rx) = mpsc::channel(PROGRESS_CAPACITY);
         FakeProvider {
@@ -142,9 +170,13 @@ impl Provider for FakeProvider {
             // As a pull takes a while: whoever reads the progress sees it while this still creates.
             tokio::task::yield_now().await;
         }
-        let record = Record { spec: spec.clone(), endpoint: self.endpoint.clone(), ended: None, claim: None };
+        let endpoint = match &self.endpoint {
+            Endpoints::Same(endpoint) => endpoint.clone(),
+            Endpoints::Each(endpoint_of) => endpoint_of(spec),
+        };
+        let record = Record { spec: spec.clone(), endpoint: endpoint.clone(), ended: None, claim: None };
         self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
-        Ok(self.endpoint.clone())
+        Ok(endpoint)
     }
 
     async fn delete(&self, id: &str) -> Result<(), ProviderError> {

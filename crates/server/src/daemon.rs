@@ -14,6 +14,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandman_provider::Endpoint;
+use sandman_wire::daemon::{Health, health_proof_input};
 use tokio::net::{TcpStream, UnixStream};
 
 /// A connection to a daemon, over either transport, counted while it is open.
@@ -259,26 +260,77 @@ pub async fn call_json<B: serde::Serialize, T: serde::de::DeserializeOwned>(
     serde_json::from_slice(&bytes).map_err(|e| format!("cannot decode the daemon's answer: {e}"))
 }
 
-/// Waits until the daemon answers its health check, backing off from 5 ms to 100 ms.
+/// Why a daemon was not found healthy.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Unhealthy {
+    /// Nothing answered a health check in time; the last failure as text.
+    Silent(String),
+    /// What answered at the sandbox's address could not prove the sandbox's token: another
+    /// sandbox's daemon (a reused address), or a daemon too old to answer a challenge.
+    Stranger(String),
+}
+
+/// Waits until the daemon answers its health check, backing off from 5 ms to 100 ms, and has it
+/// prove that it holds `token` (`GET /v1/health?challenge=`, answered with an HMAC of the
+/// challenge keyed with the token). The token is not sent: whatever answers at a reused address
+/// learns nothing from the check, and is never taken for the sandbox's daemon.
 pub async fn wait_healthy(
     client: &DaemonClient,
     endpoint: &Endpoint,
     token: &str,
     limit: Duration,
-) -> Result<(), String> {
+) -> Result<(), Unhealthy> {
+    let challenge = crate::sys::random_hex();
+    let path = format!("/v1/health?challenge={challenge}");
     let deadline = tokio::time::Instant::now() + limit;
     let mut pause = Duration::from_millis(5);
     loop {
-        let last = match call(client, endpoint, token, http::Method::GET, "/v1/health").await {
-            Ok(s) if s.is_success() => return Ok(()),
-            Ok(s) => format!("health answered {s}"),
+        let last = match health(client, endpoint, &path).await {
+            Ok(answer) => return proven(token, &challenge, &answer),
             Err(e) => e,
         };
         if tokio::time::Instant::now() + pause > deadline {
-            return Err(last);
+            return Err(Unhealthy::Silent(last));
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// One unauthenticated health call; any answer but a 200 with a health body is an error.
+async fn health(client: &DaemonClient, endpoint: &Endpoint, path: &str) -> Result<Health, String> {
+    use http_body_util::BodyExt;
+    let req = http::Request::get(uri(endpoint, path).map_err(|e| e.to_string())?)
+        .body(Body::empty())
+        .map_err(|e| e.to_string())?;
+    let resp = client.request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    if !status.is_success() {
+        return Err(format!("health answered {status}"));
+    }
+    let bytes = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER)
+        .collect()
+        .await
+        .map_err(|e| format!("reading the health answer: {e}"))?
+        .to_bytes();
+    serde_json::from_slice(&bytes).map_err(|e| format!("not a health answer: {e}"))
+}
+
+/// Whether `answer` proves `token` for `challenge` (compared in the same time wherever it differs).
+fn proven(token: &str, challenge: &str, answer: &Health) -> Result<(), Unhealthy> {
+    let Some(proof) = answer.proof.as_deref() else {
+        return Err(Unhealthy::Stranger(format!(
+            "the daemon answering (version {}) gave no proof of the sandbox's token: it is older than this server \
+             or not the sandbox's",
+            answer.version
+        )));
+    };
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+    match hex::decode(proof) {
+        Ok(tag) if ring::hmac::verify(&key, &health_proof_input(challenge), &tag).is_ok() => Ok(()),
+        _ => Err(Unhealthy::Stranger(
+            "the daemon answering at the sandbox's address does not hold its token (another sandbox's daemon?)".into(),
+        )),
     }
 }
 
@@ -306,6 +358,30 @@ mod tests {
         assert_eq!((keep_for(20_000), keep_for(1024), keep_for(0), keep_for(1 << 20)), (2500, 128, 16, 8192));
     }
 
+    /// Serves HTTP/1.1 on `listener` with `answer`, counting connections in `accepted`.
+    fn serve<F, Fut>(
+        listener: tokio::net::UnixListener,
+        accepted: Arc<AtomicUsize>,
+        answer: F,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: Fn(http::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = http::Response<Body>> + Send + 'static,
+    {
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                accepted.fetch_add(1, Ordering::SeqCst);
+                let answer = answer.clone();
+                let svc = hyper::service::service_fn(move |req| {
+                    let answer = answer.clone();
+                    async move { Ok::<_, std::convert::Infallible>(answer(req).await) }
+                });
+                tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc));
+            }
+        })
+    }
+
     /// Five calls at once open five connections; with two kept for reuse, the other three are
     /// closed after their call, and the next calls reuse the two.
     #[tokio::test]
@@ -316,30 +392,17 @@ mod tests {
         let listener = tokio::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
         let accepted = Arc::new(AtomicUsize::new(0));
         let together = Arc::new(tokio::sync::Barrier::new(5));
-        let server = {
-            let (accepted, together) = (accepted.clone(), together.clone());
-            let calls = Arc::new(AtomicUsize::new(0));
-            tokio::spawn(async move {
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else { return };
-                    accepted.fetch_add(1, Ordering::SeqCst);
-                    let (together, calls) = (together.clone(), calls.clone());
-                    let svc = hyper::service::service_fn(move |_req| {
-                        let (together, first_five) = (together.clone(), calls.fetch_add(1, Ordering::SeqCst) < 5);
-                        async move {
-                            // The first five answer together, so they need five connections.
-                            if first_five {
-                                together.wait().await;
-                            }
-                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Body::from("ok")))
-                        }
-                    });
-                    tokio::spawn(
-                        hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc),
-                    );
+        let calls = Arc::new(AtomicUsize::new(0));
+        let server = serve(listener, accepted.clone(), move |_req| {
+            let (together, first_five) = (together.clone(), calls.fetch_add(1, Ordering::SeqCst) < 5);
+            async move {
+                // The first five answer together, so they need five connections.
+                if first_five {
+                    together.wait().await;
                 }
-            })
-        };
+                http::Response::new(Body::from("ok"))
+            }
+        });
         let connector = Connector::new(2);
         let client = client_keeping(connector.clone());
         let endpoint = Endpoint::Unix(socket);
@@ -369,5 +432,44 @@ mod tests {
         }
         assert_eq!((accepted.load(Ordering::SeqCst), connector.open()), (5, 2), "the kept connections were reused");
         server.abort();
+    }
+
+    /// The daemon at the address must prove the token, which is never sent: a right proof is
+    /// healthy, a wrong one or none is a stranger at once, and silence is reported at the limit.
+    #[tokio::test]
+    async fn a_daemon_is_healthy_only_once_it_proves_the_token() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let client = client_keeping(Connector::new(16));
+        let fake = |name: &str, key: &'static str, proof: bool| {
+            let socket = dir.path().join(name);
+            let listener = tokio::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
+            serve(listener, Arc::default(), move |req: http::Request<hyper::body::Incoming>| {
+                assert!(req.headers().get(http::header::AUTHORIZATION).is_none(), "the token was sent");
+                let challenge = req.uri().query().and_then(|q| q.strip_prefix("challenge=")).unwrap_or_default();
+                let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key.as_bytes());
+                let tag = hex::encode(ring::hmac::sign(&key, &health_proof_input(challenge)));
+                let health = Health { status: "ok".into(), version: "0.1.0".into(), proof: proof.then_some(tag) };
+                async move { http::Response::new(Body::from(serde_json::to_vec(&health).unwrap_or_default())) }
+            });
+            Endpoint::Unix(socket)
+        };
+        let (ours, stranger, mute) =
+            (fake("ours", "tok-a", true), fake("stranger", "tok-b", true), fake("old", "tok-a", false));
+        let limit = Duration::from_secs(30);
+        assert_eq!(wait_healthy(&client, &ours, "tok-a", limit).await, Ok(()));
+        let Err(Unhealthy::Stranger(msg)) = wait_healthy(&client, &stranger, "tok-a", limit).await else {
+            panic!("another sandbox's daemon was taken for this one's")
+        };
+        assert!(msg.contains("does not hold its token"), "{msg}");
+        let Err(Unhealthy::Stranger(msg)) = wait_healthy(&client, &mute, "tok-a", limit).await else {
+            panic!("a daemon without a proof was taken for the sandbox's")
+        };
+        assert!(msg.contains("no proof"), "{msg}");
+        let nobody = Endpoint::Unix(dir.path().join("nobody"));
+        let Err(Unhealthy::Silent(last)) = wait_healthy(&client, &nobody, "tok-a", Duration::from_millis(50)).await
+        else {
+            panic!("nothing listening was found healthy")
+        };
+        assert!(!last.is_empty());
     }
 }

@@ -101,16 +101,29 @@ mod tests {
     use crate::provider::AnyProvider;
     use crate::service::{Service, Settings};
 
-    /// The service over the fake provider, whose every sandbox's daemon is `daemon`: an
-    /// in-process stand-in answering health and `GET /v1/conditions` with `observed`.
+    /// The service over the fake provider, whose every sandbox's daemon is an in-process
+    /// stand-in holding the sandbox's token: it proves it to the health check and answers
+    /// `GET /v1/conditions` with `observed`.
     async fn with_daemon(dir: &Path, applied: Applied, observed: Observed) -> Arc<Service> {
-        let socket = dir.join("daemon.sock");
-        let listener = tokio::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
-        let app = axum::Router::new()
-            .route("/v1/health", get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }))
-            .route("/v1/conditions", get(move || async move { axum::Json(observed) }));
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        let fake = FakeProvider::new(Endpoint::Unix(socket));
+        let sockets = dir.to_path_buf();
+        let fake = FakeProvider::each_at(move |spec| {
+            let socket = sockets.join(format!("{}.sock", spec.id));
+            let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
+            listener.set_nonblocking(true).unwrap_or_else(|e| panic!("{e}"));
+            let listener = tokio::net::UnixListener::from_std(listener).unwrap_or_else(|e| panic!("{e}"));
+            let (token, observed) = (spec.token.clone(), observed.clone());
+            let health = move |q: axum::extract::Query<sandman_wire::daemon::HealthQuery>| async move {
+                let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+                let input = sandman_wire::daemon::health_proof_input(q.challenge.as_deref().unwrap_or_default());
+                let proof = hex::encode(ring::hmac::sign(&key, &input));
+                axum::Json(serde_json::json!({"status": "ok", "version": "test", "proof": proof}))
+            };
+            let app = axum::Router::new()
+                .route("/v1/health", get(health))
+                .route("/v1/conditions", get(move || async move { axum::Json(observed) }));
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            Endpoint::Unix(socket)
+        });
         fake.set_applied(applied);
         std::fs::create_dir_all(dir.join("state")).unwrap_or_else(|e| panic!("{e}"));
         let settings = Settings { create_rate: None, ..Settings::new(dir.join("state")) };

@@ -267,11 +267,18 @@ impl Service {
         }
         if self.settings.daemons == Daemons::Real {
             let limit = self.settings.ready_timeout.saturating_sub(started.elapsed());
-            if let Err(last) = daemon::wait_healthy(&self.daemons, &endpoint, &sb.spec.token, limit).await {
-                let msg =
-                    format!("the daemon did not answer within {} s: {last}", self.settings.ready_timeout.as_secs());
-                self.fail(&sb, Reason::ReadyTimeout, msg).await;
-                return;
+            match daemon::wait_healthy(&self.daemons, &endpoint, &sb.spec.token, limit).await {
+                Ok(()) => {}
+                Err(daemon::Unhealthy::Silent(last)) => {
+                    let secs = self.settings.ready_timeout.as_secs();
+                    self.fail(&sb, Reason::ReadyTimeout, format!("the daemon did not answer within {secs} s: {last}"))
+                        .await;
+                    return;
+                }
+                Err(daemon::Unhealthy::Stranger(msg)) => {
+                    self.fail(&sb, Reason::DaemonStartFailed, msg).await;
+                    return;
+                }
             }
         }
         if let Err(msg) = self.run_setup(&sb, &endpoint, &sb.setup).await {
