@@ -100,6 +100,10 @@ struct Answer {
 pub struct KubeApi {
     client: kube::Client,
     pacer: Pacer,
+    /// Calls in flight at once (`api_concurrency`): each holds one of the client's pooled
+    /// connections, so this also bounds how many the pool opens. Taken before the pacer's slot,
+    /// so that a write goes at its slot rather than bunched up behind a full pool.
+    in_flight: tokio::sync::Semaphore,
     pods: Request,
     secrets: Request,
     policies: Request,
@@ -114,10 +118,11 @@ impl std::fmt::Debug for KubeApi {
 }
 
 impl KubeApi {
-    pub fn new(client: kube::Client, namespace: &str, pacer: Pacer) -> Self {
+    pub fn new(client: kube::Client, namespace: &str, pacer: Pacer, concurrency: u32) -> Self {
         KubeApi {
             client,
             pacer,
+            in_flight: tokio::sync::Semaphore::new(concurrency.max(1) as usize),
             pods: Request::new(Pod::url_path(&(), Some(namespace))),
             secrets: Request::new(Secret::url_path(&(), Some(namespace))),
             policies: Request::new(NetworkPolicy::url_path(&(), Some(namespace))),
@@ -239,6 +244,8 @@ impl KubeApi {
     /// slot of the pacer for every try, and a `Retry-After` holds every write.
     async fn call(&self, what: &str, req: http::Request<Vec<u8>>, paced: bool) -> Result<Answer, KubeError> {
         let (parts, body) = req.into_parts();
+        // Never closed, so never an error; held until the answer is read whole.
+        let _permit = self.in_flight.acquire().await.ok();
         let mut throttled = 0;
         let mut transient = 0;
         loop {

@@ -139,10 +139,11 @@ impl KubeProvider {
             injection = ?config.injection,
             write_qps = config.write_qps,
             write_burst = config.write_burst,
+            api_concurrency = config.api_concurrency,
             "kubernetes provider"
         );
         Ok(KubeProvider {
-            api: Arc::new(KubeApi::new(client, &config.namespace, pacer)),
+            api: Arc::new(KubeApi::new(client, &config.namespace, pacer, config.api_concurrency)),
             pods,
             config,
             tracker,
