@@ -154,6 +154,22 @@ impl KubeApi {
         optional(decode(&what, self.call(&what, req, false).await?))
     }
 
+    /// Changes one Secret's metadata with a JSON merge patch (a shared token Secret's owners).
+    pub async fn merge_patch_secret(&self, name: &str, patch: &serde_json::Value) -> Result<(), KubeError> {
+        let what = format!("patch secret `{name}`");
+        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+        let req = build(&what, self.secrets.patch(name, &params, &Patch::Merge(patch)))?;
+        decode::<serde_json::Value>(&what, self.call(&what, req, true).await?).map(drop)
+    }
+
+    /// Deletes one Secret; false when there was none.
+    pub async fn delete_secret(&self, name: &str) -> Result<bool, KubeError> {
+        let what = format!("delete secret `{name}`");
+        let req = build(&what, self.secrets.delete(name, &DeleteParams::default()))?;
+        let found = optional(decode::<serde_json::Value>(&what, self.call(&what, req, true).await?))?;
+        Ok(found.is_some())
+    }
+
     /// Deletes one pod (its Secret goes with it, by owner reference); false when there was none.
     pub async fn delete_pod(&self, name: &str, grace_s: u32) -> Result<bool, KubeError> {
         let what = format!("delete pod `{name}`");

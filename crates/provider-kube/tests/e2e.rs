@@ -36,7 +36,7 @@ use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount, Toleration};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Secret, ServiceAccount, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -44,7 +44,7 @@ use kube::{Api, Client};
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Endpoint, NodeProgress, NodeState, Prepared, Provider, ProviderError, SandboxSpec};
 use sandman_provider_kube::pace::WriteSlot;
-use sandman_provider_kube::{CapacityConfig, KubeConfig, KubeProvider};
+use sandman_provider_kube::{CapacityConfig, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_wire::daemon::Observed;
 use sandman_wire::server::{Profile, Quantity, Reason, Resources};
 use serde_json::{Value, json};
@@ -604,7 +604,12 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
     // The API server's own pace, measured just before (and after) the burst.
     let raw_before = if bench { Some(raw_pod_creates(&world, n, raw_clients).await) } else { None };
     let log: WriteLog = Arc::default();
-    let config = KubeConfig { write_qps: qps, write_burst: burst, ..world.config() };
+    // Shared token Secrets unless SANDMAN_E2E_TOKEN=secret (one Secret per sandbox).
+    let token = match std::env::var("SANDMAN_E2E_TOKEN").as_deref() {
+        Ok("secret") => TokenDelivery::Secret,
+        _ => TokenDelivery::SharedSecret,
+    };
+    let config = KubeConfig { write_qps: qps, write_burst: burst, token, ..world.config() };
     let p = Arc::new(KubeProvider::new(world.client(Some(log.clone())).await, config).unwrap());
     let job = "e2e-burst";
     let specs: Vec<SandboxSpec> = (0..n)
@@ -646,8 +651,19 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
     // The write rate: every write reached the client with a slot of the pacer, and no window
     // holds more slots than the burst plus the rate. (The times the writes passed the log trail
     // their slots by the client queue's delays, which bunch them by a few: printed below.)
+    let secrets = token_secrets_settled(&world, n, token).await;
     let logged = log.lock().unwrap().clone();
-    assert_eq!(logged.len(), 2 * n, "two writes per create (pod and secret)");
+    let writes_of = |kind: &str, method: &str| logged.iter().filter(|w| w.kind == kind && w.method == method).count();
+    assert_eq!(writes_of("pods", "POST"), n, "one pod write per create");
+    assert_eq!(writes_of("secrets", "POST"), secrets, "one write per token Secret");
+    match token {
+        TokenDelivery::SharedSecret => {
+            assert!(secrets < n, "{secrets} shared token Secrets for {n} creates: none was shared");
+            assert_eq!(writes_of("secrets", "PATCH"), secrets, "one write of owners per shared token Secret");
+            assert_eq!(logged.len(), n + 2 * secrets, "writes beside the pods' and the Secrets'");
+        }
+        _ => assert_eq!(logged.len(), 2 * n, "two writes per create (pod and secret)"),
+    }
     let unpaced: Vec<&str> = logged.iter().filter(|w| w.slot.is_none()).map(|w| w.method.as_str()).collect();
     assert!(unpaced.is_empty(), "{} writes were sent without a slot of the pacer: {unpaced:?}", unpaced.len());
     let slots: Vec<Instant> = logged.iter().filter_map(|w| w.slot).collect();
@@ -760,7 +776,68 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
         assert!(Instant::now() < deadline, "{left} pods left 300 s after release-all");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The garbage collector takes the token Secrets with their pods.
+    let secrets: Api<Secret> = Api::namespaced(world.client.clone(), &world.namespace);
+    loop {
+        let left = secrets.list(&ListParams::default().labels(OURS)).await.unwrap().items.len();
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} token Secrets left 300 s after release-all");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     world.tear_down().await;
+}
+
+/// The label of everything the provider makes.
+const OURS: &str = "app.kubernetes.io/managed-by=sandman";
+
+/// Waits until every token Secret of the burst has its owners, and checks them: with shared
+/// Secrets, each pod is an owner of the Secret it mounts, which holds its key, and no Secret
+/// has an owner that does not mount it; else one Secret per pod, owned by it. Answers how many
+/// Secrets there are.
+async fn token_secrets_settled(world: &World, n: usize, token: TokenDelivery) -> usize {
+    let secrets: Api<Secret> = Api::namespaced(world.client.clone(), &world.namespace);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = secrets.list(&ListParams::default().labels(OURS)).await.unwrap().items;
+        let owners: usize = list.iter().map(|s| s.metadata.owner_references.as_ref().map_or(0, Vec::len)).sum();
+        if owners == n {
+            let pods = world.pods().list(&ListParams::default().labels(OURS)).await.unwrap().items;
+            let by_name: BTreeMap<String, &Secret> =
+                list.iter().map(|s| (s.metadata.name.clone().unwrap_or_default(), s)).collect();
+            for pod in &pods {
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                let volume = pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.volumes.as_ref())
+                    .and_then(|v| v.iter().find(|v| v.name == "sandman-token").and_then(|v| v.secret.clone()));
+                let volume = volume.unwrap_or_else(|| panic!("{name} mounts no token Secret"));
+                let mounted = volume.secret_name.clone().unwrap_or_default();
+                let key = volume.items.as_ref().and_then(|i| i.first()).map(|i| i.key.clone()).unwrap_or_default();
+                let items = volume.items.as_ref().map_or(0, Vec::len);
+                assert_eq!(items, 1, "{name} mounts {items} keys of its token Secret");
+                let secret =
+                    by_name.get(&mounted).unwrap_or_else(|| panic!("{name} mounts a Secret that is not there"));
+                assert!(secret.data.as_ref().is_some_and(|d| d.contains_key(&key)), "{mounted} holds no `{key}`");
+                let owned = secret
+                    .metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| Some(&o.uid) == pod.metadata.uid.as_ref());
+                assert!(owned, "{name} is not an owner of the token Secret {mounted} it mounts");
+                match token {
+                    TokenDelivery::SharedSecret => assert_eq!(key, name.trim_start_matches("sandman-")),
+                    _ => assert_eq!((mounted.as_str(), key.as_str()), (name.as_str(), "token")),
+                }
+            }
+            return list.len();
+        }
+        assert!(Instant::now() < deadline, "{owners} owners of token Secrets after 60 s, not {n}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// The `p` quantile of sorted `times`.

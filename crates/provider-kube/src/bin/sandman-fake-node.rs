@@ -117,6 +117,8 @@ struct FakeNode {
     stats: Mutex<Stats>,
     /// Bounds the calls in flight (`--api-concurrency`).
     in_flight: tokio::sync::Semaphore,
+    /// Immutable Secrets read already, by name: their data never changes. Locked briefly.
+    immutable: Mutex<HashMap<String, HashMap<String, String>>>,
 }
 
 /// The node's writes by kind, and the time each step of starting a pod took, answered on
@@ -176,6 +178,7 @@ async fn run(args: Args) -> Result<()> {
         cancel: CancellationToken::new(),
         stats: Mutex::default(),
         in_flight: tokio::sync::Semaphore::new(args.api_concurrency.max(1) as usize),
+        immutable: Mutex::default(),
         args,
     });
     node.register().await?;
@@ -617,8 +620,20 @@ impl FakeNode {
                 .cloned()
                 .context("the pod has no `sandman.dev/token` annotation");
         }
-        let name =
-            volume.secret.as_ref().and_then(|s| s.secret_name.clone()).context("the token volume names no secret")?;
+        let source = volume.secret.as_ref().context("the token volume is neither a Secret nor the downward API")?;
+        let name = source.secret_name.clone().context("the token volume names no secret")?;
+        // The key the pod mounts: `token` of a Secret of its own, its sandbox id of a shared one.
+        let key = source
+            .items
+            .as_ref()
+            .and_then(|items| items.first())
+            .map_or_else(|| "token".to_string(), |item| item.key.clone());
+        // As the kubelet does, an immutable Secret is read once.
+        if let Some(token) =
+            self.immutable.lock().unwrap_or_else(PoisonError::into_inner).get(&name).and_then(|d| d.get(&key))
+        {
+            return Ok(token.clone());
+        }
         let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &self.args.namespace);
         // As the kubelet does, wait for a Secret created just after its pod.
         for _ in 0..100 {
@@ -631,8 +646,17 @@ impl FakeNode {
                 stats.secret_misses += u64::from(found.is_none());
             }
             if let Some(secret) = found {
-                let bytes = secret.data.and_then(|d| d.get("token").cloned()).context("the secret has no `token`")?;
-                return Ok(String::from_utf8(bytes.0)?);
+                let data: HashMap<String, String> = secret
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|(k, v)| Some((k, String::from_utf8(v.0).ok()?)))
+                    .collect();
+                let token = data.get(&key).cloned().with_context(|| format!("the secret `{name}` has no `{key}`"))?;
+                if secret.immutable == Some(true) {
+                    self.immutable.lock().unwrap_or_else(PoisonError::into_inner).insert(name, data);
+                }
+                return Ok(token);
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
