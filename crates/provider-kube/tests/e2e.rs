@@ -305,6 +305,7 @@ impl World {
                 .args(["--namespace", &namespace, "--node-name", node_name])
                 .args(["--scheduler-name", SCHEDULER, "--first-ip", &ip.to_string()])
                 .args(["--shards", &count.to_string(), "--shard", &i.to_string()])
+                .args(["--api-concurrency", &env_or("SANDMAN_E2E_NODE_CONCURRENCY", 16u32).to_string()])
                 .args(["--fail-image", "e2e-missing", "--oom-image", "e2e-oom"])
                 .arg("--daemon")
                 .arg(sandman_testkit::daemon_beside_tests())
@@ -609,7 +610,8 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
         Ok("secret") => TokenDelivery::Secret,
         _ => TokenDelivery::SharedSecret,
     };
-    let config = KubeConfig { write_qps: qps, write_burst: burst, token, ..world.config() };
+    let api_concurrency = env_or("SANDMAN_E2E_API_CONCURRENCY", KubeConfig::default().api_concurrency);
+    let config = KubeConfig { write_qps: qps, write_burst: burst, token, api_concurrency, ..world.config() };
     let p = Arc::new(KubeProvider::new(world.client(Some(log.clone())).await, config).unwrap());
     let job = "e2e-burst";
     let specs: Vec<SandboxSpec> = (0..n)
@@ -620,6 +622,7 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
         })
         .collect();
 
+    let cpu_before = cpu_seconds();
     let started = Instant::now();
     let mut tasks = Vec::new();
     for s in specs.clone() {
@@ -647,6 +650,7 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
     }
     assert!(failed.is_empty(), "{} of {n} sandboxes failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
     let last_ready = ready.iter().map(|r| r.3).max().unwrap();
+    let cpu_after = cpu_seconds();
 
     // The write rate: every write reached the client with a slot of the pacer, and no window
     // holds more slots than the burst plus the rate. (The times the writes passed the log trail
@@ -750,6 +754,21 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
             stats.secret_reads,
             stats.secret_misses
         );
+        let cpu: Vec<String> = cpu_after
+            .iter()
+            .map(|(name, after)| format!("{name} {:.1}", after - cpu_before.get(name).copied().unwrap_or(0.0)))
+            .collect();
+        println!("cpu seconds in the burst {} (of {:.1} on 2 cores)", cpu.join(", "), 2.0 * span);
+        let per_write = |name: &str| {
+            let used = cpu_after.get(name).copied().unwrap_or(0.0) - cpu_before.get(name).copied().unwrap_or(0.0);
+            used * 1e3 / all as f64
+        };
+        println!(
+            "cpu per write            API server {:.2} ms, etcd {:.2} ms; API server busy {:.2} cores",
+            per_write("API server"),
+            per_write("etcd"),
+            per_write("API server") * all as f64 / span / 1e3
+        );
         let lag =
             logged.iter().filter_map(|w| Some(w.seen.saturating_duration_since(w.slot?))).max().unwrap_or_default();
         println!(
@@ -840,6 +859,43 @@ async fn token_secrets_settled(world: &World, n: usize, token: TokenDelivery) ->
     }
 }
 
+/// CPU seconds used so far by the processes the burst runs on (this machine's `/proc`): the
+/// API server, etcd, the fake nodes, their daemons, and this test (the provider). A process
+/// that has exited is not counted; on a remote cluster the first two are absent.
+fn cpu_seconds() -> BTreeMap<&'static str, f64> {
+    const NAMES: [(&str, &str); 4] = [
+        ("kube-apiserver", "API server"),
+        ("etcd", "etcd"),
+        ("sandman-fake-no", "fake nodes"),
+        ("sandmand", "daemons"),
+    ];
+    let me = std::process::id().to_string();
+    let mut out = BTreeMap::new();
+    // The whole machine's idle time (idle and iowait, in ticks of every cpu).
+    if let Some(line) = std::fs::read_to_string("/proc/stat").ok().and_then(|s| s.lines().next().map(str::to_string)) {
+        let idle: f64 = line.split_whitespace().skip(4).take(2).filter_map(|f| f.parse::<f64>().ok()).sum();
+        out.insert("idle", idle / 100.0);
+    }
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().to_string();
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let comm = &stat[open + 1..close];
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // utime and stime: fields 14 and 15 of the line, 12 and 13 after the name.
+        let ticks: f64 = fields.iter().skip(11).take(2).filter_map(|f| f.parse::<f64>().ok()).sum();
+        let name = if pid == me {
+            Some("provider (this test)")
+        } else {
+            NAMES.iter().find(|(c, _)| *c == comm).map(|(_, n)| *n)
+        };
+        if let Some(name) = name {
+            *out.entry(name).or_default() += ticks / 100.0;
+        }
+    }
+    out
+}
+
 /// The `p` quantile of sorted `times`.
 fn pct(times: &[Duration], p: f64) -> Duration {
     times[((times.len() as f64 * p).ceil() as usize).saturating_sub(1).min(times.len() - 1)]
@@ -857,6 +913,7 @@ async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> f64 {
         apis.push(Api::<Pod>::namespaced(world.client(None).await, &world.namespace));
     }
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let cpu_before = cpu_seconds();
     let started = Instant::now();
     let made = futures_util::future::join_all(apis.iter().map(|pods| {
         let (next, nowhere) = (next.clone(), nowhere.clone());
@@ -878,6 +935,19 @@ async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> f64 {
     }));
     made.await;
     let rate = count as f64 / started.elapsed().as_secs_f64();
+    let cpu_after = cpu_seconds();
+    let api_cpu =
+        cpu_after.get("API server").copied().unwrap_or(0.0) - cpu_before.get("API server").copied().unwrap_or(0.0);
+    let etcd_cpu = cpu_after.get("etcd").copied().unwrap_or(0.0) - cpu_before.get("etcd").copied().unwrap_or(0.0);
+    let idle = cpu_after.get("idle").copied().unwrap_or(0.0) - cpu_before.get("idle").copied().unwrap_or(0.0);
+    let secs = count as f64 / rate;
+    println!(
+        "raw pod creates          {rate:.0}/s; cpu per create: API server {:.2} ms, etcd {:.2} ms; API server busy {:.2} cores, machine idle {:.0}%",
+        api_cpu * 1e3 / count as f64,
+        etcd_cpu * 1e3 / count as f64,
+        api_cpu / secs,
+        100.0 * idle / (2.0 * secs)
+    );
     let pods = world.pods();
     let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
     let raw = ListParams::default().labels(RAW_LABEL);

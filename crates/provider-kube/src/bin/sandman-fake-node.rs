@@ -308,9 +308,16 @@ impl FakeNode {
     }
 
     /// Watches the namespace's sandbox pods and acts on each.
+    /// Watches the namespace's sandbox pods as a scheduler and a kubelet do: the unbound ones
+    /// (`spec.nodeName=`), and those bound to this node; acts on each. (Not every pod of the
+    /// namespace: with several fake nodes, each would read every other's pods' changes.)
     async fn watch(self: Arc<Self>) {
-        let config = watcher::Config::default().labels("app.kubernetes.io/managed-by=sandman");
-        let stream = watcher::watcher(self.pods.clone(), config).default_backoff();
+        let labels = "app.kubernetes.io/managed-by=sandman";
+        let unbound = watcher::Config::default().labels(labels).fields("spec.nodeName=");
+        let mine = watcher::Config::default().labels(labels).fields(&format!("spec.nodeName={}", self.args.node_name));
+        let unbound = watcher::watcher(self.pods.clone(), unbound).default_backoff().map(|e| (false, e));
+        let mine = watcher::watcher(self.pods.clone(), mine).default_backoff().map(|e| (true, e));
+        let stream = futures_util::stream::select(unbound, mine);
         let mut stream = std::pin::pin!(stream);
         loop {
             let next = tokio::select! {
@@ -319,10 +326,15 @@ impl FakeNode {
             };
             match next {
                 None => return,
-                Some(Ok(Event::Apply(pod) | Event::InitApply(pod))) => self.clone().pod_changed(pod),
-                Some(Ok(Event::Delete(pod))) => self.let_go(&pod),
-                Some(Ok(Event::Init | Event::InitDone)) => {}
-                Some(Err(err)) => tracing::warn!(%err, "pod watch failed; resuming"),
+                Some((_, Ok(Event::Apply(pod) | Event::InitApply(pod)))) => self.clone().pod_changed(pod),
+                // Gone from the unbound ones: bound (or deleted before it was).
+                Some((false, Ok(Event::Delete(pod)))) => {
+                    let uid = pod.metadata.uid.clone().unwrap_or_default();
+                    self.bound.lock().unwrap_or_else(PoisonError::into_inner).remove(&uid);
+                }
+                Some((true, Ok(Event::Delete(pod)))) => self.let_go(&pod),
+                Some((_, Ok(Event::Init | Event::InitDone))) => {}
+                Some((_, Err(err))) => tracing::warn!(%err, "pod watch failed; resuming"),
             }
         }
     }
