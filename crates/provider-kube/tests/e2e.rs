@@ -19,8 +19,14 @@
 //! (`busybox:1.36`) and `SANDMAN_E2E_POD_PIDS_LIMIT` (the nodes' podPidsLimit, 1024).
 //!
 //! `SANDMAN_E2E_SANDBOXES` (1000), `SANDMAN_E2E_QPS` (50) and `SANDMAN_E2E_BURST` (100) size the
-//! burst (`SANDMAN_MOCK_*`, 40, 20 and 10, the mocked one); `SANDMAN_E2E_BENCH=1` prints
-//! create-to-ready p50/p99 and the achieved create rate.
+//! burst (`SANDMAN_MOCK_*`, 40, 20 and 10, the mocked one); `SANDMAN_E2E_FAKE_NODES` (2) run it,
+//! `SANDMAN_E2E_TOKEN=secret` gives each sandbox a Secret of its own instead of shared ones,
+//! `SANDMAN_E2E_API_CONCURRENCY` (the provider's default) and `SANDMAN_E2E_NODE_CONCURRENCY` (16
+//! per fake node) bound the calls in flight. `SANDMAN_E2E_BENCH=1` measures the API server's
+//! bare pod creates (`SANDMAN_E2E_RAW_CLIENTS`, 16) before and after the burst and prints, side by
+//! side, sandboxes per second, create-to-ready p50/p99, writes per sandbox (the provider's and
+//! the fake nodes'), all writes per second and their ratio to the bare create rate, where the
+//! CPU went, and the latencies of each step.
 #![allow(clippy::unwrap_used, clippy::panic, clippy::print_stdout)]
 
 mod common;
@@ -381,13 +387,16 @@ impl World {
     /// removes the namespace.
     async fn tear_down(mut self) {
         let nodes = std::mem::take(&mut self.nodes);
-        for node in &nodes {
+        let mut children = Vec::new();
+        for node in nodes {
             if let Some(pid) = node.child.id() {
                 let _ = tokio::process::Command::new("kill").arg(pid.to_string()).status().await;
             }
+            // Its stdin closed, so that nothing it reads holds it up.
+            children.push(node.child);
         }
-        for mut node in nodes {
-            let _ = tokio::time::timeout(Duration::from_secs(20), node.child.wait()).await;
+        for mut child in children {
+            let _ = tokio::time::timeout(Duration::from_secs(20), child.wait()).await;
         }
         if let Some(registered) = self.registered.take() {
             registered.remove().await;
@@ -400,18 +409,20 @@ impl Drop for World {
     /// blocking (SIGTERM, then SIGKILL after 20 s; their daemons die with them either way); the
     /// namespace and the Nodes are removed when `registered` drops next.
     fn drop(&mut self) {
-        let mut nodes = std::mem::take(&mut self.nodes);
-        for node in &nodes {
+        let mut children = Vec::new();
+        for node in std::mem::take(&mut self.nodes) {
             if let Some(pid) = node.child.id() {
                 let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
             }
+            // Its stdin closed, so that nothing it reads holds it up.
+            children.push(node.child);
         }
         let until = std::time::Instant::now() + Duration::from_secs(20);
-        for node in &mut nodes {
-            while matches!(node.child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
+        for child in &mut children {
+            while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(50));
             }
-            let _ = node.child.start_kill();
+            let _ = child.start_kill();
         }
     }
 }
@@ -691,7 +702,9 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
     if let Some(raw_before) = raw_before {
         let stats = world.node_stats().await;
         let raw_after = raw_pod_creates(&world, n, raw_clients).await;
-        let raw = (raw_before + raw_after) / 2.0;
+        let raw = (raw_before.rate + raw_after.rate) / 2.0;
+        let raw_api_cores = (raw_before.api_cores + raw_after.api_cores) / 2.0;
+        let (raw_before, raw_after) = (raw_before.rate, raw_after.rate);
         let mut times: Vec<Duration> = ready.iter().map(|r| r.2).collect();
         times.sort();
         let span = (last_ready - started).as_secs_f64();
@@ -763,11 +776,12 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
             let used = cpu_after.get(name).copied().unwrap_or(0.0) - cpu_before.get(name).copied().unwrap_or(0.0);
             used * 1e3 / all as f64
         };
+        let api_cores = per_write("API server") * all as f64 / span / 1e3;
         println!(
-            "cpu per write            API server {:.2} ms, etcd {:.2} ms; API server busy {:.2} cores",
+            "cpu per write            API server {:.2} ms, etcd {:.2} ms; API server busy {api_cores:.2} cores = {:.0}% of its {raw_api_cores:.2} at bare creates",
             per_write("API server"),
             per_write("etcd"),
-            per_write("API server") * all as f64 / span / 1e3
+            100.0 * api_cores / raw_api_cores
         );
         let lag =
             logged.iter().filter_map(|w| Some(w.seen.saturating_duration_since(w.slot?))).max().unwrap_or_default();
@@ -901,11 +915,19 @@ fn pct(times: &[Duration], p: f64) -> Duration {
     times[((times.len() as f64 * p).ceil() as usize).saturating_sub(1).min(times.len() - 1)]
 }
 
+/// How fast the API server took bare pod creates, and how busy it was meanwhile.
+struct RawRate {
+    /// Creates per second.
+    rate: f64,
+    /// The API server's CPU seconds per second (where it runs on this machine).
+    api_cores: f64,
+}
+
 /// The API server's pace at pod creates, as a yardstick for the burst: `count` bare pods (one
 /// container, no volumes, bound to a node that does not exist, so that nothing runs them), made
-/// by `clients` clients at once, each one after another; answers creates per second. They are
-/// deleted (at once: no kubelet confirms them) before it answers.
-async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> f64 {
+/// by `clients` clients at once, each one after another. They are deleted (at once: no kubelet
+/// confirms them) before it answers.
+async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> RawRate {
     const RAW_LABEL: &str = "sandman.dev/e2e-raw";
     let nowhere = format!("sandman-nowhere-{}", unique());
     let mut apis = Vec::new();
@@ -957,7 +979,7 @@ async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> f64 {
         assert!(Instant::now() < deadline, "raw pods left 120 s after their deletion");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    rate
+    RawRate { rate, api_cores: api_cpu / secs }
 }
 
 async fn check_health(endpoint: &Endpoint) -> Result<(), String> {

@@ -152,7 +152,10 @@ fn main() -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(run(args))
+    let result = runtime.block_on(run(args));
+    // The read of stdin (a blocking thread) may never end: the runtime does not wait for it.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
 }
 
 async fn run(args: Args) -> Result<()> {
