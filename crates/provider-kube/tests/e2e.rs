@@ -614,7 +614,9 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
     let bench = std::env::var_os("SANDMAN_E2E_BENCH").is_some();
     let raw_clients: usize = env_or("SANDMAN_E2E_RAW_CLIENTS", 16);
     // The API server's own pace, measured just before (and after) the burst.
-    let raw_before = if bench { Some(raw_pod_creates(&world, n, raw_clients).await) } else { None };
+    // (At most 2,000 bare pods: enough for a steady rate.)
+    let raw_count = n.min(2000);
+    let raw_before = if bench { Some(raw_pod_creates(&world, raw_count, raw_clients).await) } else { None };
     let log: WriteLog = Arc::default();
     // Shared token Secrets unless SANDMAN_E2E_TOKEN=secret (one Secret per sandbox).
     let token = match std::env::var("SANDMAN_E2E_TOKEN").as_deref() {
@@ -701,7 +703,9 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
 
     if let Some(raw_before) = raw_before {
         let stats = world.node_stats().await;
-        let raw_after = raw_pod_creates(&world, n, raw_clients).await;
+        // Memory while every sandbox is held.
+        let held = memory_kib();
+        let raw_after = raw_pod_creates(&world, raw_count, raw_clients).await;
         let raw = (raw_before.rate + raw_after.rate) / 2.0;
         let raw_api_cores = (raw_before.api_cores + raw_after.api_cores) / 2.0;
         let (raw_before, raw_after) = (raw_before.rate, raw_after.rate);
@@ -717,7 +721,7 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
             world.nodes.len()
         );
         println!(
-            "raw pod creates          {raw:.0}/s ({raw_before:.0} before, {raw_after:.0} after; {n} bare pods, {raw_clients} clients)"
+            "raw pod creates          {raw:.0}/s ({raw_before:.0} before, {raw_after:.0} after; {raw_count} bare pods, {raw_clients} clients)"
         );
         println!("sandboxes/s              {:.1} ({n} ready in {span:.1} s)", n as f64 / span);
         println!(
@@ -783,6 +787,9 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
             per_write("etcd"),
             100.0 * api_cores / raw_api_cores
         );
+        let mem: Vec<String> =
+            held.iter().map(|(name, kib)| format!("{name} {:.0} MiB", *kib as f64 / 1024.0)).collect();
+        println!("memory with all held     {} (resident; the daemons' proportional share)", mem.join(", "));
         let lag =
             logged.iter().filter_map(|w| Some(w.seen.saturating_duration_since(w.slot?))).max().unwrap_or_default();
         println!(
@@ -913,6 +920,41 @@ fn cpu_seconds() -> BTreeMap<&'static str, f64> {
 /// The `p` quantile of sorted `times`.
 fn pct(times: &[Duration], p: f64) -> Duration {
     times[((times.len() as f64 * p).ceil() as usize).saturating_sub(1).min(times.len() - 1)]
+}
+
+/// Memory of the processes the burst runs on, in KiB: resident for the API server, etcd, the fake
+/// nodes and this test (the provider); for the daemons their proportional share (their shared
+/// binary counted once), with how many there are.
+fn memory_kib() -> BTreeMap<String, u64> {
+    let me = std::process::id().to_string();
+    let mut out = BTreeMap::new();
+    let mut daemons = 0u64;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().to_string();
+        let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else { continue };
+        let field = |file: &str, key: &str| -> u64 {
+            let text = std::fs::read_to_string(entry.path().join(file)).unwrap_or_default();
+            let line = text.lines().find(|l| l.starts_with(key)).unwrap_or_default();
+            line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0)
+        };
+        let name = match comm.trim() {
+            _ if pid == me => "provider (this test)",
+            "kube-apiserver" => "API server",
+            "etcd" => "etcd",
+            "sandman-fake-no" => "fake nodes",
+            "sandmand" => {
+                daemons += 1;
+                *out.entry("daemons".to_string()).or_default() += field("smaps_rollup", "Pss:");
+                continue;
+            }
+            _ => continue,
+        };
+        *out.entry(name.to_string()).or_default() += field("status", "VmRSS:");
+    }
+    if let Some(kib) = out.remove("daemons") {
+        out.insert(format!("{daemons} daemons"), kib);
+    }
+    out
 }
 
 /// How fast the API server took bare pod creates, and how busy it was meanwhile.
