@@ -509,6 +509,35 @@ async fn a_shared_token_secret_none_of_whose_pods_was_made_is_deleted() {
     assert!(cluster.lock().unwrap().secrets.is_empty(), "a token Secret no pod mounts was left");
 }
 
+#[tokio::test]
+async fn a_retried_create_with_shared_token_secrets_takes_its_pod_only_with_the_same_token() {
+    let cluster = Cluster::shared();
+    let config = KubeConfig { token: TokenDelivery::SharedSecret, ..config() };
+    let (client, _mock) = client_on(&cluster);
+    let first = provider_with(client, config.clone());
+    let s = spec("again", "busybox:1");
+    let endpoint = first.create(&s).await.unwrap();
+
+    // The same create tried again by another server: the pod is its own, with its token.
+    let (client, mock) = client_on(&cluster);
+    let second = provider_with(client, config.clone());
+    assert_eq!(second.create(&s).await.unwrap(), endpoint);
+    // Its own deposit made no pod: that Secret is deleted.
+    mock.until("the unused Secret's deletion", |seen| {
+        seen.iter().any(|r| r.method == "DELETE" && r.path.contains("/secrets/"))
+    })
+    .await;
+    assert_eq!(cluster.lock().unwrap().secrets.len(), 1, "only the Secret the pod mounts is left");
+
+    // Another token for the same id is refused.
+    let (client, _mock) = client_on(&cluster);
+    let third = provider_with(client, config);
+    let mut other = s.clone();
+    other.token = "another-token".into();
+    let err = third.create(&other).await.unwrap_err();
+    assert!(err.to_string().contains("with another token"), "{err}");
+}
+
 // ---- the watch ----
 
 #[tokio::test]
