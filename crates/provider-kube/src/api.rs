@@ -100,6 +100,10 @@ struct Answer {
 pub struct KubeApi {
     client: kube::Client,
     pacer: Pacer,
+    /// Calls in flight at once (`api_concurrency`): each holds one of the client's pooled
+    /// connections, so this also bounds how many the pool opens. Taken before the pacer's slot,
+    /// so that a write goes at its slot rather than bunched up behind a full pool.
+    in_flight: tokio::sync::Semaphore,
     pods: Request,
     secrets: Request,
     policies: Request,
@@ -114,10 +118,11 @@ impl std::fmt::Debug for KubeApi {
 }
 
 impl KubeApi {
-    pub fn new(client: kube::Client, namespace: &str, pacer: Pacer) -> Self {
+    pub fn new(client: kube::Client, namespace: &str, pacer: Pacer, concurrency: u32) -> Self {
         KubeApi {
             client,
             pacer,
+            in_flight: tokio::sync::Semaphore::new(concurrency.max(1) as usize),
             pods: Request::new(Pod::url_path(&(), Some(namespace))),
             secrets: Request::new(Secret::url_path(&(), Some(namespace))),
             policies: Request::new(NetworkPolicy::url_path(&(), Some(namespace))),
@@ -147,6 +152,22 @@ impl KubeApi {
         let what = format!("read secret `{name}`");
         let req = build(&what, self.secrets.get(name, &Default::default()))?;
         optional(decode(&what, self.call(&what, req, false).await?))
+    }
+
+    /// Changes one Secret's metadata with a JSON merge patch (a shared token Secret's owners).
+    pub async fn merge_patch_secret(&self, name: &str, patch: &serde_json::Value) -> Result<(), KubeError> {
+        let what = format!("patch secret `{name}`");
+        let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..PatchParams::default() };
+        let req = build(&what, self.secrets.patch(name, &params, &Patch::Merge(patch)))?;
+        decode::<serde_json::Value>(&what, self.call(&what, req, true).await?).map(drop)
+    }
+
+    /// Deletes one Secret; false when there was none.
+    pub async fn delete_secret(&self, name: &str) -> Result<bool, KubeError> {
+        let what = format!("delete secret `{name}`");
+        let req = build(&what, self.secrets.delete(name, &DeleteParams::default()))?;
+        let found = optional(decode::<serde_json::Value>(&what, self.call(&what, req, true).await?))?;
+        Ok(found.is_some())
     }
 
     /// Deletes one pod (its Secret goes with it, by owner reference); false when there was none.
@@ -239,6 +260,8 @@ impl KubeApi {
     /// slot of the pacer for every try, and a `Retry-After` holds every write.
     async fn call(&self, what: &str, req: http::Request<Vec<u8>>, paced: bool) -> Result<Answer, KubeError> {
         let (parts, body) = req.into_parts();
+        // Never closed, so never an error; held until the answer is read whole.
+        let _permit = self.in_flight.acquire().await.ok();
         let mut throttled = 0;
         let mut transient = 0;
         loop {

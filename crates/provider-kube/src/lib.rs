@@ -14,6 +14,7 @@ pub mod pace;
 pub mod pod;
 pub mod prepare;
 pub mod status;
+pub mod tokens;
 mod watch;
 
 use std::collections::HashMap;
@@ -44,6 +45,7 @@ use crate::pod::{
     LABEL_CLAIMED, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NETWORK, MANAGED_BY, daemon_addr, label_value, pod_name,
 };
 use crate::status::{PodState, classify};
+use crate::tokens::Tokens;
 use crate::watch::Tracker;
 
 /// How often a claim reads the pod and tries its conditional update again when something other
@@ -100,6 +102,8 @@ pub struct KubeProvider {
     /// which the server passes on as progress events of those creates.
     progress_tx: mpsc::Sender<Progress>,
     progress_rx: Mutex<Option<mpsc::Receiver<Progress>>>,
+    /// The shared token Secrets, with `token: shared_secret`.
+    tokens: Option<Arc<Tokens>>,
 }
 
 impl KubeProvider {
@@ -133,16 +137,22 @@ impl KubeProvider {
             tasks.spawn_on(capacity::watch(client.clone(), config.clone(), gate.clone(), cancel.clone()), &runtime);
         }
         let pacer = Pacer::new(config.write_qps, config.write_burst);
+        let api = Arc::new(KubeApi::new(client, &config.namespace, pacer, config.api_concurrency));
+        let tokens = (config.token == TokenDelivery::SharedSecret).then(|| {
+            let _guard = runtime.enter();
+            Tokens::start(api.clone(), &config.namespace, &config.instance, &tasks, cancel.clone())
+        });
         tracing::info!(
             namespace = %config.namespace,
             instance = %config.instance,
             injection = ?config.injection,
             write_qps = config.write_qps,
             write_burst = config.write_burst,
+            api_concurrency = config.api_concurrency,
             "kubernetes provider"
         );
         Ok(KubeProvider {
-            api: Arc::new(KubeApi::new(client, &config.namespace, pacer)),
+            api,
             pods,
             config,
             tracker,
@@ -156,6 +166,7 @@ impl KubeProvider {
             waiting: Mutex::default(),
             progress_tx,
             progress_rx: Mutex::new(Some(progress_rx)),
+            tokens,
         })
     }
 
@@ -294,6 +305,25 @@ impl KubeProvider {
                 }
             }
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// After a 409 with shared token Secrets: the pod found (made by an earlier try of the same
+    /// create) must mount this create's token.
+    async fn check_shared_token(&self, spec: &SandboxSpec, existing: &Pod) -> Result<(), ProviderError> {
+        let name = pod_name(&spec.id);
+        let Some((secret, key)) = pod::token_secret_of(existing) else {
+            return Err(ProviderError::Backend(format!("the pod `{name}` that exists already mounts no token Secret")));
+        };
+        let found = self.api.get_secret(secret).await?;
+        let token = found.as_ref().and_then(|s| s.data.as_ref()?.get(key).cloned());
+        if token.is_some_and(|t| t.0 == spec.token.as_bytes()) {
+            Ok(())
+        } else {
+            Err(ProviderError::Backend(format!(
+                "the pod `{name}` exists already in namespace `{}` with another token",
+                self.config.namespace
+            )))
         }
     }
 
@@ -472,7 +502,7 @@ impl Provider for KubeProvider {
     /// with an IP; a pull error, an unschedulable pod, an OOM kill or a daemon that cannot start
     /// fail the create as soon as the pod's status shows them.
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
-        let pod = pod::build_pod(spec, &self.config)?;
+        let mut pod = pod::build_pod(spec, &self.config)?;
         if pod::no_network(spec) {
             self.ensure_policy().await?;
         }
@@ -481,9 +511,31 @@ impl Provider for KubeProvider {
         let name = pod_name(&spec.id);
         let mut rx = self.tracker.begin_create(&spec.id, spec.job.as_deref().map(label_value));
         let mut creating = Creating { tracker: &self.tracker, id: &spec.id, ok: false };
+        // With shared token Secrets the token is in one before the pod is made, so that the
+        // kubelet never waits for it.
+        let held = match &self.tokens {
+            Some(tokens) => {
+                let held = tokens.deposit(&spec.id, &spec.token).await?;
+                pod::set_token_secret(&mut pod, &held.secret);
+                Some(held)
+            }
+            None => None,
+        };
         let created = match self.api.create_pod(&pod).await {
-            Ok(pod) => pod,
-            Err(e) if e.code() == Some(409) => self.existing(spec, &name).await?,
+            Ok(pod) => {
+                if let Some(held) = held {
+                    held.made(&name, pod.metadata.uid.as_deref().unwrap_or_default());
+                }
+                pod
+            }
+            Err(e) if e.code() == Some(409) => {
+                drop(held);
+                let existing = self.existing(spec, &name).await?;
+                if self.tokens.is_some() {
+                    self.check_shared_token(spec, &existing).await?;
+                }
+                existing
+            }
             Err(e) => return Err(e.into()),
         };
         if self.config.token == TokenDelivery::Secret {
@@ -547,21 +599,29 @@ impl Provider for KubeProvider {
     async fn list(&self) -> Result<Vec<Record>, ProviderError> {
         let selector = pod::selector(&self.config.instance);
         let pods = self.api.list_pods(&selector).await?;
-        let tokens: HashMap<String, String> = match self.config.token {
-            TokenDelivery::Secret => self
-                .api
-                .list_secrets(&selector)
-                .await?
-                .into_iter()
-                .filter_map(|s| {
-                    let id = pod::sandbox_id(&s.metadata)?.to_string();
-                    let token = s.data.as_ref()?.get(pod::TOKEN_KEY)?;
-                    Some((id, String::from_utf8(token.0.clone()).ok()?))
-                })
-                .collect(),
+        // Each pod's token, by the Secret and key its volume mounts (a sandbox id may come
+        // again after a release, while the shared Secret of its first life lives on), or from
+        // its annotation.
+        let tokens: HashMap<(String, String), String> = match self.config.token {
+            TokenDelivery::Secret | TokenDelivery::SharedSecret => {
+                self.api
+                    .list_secrets(&pod::owned_selector(&self.config.instance))
+                    .await?
+                    .into_iter()
+                    .flat_map(|s| {
+                        let name = s.metadata.name.clone().unwrap_or_default();
+                        s.data.into_iter().flatten().filter_map(move |(key, value)| {
+                            Some(((name.clone(), key), String::from_utf8(value.0).ok()?))
+                        })
+                    })
+                    .collect()
+            }
             TokenDelivery::PodAnnotation => pods
                 .iter()
-                .filter_map(|p| Some((pod::sandbox_id(&p.metadata)?.to_string(), pod::annotation_token(p)?)))
+                .filter_map(|p| {
+                    let token = pod::annotation_token(p)?;
+                    Some(((p.metadata.name.clone()?, pod::TOKEN_KEY.to_string()), token))
+                })
                 .collect(),
         };
         let mut records = Vec::with_capacity(pods.len());
@@ -592,12 +652,21 @@ impl Provider for KubeProvider {
                     message: format!("the pod was not running when its sandbox was listed ({})", status::describe(p)),
                 }),
             };
-            match tokens.get(&spec.id) {
+            let mounted = match self.config.token {
+                TokenDelivery::PodAnnotation => p.metadata.name.clone().map(|n| (n, pod::TOKEN_KEY.to_string())),
+                // A pod with no readable token volume: its own Secret's, as before shared ones.
+                _ => Some(pod::token_secret_of(p).map_or_else(
+                    || (pod_name(&spec.id), pod::TOKEN_KEY.to_string()),
+                    |(s, k)| (s.to_string(), k.to_string()),
+                )),
+            };
+            let missing = mounted.as_ref().map_or_else(|| pod_name(&spec.id), |m| m.0.clone());
+            match mounted.and_then(|m| tokens.get(&m)) {
                 Some(t) => spec.token = t.clone(),
                 None if ended.is_none() => {
                     ended = Some(Ended {
                         reason: Reason::ProviderError,
-                        message: format!("its token Secret `{}` is missing", pod_name(&spec.id)),
+                        message: format!("its token Secret `{missing}` is missing"),
                     })
                 }
                 None => {}

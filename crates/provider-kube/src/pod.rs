@@ -66,6 +66,12 @@ pub fn selector(instance: &str) -> String {
     format!("{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_INSTANCE}={},{LABEL_SANDBOX}", label_value(instance))
 }
 
+/// The label selector of everything one server instance makes (pods, their Secrets, shared
+/// token Secrets).
+pub fn owned_selector(instance: &str) -> String {
+    format!("{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_INSTANCE}={}", label_value(instance))
+}
+
 /// The label selector of one job's sandbox pods.
 pub fn job_selector(instance: &str, job: &str) -> String {
     format!("{},{LABEL_JOB}={}", selector(instance), label_value(job))
@@ -227,6 +233,18 @@ pub fn build_pod(spec: &SandboxSpec, config: &KubeConfig) -> Result<Pod, Provide
                 items: Some(vec![KeyToPath { key: TOKEN_KEY.into(), path: TOKEN_KEY.into(), ..Default::default() }]),
                 // Readable by whatever user the image runs as; the token only guards the daemon
                 // from the network, and code in the sandbox is already inside.
+                default_mode: Some(0o444),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        // The Secret is named once the token is in one ([`set_token_secret`]); the pod mounts
+        // only its own key of it.
+        TokenDelivery::SharedSecret => Volume {
+            name: TOKEN_VOLUME.into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: None,
+                items: Some(vec![KeyToPath { key: spec.id.clone(), path: TOKEN_KEY.into(), ..Default::default() }]),
                 default_mode: Some(0o444),
                 ..Default::default()
             }),
@@ -581,6 +599,23 @@ pub fn build_secret(spec: &SandboxSpec, config: &KubeConfig, pod_uid: &str) -> S
         string_data: Some(BTreeMap::from([(TOKEN_KEY.to_string(), spec.token.clone())])),
         ..Default::default()
     }
+}
+
+/// Names the shared Secret that holds the pod's token (`token: shared_secret`).
+pub fn set_token_secret(pod: &mut Pod, secret: &str) {
+    let volumes = pod.spec.as_mut().and_then(|s| s.volumes.as_mut());
+    if let Some(source) = volumes.into_iter().flatten().find(|v| v.name == TOKEN_VOLUME).and_then(|v| v.secret.as_mut())
+    {
+        source.secret_name = Some(secret.to_string());
+    }
+}
+
+/// The Secret and key a pod's token volume mounts.
+pub fn token_secret_of(pod: &Pod) -> Option<(&str, &str)> {
+    let volumes = pod.spec.as_ref()?.volumes.as_ref()?;
+    let source = volumes.iter().find(|v| v.name == TOKEN_VOLUME)?.secret.as_ref()?;
+    let key = source.items.as_ref()?.first()?.key.as_str();
+    Some((source.secret_name.as_deref()?, key))
 }
 
 /// The sandbox id of a pod (or Secret): its `sandman.dev/sandbox` label.

@@ -19,8 +19,14 @@
 //! (`busybox:1.36`) and `SANDMAN_E2E_POD_PIDS_LIMIT` (the nodes' podPidsLimit, 1024).
 //!
 //! `SANDMAN_E2E_SANDBOXES` (1000), `SANDMAN_E2E_QPS` (50) and `SANDMAN_E2E_BURST` (100) size the
-//! burst (`SANDMAN_MOCK_*`, 40, 20 and 10, the mocked one); `SANDMAN_E2E_BENCH=1` prints
-//! create-to-ready p50/p99 and the achieved create rate.
+//! burst (`SANDMAN_MOCK_*`, 40, 20 and 10, the mocked one); `SANDMAN_E2E_FAKE_NODES` (2) run it,
+//! `SANDMAN_E2E_TOKEN=secret` gives each sandbox a Secret of its own instead of shared ones,
+//! `SANDMAN_E2E_API_CONCURRENCY` (the provider's default) and `SANDMAN_E2E_NODE_CONCURRENCY` (16
+//! per fake node) bound the calls in flight. `SANDMAN_E2E_BENCH=1` measures the API server's
+//! bare pod creates (`SANDMAN_E2E_RAW_CLIENTS`, 16) before and after the burst and prints, side by
+//! side, sandboxes per second, create-to-ready p50/p99, writes per sandbox (the provider's and
+//! the fake nodes'), all writes per second and their ratio to the bare create rate, where the
+//! CPU went, and the latencies of each step.
 #![allow(clippy::unwrap_used, clippy::panic, clippy::print_stdout)]
 
 mod common;
@@ -36,7 +42,7 @@ use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount, Toleration};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Secret, ServiceAccount, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -44,7 +50,7 @@ use kube::{Api, Client};
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Endpoint, NodeProgress, NodeState, Prepared, Provider, ProviderError, SandboxSpec};
 use sandman_provider_kube::pace::WriteSlot;
-use sandman_provider_kube::{CapacityConfig, KubeConfig, KubeProvider};
+use sandman_provider_kube::{CapacityConfig, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_wire::daemon::Observed;
 use sandman_wire::server::{Profile, Quantity, Reason, Resources};
 use serde_json::{Value, json};
@@ -67,17 +73,61 @@ fn e2e_kubeconfig() -> PathBuf {
     PathBuf::from(path)
 }
 
-/// One write the provider's client sent, seen below the provider: its method, when it passed
-/// the log, and the pacer's slot it carries (`None`: sent unpaced).
+/// One write the provider's client sent, seen below the provider: its method, what it wrote
+/// (`pods`, `secrets`, …), when it passed the log, the pacer's slot it carries (`None`: sent
+/// unpaced), and when its answer came.
 #[derive(Debug, Clone)]
 struct Write {
     method: String,
+    kind: String,
     seen: Instant,
     slot: Option<Instant>,
+    answered: Option<Instant>,
 }
 
 /// Every write the provider's client sent.
 type WriteLog = Arc<Mutex<Vec<Write>>>;
+
+/// The layer below the client that logs its writes and when each was answered.
+#[derive(Clone)]
+struct Logged<S> {
+    inner: S,
+    log: WriteLog,
+}
+
+impl<S> tower::Service<http::Request<kube::client::Body>> for Logged<S>
+where
+    S: tower::Service<http::Request<kube::client::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures_util::future::BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
+        let entry = (!matches!(req.method().as_str(), "GET" | "HEAD")).then(|| {
+            let slot = req.extensions().get::<WriteSlot>().map(|s| s.0);
+            // `/api/v1/namespaces/<ns>/<kind>/...`
+            let kind = req.uri().path().split('/').nth(5).unwrap_or_default().to_string();
+            let mut log = self.log.lock().unwrap();
+            log.push(Write { method: req.method().to_string(), kind, seen: Instant::now(), slot, answered: None });
+            log.len() - 1
+        });
+        let answer = self.inner.call(req);
+        let log = self.log.clone();
+        Box::pin(async move {
+            let answer = answer.await;
+            if let Some(i) = entry {
+                log.lock().unwrap()[i].answered = Some(Instant::now());
+            }
+            answer
+        })
+    }
+}
 
 /// A client on the test API server; its writes are logged in `log`.
 async fn client(kubeconfig: &Path, log: Option<WriteLog>) -> Client {
@@ -85,15 +135,7 @@ async fn client(kubeconfig: &Path, log: Option<WriteLog>) -> Client {
     let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap();
     let builder = kube::client::ClientBuilder::try_from(config).unwrap();
     let log = log.unwrap_or_default();
-    builder
-        .with_layer(&tower::util::MapRequestLayer::new(move |req: http::Request<kube::client::Body>| {
-            if !matches!(req.method().as_str(), "GET" | "HEAD") {
-                let slot = req.extensions().get::<WriteSlot>().map(|s| s.0);
-                log.lock().unwrap().push(Write { method: req.method().to_string(), seen: Instant::now(), slot });
-            }
-            req
-        }))
-        .build()
+    builder.with_layer(&tower::layer::layer_fn(move |inner| Logged { inner, log: log.clone() })).build()
 }
 
 /// Eight hex digits no other run will pick (from the standard library's random hash keys).
@@ -118,22 +160,22 @@ const STALE_NAMESPACE_S: i64 = 15 * 60;
 struct Registered {
     kubeconfig: PathBuf,
     namespace: String,
-    node: Option<String>,
+    nodes: Vec<String>,
     removed: bool,
 }
 
 impl Registered {
     /// Creates the namespace, labelled as this suite's.
-    async fn namespace(client: &Client, kubeconfig: &Path, namespace: String, node: Option<String>) -> Registered {
+    async fn namespace(client: &Client, kubeconfig: &Path, namespace: String, nodes: Vec<String>) -> Registered {
         let namespaces: Api<Namespace> = Api::all(client.clone());
         let ns: Namespace =
             serde_json::from_value(json!({"metadata": {"name": namespace, "labels": {E2E_LABEL: "true"}}})).unwrap();
         namespaces.create(&PostParams::default(), &ns).await.unwrap();
-        Registered { kubeconfig: kubeconfig.to_path_buf(), namespace, node, removed: false }
+        Registered { kubeconfig: kubeconfig.to_path_buf(), namespace, nodes, removed: false }
     }
 
     async fn remove(mut self) {
-        remove(&client(&self.kubeconfig, None).await, &self.namespace, self.node.as_deref()).await;
+        remove(&client(&self.kubeconfig, None).await, &self.namespace, &self.nodes).await;
         self.removed = true;
     }
 }
@@ -143,25 +185,25 @@ impl Drop for Registered {
         if self.removed {
             return;
         }
-        let (kubeconfig, namespace, node) = (self.kubeconfig.clone(), self.namespace.clone(), self.node.clone());
-        eprintln!("removing namespace {namespace} and node {node:?} after a run that ended early");
+        let (kubeconfig, namespace, nodes) = (self.kubeconfig.clone(), self.namespace.clone(), self.nodes.clone());
+        eprintln!("removing namespace {namespace} and nodes {nodes:?} after a run that ended early");
         // The test's runtime may be shutting down: a runtime of its own, on a thread of its own.
         let cleanup = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async { remove(&client(&kubeconfig, None).await, &namespace, node.as_deref()).await });
+            rt.block_on(async { remove(&client(&kubeconfig, None).await, &namespace, &nodes).await });
         });
         let _ = cleanup.join();
     }
 }
 
 /// Deletes a namespace's pods at once (no kubelet is left to confirm them), the namespace, and
-/// the fake Node; what is gone already is fine.
-async fn remove(client: &Client, namespace: &str, node: Option<&str>) {
+/// the fake Nodes; what is gone already is fine.
+async fn remove(client: &Client, namespace: &str, nodes: &[String]) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
     let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
     let _ = pods.delete_collection(&now, &ListParams::default()).await;
     let _ = Api::<Namespace>::all(client.clone()).delete(namespace, &DeleteParams::default()).await;
-    if let Some(node) = node {
+    for node in nodes {
         let _ = Api::<Node>::all(client.clone()).delete(node, &DeleteParams::default()).await;
     }
 }
@@ -187,7 +229,7 @@ async fn sweep_leftovers(client: &Client) {
         }
         eprintln!("removing fake node {name} (no heartbeat for {STALE_NODE_S} s) and namespace {namespace:?}");
         match namespace {
-            Some(ns) => remove(client, &ns, Some(&name)).await,
+            Some(ns) => remove(client, &ns, std::slice::from_ref(&name)).await,
             None => {
                 let _ = nodes.delete(&name, &DeleteParams::default()).await;
             }
@@ -203,33 +245,53 @@ async fn sweep_leftovers(client: &Client) {
             && age_s(ns.metadata.creation_timestamp.as_ref()) > STALE_NAMESPACE_S
         {
             eprintln!("removing namespace {name}, left by an earlier run");
-            remove(client, &name, None).await;
+            remove(client, &name, &[]).await;
         }
     }
 }
 
-/// A namespace of its own, the fake node running its pods; both removed however the test ends.
+/// One fake node process: asked for its stats on stdin, answering on stdout.
+struct FakeNode {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+/// A namespace of its own, the fake nodes running its pods; all removed however the test ends.
 struct World {
     kubeconfig: PathBuf,
     namespace: String,
-    /// The fake node's Node name.
-    node_name: String,
+    /// The fake nodes' Node names.
+    node_names: Vec<String>,
     client: Client,
-    /// The fake node; `None` once torn down.
-    node: Option<tokio::process::Child>,
-    /// Dropped after the fake node has been stopped (fields drop after `Drop::drop`).
+    /// The fake nodes; empty once torn down.
+    nodes: Vec<FakeNode>,
+    /// Dropped after the fake nodes have been stopped (fields drop after `Drop::drop`).
     registered: Option<Registered>,
     _state: tempfile::TempDir,
 }
 
+/// Loopback addresses each fake node of a world may hand out (a /19 each, from the world's
+/// first address), so that several nodes never hand out the same one.
+const ADDRESSES_PER_NODE: u32 = 8192;
+
 impl World {
     async fn new(kubeconfig: PathBuf, tag: &str, first_ip: &str) -> World {
+        World::with_nodes(kubeconfig, tag, first_ip, 1).await
+    }
+
+    /// A world whose pods `count` fake nodes run, each binding its share of them.
+    async fn with_nodes(kubeconfig: PathBuf, tag: &str, first_ip: &str, count: u32) -> World {
         let client = client(&kubeconfig, None).await;
         sweep_leftovers(&client).await;
         let suffix = unique();
         let namespace = format!("sandman-e2e-{tag}-{suffix}");
-        let node_name = format!("sandman-fake-{tag}-{suffix}");
-        let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Some(node_name.clone())).await;
+        let node_names: Vec<String> = (0..count)
+            .map(|i| {
+                if i == 0 { format!("sandman-fake-{tag}-{suffix}") } else { format!("sandman-fake-{tag}-{suffix}-{i}") }
+            })
+            .collect();
+        let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), node_names.clone()).await;
         // Pods need the namespace's `default` ServiceAccount, which a controller manager would make.
         let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &namespace);
         let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "default"}})).unwrap();
@@ -239,33 +301,62 @@ impl World {
             Err(e) => panic!("cannot create the default service account: {e}"),
         }
         let state = tempfile::Builder::new().prefix("fake-node").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        let mut node = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandman-fake-node"))
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .args(["--namespace", &namespace, "--node-name", &node_name])
-            .args(["--scheduler-name", SCHEDULER, "--first-ip", first_ip])
-            .args(["--fail-image", "e2e-missing", "--oom-image", "e2e-oom"])
-            .arg("--daemon")
-            .arg(sandman_testkit::daemon_beside_tests())
-            .arg("--state-dir")
-            .arg(state.path())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(node.stdout.take().unwrap()).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
-        let world = World {
-            kubeconfig,
-            namespace,
-            node_name,
-            client,
-            node: Some(node),
-            registered: Some(registered),
-            _state: state,
-        };
-        assert!(matches!(ready, Ok(Ok(Some(ref l))) if l == "ready"), "the fake node did not start: {ready:?}");
+        let first: std::net::Ipv4Addr = first_ip.parse().unwrap();
+        let mut nodes = Vec::new();
+        for (i, node_name) in node_names.iter().enumerate() {
+            let ip = std::net::Ipv4Addr::from(u32::from(first) + i as u32 * ADDRESSES_PER_NODE);
+            let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandman-fake-node"))
+                .arg("--kubeconfig")
+                .arg(&kubeconfig)
+                .args(["--namespace", &namespace, "--node-name", node_name])
+                .args(["--scheduler-name", SCHEDULER, "--first-ip", &ip.to_string()])
+                .args(["--shards", &count.to_string(), "--shard", &i.to_string()])
+                .args(["--api-concurrency", &env_or("SANDMAN_E2E_NODE_CONCURRENCY", 16u32).to_string()])
+                .args(["--fail-image", "e2e-missing", "--oom-image", "e2e-oom"])
+                .arg("--daemon")
+                .arg(sandman_testkit::daemon_beside_tests())
+                .arg("--state-dir")
+                .arg(state.path().join(i.to_string()))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap();
+            let stdin = child.stdin.take().unwrap();
+            let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+            nodes.push(FakeNode { child, stdin, lines });
+        }
+        let mut world =
+            World { kubeconfig, namespace, node_names, client, nodes, registered: Some(registered), _state: state };
+        for node in &mut world.nodes {
+            let ready = tokio::time::timeout(Duration::from_secs(60), node.lines.next_line()).await;
+            assert!(matches!(ready, Ok(Ok(Some(ref l))) if l == "ready"), "a fake node did not start: {ready:?}");
+        }
         world
+    }
+
+    /// The first fake node's Node name.
+    fn node_name(&self) -> &str {
+        &self.node_names[0]
+    }
+
+    /// Every fake node's stats (see `sandman-fake-node`), added up: counts summed, timings
+    /// pooled.
+    async fn node_stats(&mut self) -> NodeStats {
+        use tokio::io::AsyncWriteExt;
+        let mut total = NodeStats::default();
+        for node in &mut self.nodes {
+            node.stdin.write_all(b"stats\n").await.unwrap();
+            node.stdin.flush().await.unwrap();
+            let line = tokio::time::timeout(Duration::from_secs(30), node.lines.next_line())
+                .await
+                .unwrap_or_else(|_| panic!("a fake node did not answer its stats"))
+                .unwrap()
+                .unwrap_or_else(|| panic!("a fake node ended"));
+            let one: NodeStats = serde_json::from_str(&line).unwrap_or_else(|e| panic!("fake node stats {line}: {e}"));
+            total.add(one);
+        }
+        total
     }
 
     async fn client(&self, log: Option<WriteLog>) -> Client {
@@ -292,14 +383,20 @@ impl World {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// Stops the fake node (SIGTERM: it kills its daemons and deletes its Node), then removes
-    /// the namespace.
+    /// Stops the fake nodes (SIGTERM: each kills its daemons and deletes its Node), then
+    /// removes the namespace.
     async fn tear_down(mut self) {
-        if let Some(mut node) = self.node.take() {
-            if let Some(pid) = node.id() {
+        let nodes = std::mem::take(&mut self.nodes);
+        let mut children = Vec::new();
+        for node in nodes {
+            if let Some(pid) = node.child.id() {
                 let _ = tokio::process::Command::new("kill").arg(pid.to_string()).status().await;
             }
-            let _ = tokio::time::timeout(Duration::from_secs(20), node.wait()).await;
+            // Its stdin closed, so that nothing it reads holds it up.
+            children.push(node.child);
+        }
+        for mut child in children {
+            let _ = tokio::time::timeout(Duration::from_secs(20), child.wait()).await;
         }
         if let Some(registered) = self.registered.take() {
             registered.remove().await;
@@ -308,19 +405,55 @@ impl World {
 }
 
 impl Drop for World {
-    /// A run that ended early (a panic): the fake node is stopped as `tear_down` does, blocking
-    /// (SIGTERM, then SIGKILL after 20 s; its daemons die with it either way); the namespace
-    /// and the Node are removed when `registered` drops next.
+    /// A run that ended early (a panic): the fake nodes are stopped as `tear_down` does,
+    /// blocking (SIGTERM, then SIGKILL after 20 s; their daemons die with them either way); the
+    /// namespace and the Nodes are removed when `registered` drops next.
     fn drop(&mut self) {
-        let Some(mut node) = self.node.take() else { return };
-        if let Some(pid) = node.id() {
-            let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
+        let mut children = Vec::new();
+        for node in std::mem::take(&mut self.nodes) {
+            if let Some(pid) = node.child.id() {
+                let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
+            }
+            // Its stdin closed, so that nothing it reads holds it up.
+            children.push(node.child);
         }
         let until = std::time::Instant::now() + Duration::from_secs(20);
-        while matches!(node.try_wait(), Ok(None)) && std::time::Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(50));
+        for child in &mut children {
+            while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.start_kill();
         }
-        let _ = node.start_kill();
+    }
+}
+
+/// What the fake nodes report: their writes by kind and their steps' timings (milliseconds).
+#[derive(Debug, Default, serde::Deserialize)]
+struct NodeStats {
+    bindings: u64,
+    statuses: u64,
+    deletes: u64,
+    secret_reads: u64,
+    secret_misses: u64,
+    bind_ms: Vec<u32>,
+    start_ms: Vec<u32>,
+    status_ms: Vec<u32>,
+}
+
+impl NodeStats {
+    fn add(&mut self, other: NodeStats) {
+        self.bindings += other.bindings;
+        self.statuses += other.statuses;
+        self.deletes += other.deletes;
+        self.secret_reads += other.secret_reads;
+        self.secret_misses += other.secret_misses;
+        self.bind_ms.extend(other.bind_ms);
+        self.start_ms.extend(other.start_ms);
+        self.status_ms.extend(other.status_ms);
+    }
+
+    fn writes(&self) -> u64 {
+        self.bindings + self.statuses + self.deletes
     }
 }
 
@@ -446,7 +579,8 @@ async fn a_burst_of_a_thousand_sandboxes_keeps_the_write_rate_and_every_one_answ
     let n: usize = env_or("SANDMAN_E2E_SANDBOXES", 1000);
     let qps: f64 = env_or("SANDMAN_E2E_QPS", 50.0);
     let burst: u32 = env_or("SANDMAN_E2E_BURST", 100);
-    burst_of(World::new(e2e_kubeconfig(), "burst", "127.2.0.1").await, n, qps, burst).await;
+    let nodes: u32 = env_or("SANDMAN_E2E_FAKE_NODES", 2);
+    burst_of(World::with_nodes(e2e_kubeconfig(), "burst", "127.2.0.1", nodes).await, n, qps, burst).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -476,9 +610,21 @@ impl Mocked {
     }
 }
 
-async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
+async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
+    let bench = std::env::var_os("SANDMAN_E2E_BENCH").is_some();
+    let raw_clients: usize = env_or("SANDMAN_E2E_RAW_CLIENTS", 16);
+    // The API server's own pace, measured just before (and after) the burst.
+    // (At most 2,000 bare pods: enough for a steady rate.)
+    let raw_count = n.min(2000);
+    let raw_before = if bench { Some(raw_pod_creates(&world, raw_count, raw_clients).await) } else { None };
     let log: WriteLog = Arc::default();
-    let config = KubeConfig { write_qps: qps, write_burst: burst, ..world.config() };
+    // Shared token Secrets unless SANDMAN_E2E_TOKEN=secret (one Secret per sandbox).
+    let token = match std::env::var("SANDMAN_E2E_TOKEN").as_deref() {
+        Ok("secret") => TokenDelivery::Secret,
+        _ => TokenDelivery::SharedSecret,
+    };
+    let api_concurrency = env_or("SANDMAN_E2E_API_CONCURRENCY", KubeConfig::default().api_concurrency);
+    let config = KubeConfig { write_qps: qps, write_burst: burst, token, api_concurrency, ..world.config() };
     let p = Arc::new(KubeProvider::new(world.client(Some(log.clone())).await, config).unwrap());
     let job = "e2e-burst";
     let specs: Vec<SandboxSpec> = (0..n)
@@ -489,6 +635,7 @@ async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
         })
         .collect();
 
+    let cpu_before = cpu_seconds();
     let started = Instant::now();
     let mut tasks = Vec::new();
     for s in specs.clone() {
@@ -516,12 +663,24 @@ async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
     }
     assert!(failed.is_empty(), "{} of {n} sandboxes failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
     let last_ready = ready.iter().map(|r| r.3).max().unwrap();
+    let cpu_after = cpu_seconds();
 
     // The write rate: every write reached the client with a slot of the pacer, and no window
     // holds more slots than the burst plus the rate. (The times the writes passed the log trail
     // their slots by the client queue's delays, which bunch them by a few: printed below.)
+    let secrets = token_secrets_settled(&world, n, token).await;
     let logged = log.lock().unwrap().clone();
-    assert_eq!(logged.len(), 2 * n, "two writes per create (pod and secret)");
+    let writes_of = |kind: &str, method: &str| logged.iter().filter(|w| w.kind == kind && w.method == method).count();
+    assert_eq!(writes_of("pods", "POST"), n, "one pod write per create");
+    assert_eq!(writes_of("secrets", "POST"), secrets, "one write per token Secret");
+    match token {
+        TokenDelivery::SharedSecret => {
+            assert!(secrets < n, "{secrets} shared token Secrets for {n} creates: none was shared");
+            assert_eq!(writes_of("secrets", "PATCH"), secrets, "one write of owners per shared token Secret");
+            assert_eq!(logged.len(), n + 2 * secrets, "writes beside the pods' and the Secrets'");
+        }
+        _ => assert_eq!(logged.len(), 2 * n, "two writes per create (pod and secret)"),
+    }
     let unpaced: Vec<&str> = logged.iter().filter(|w| w.slot.is_none()).map(|w| w.method.as_str()).collect();
     assert!(unpaced.is_empty(), "{} writes were sent without a slot of the pacer: {unpaced:?}", unpaced.len());
     let slots: Vec<Instant> = logged.iter().filter_map(|w| w.slot).collect();
@@ -542,25 +701,99 @@ async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
     let bad: Vec<_> = results.into_iter().filter_map(Result::err).collect();
     assert!(bad.is_empty(), "{} sandboxes did not answer an exec: {:?}", bad.len(), &bad[..bad.len().min(10)]);
 
-    if std::env::var_os("SANDMAN_E2E_BENCH").is_some() {
+    if let Some(raw_before) = raw_before {
+        let stats = world.node_stats().await;
+        // Memory while every sandbox is held.
+        let held = memory_kib();
+        let raw_after = raw_pod_creates(&world, raw_count, raw_clients).await;
+        let raw = (raw_before.rate + raw_after.rate) / 2.0;
+        let raw_api_cores = (raw_before.api_cores + raw_after.api_cores) / 2.0;
+        let (raw_before, raw_after) = (raw_before.rate, raw_after.rate);
         let mut times: Vec<Duration> = ready.iter().map(|r| r.2).collect();
         times.sort();
-        let pct = |p: f64| times[((times.len() as f64 * p).ceil() as usize).saturating_sub(1).min(times.len() - 1)];
-        let span = last_ready - started;
-        println!("sandboxes            {n}");
-        println!("write limit          {qps} qps, burst {burst}");
-        println!("create-to-ready p50  {:.3} s", pct(0.50).as_secs_f64());
-        println!("create-to-ready p99  {:.3} s", pct(0.99).as_secs_f64());
+        let span = (last_ready - started).as_secs_f64();
+        let ours = logged.len() as u64;
+        let all = ours + stats.writes();
+        let per = |k: u64| k as f64 / n as f64;
+        let count = |kind: &str| logged.iter().filter(|w| w.kind == kind).count() as u64;
         println!(
-            "achieved create rate {:.1} sandboxes/s ({n} in {:.1} s)",
-            n as f64 / span.as_secs_f64(),
-            span.as_secs_f64()
+            "sandboxes                {n}, {} fake nodes, write limit {qps} qps, burst {burst}",
+            world.nodes.len()
         );
-        println!("writes               {} ({:.1}/s)", writes.len(), writes.len() as f64 / span.as_secs_f64());
+        println!(
+            "raw pod creates          {raw:.0}/s ({raw_before:.0} before, {raw_after:.0} after; {raw_count} bare pods, {raw_clients} clients)"
+        );
+        println!("sandboxes/s              {:.1} ({n} ready in {span:.1} s)", n as f64 / span);
+        println!(
+            "create-to-ready p50/p99  {:.3} s / {:.3} s",
+            pct(&times, 0.50).as_secs_f64(),
+            pct(&times, 0.99).as_secs_f64()
+        );
+        println!(
+            "writes per sandbox       {:.2} ours (pods {}, secrets {}), {:.2} the fake nodes' (bindings {}, statuses {})",
+            per(ours),
+            count("pods"),
+            count("secrets"),
+            per(stats.bindings + stats.statuses),
+            stats.bindings,
+            stats.statuses
+        );
+        println!(
+            "all writes/s             {:.0} ({all} in {span:.1} s) = {:.0}% of the raw pod-create rate",
+            all as f64 / span,
+            100.0 * all as f64 / span / raw
+        );
+        for kind in ["pods", "secrets"] {
+            let mut lat: Vec<Duration> =
+                logged.iter().filter(|w| w.kind == kind).filter_map(|w| Some(w.answered? - w.seen)).collect();
+            lat.sort();
+            if !lat.is_empty() {
+                println!(
+                    "our {kind:<8} write p50/p99 {:.1} / {:.1} ms",
+                    pct(&lat, 0.5).as_secs_f64() * 1e3,
+                    pct(&lat, 0.99).as_secs_f64() * 1e3
+                );
+            }
+        }
+        let ms = |v: &[u32], p: f64| {
+            let mut v = v.to_vec();
+            v.sort_unstable();
+            v.get(((v.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0)
+        };
+        println!(
+            "fake nodes (ms p50/p99)  bind {}/{}, bound to listening {}/{}, status write {}/{}; secret reads {} ({} not there yet)",
+            ms(&stats.bind_ms, 0.5),
+            ms(&stats.bind_ms, 0.99),
+            ms(&stats.start_ms, 0.5),
+            ms(&stats.start_ms, 0.99),
+            ms(&stats.status_ms, 0.5),
+            ms(&stats.status_ms, 0.99),
+            stats.secret_reads,
+            stats.secret_misses
+        );
+        let cpu: Vec<String> = cpu_after
+            .iter()
+            .map(|(name, after)| format!("{name} {:.1}", after - cpu_before.get(name).copied().unwrap_or(0.0)))
+            .collect();
+        println!("cpu seconds in the burst {} (of {:.1} on 2 cores)", cpu.join(", "), 2.0 * span);
+        let per_write = |name: &str| {
+            let used = cpu_after.get(name).copied().unwrap_or(0.0) - cpu_before.get(name).copied().unwrap_or(0.0);
+            used * 1e3 / all as f64
+        };
+        let api_cores = per_write("API server") * all as f64 / span / 1e3;
+        println!(
+            "cpu per write            API server {:.2} ms, etcd {:.2} ms; API server busy {api_cores:.2} cores = {:.0}% of its {raw_api_cores:.2} at bare creates",
+            per_write("API server"),
+            per_write("etcd"),
+            100.0 * api_cores / raw_api_cores
+        );
+        let mem: Vec<String> =
+            held.iter().map(|(name, kib)| format!("{name} {:.0} MiB", *kib as f64 / 1024.0)).collect();
+        println!("memory with all held     {} (resident; the daemons' proportional share)", mem.join(", "));
         let lag =
             logged.iter().filter_map(|w| Some(w.seen.saturating_duration_since(w.slot?))).max().unwrap_or_default();
         println!(
-            "most writes in 5 s   {} slots, {} as seen below the client queue (longest lag {:.1} ms; allowed {})",
+            "most writes in 5 s       {} slots, {} as seen below the client queue (longest lag {:.1} ms; allowed {})",
             most_in_window(&slots, Duration::from_secs(5)),
             most_in_window(&writes, Duration::from_secs(5)),
             lag.as_secs_f64() * 1000.0,
@@ -583,7 +816,212 @@ async fn burst_of(world: World, n: usize, qps: f64, burst: u32) {
         assert!(Instant::now() < deadline, "{left} pods left 300 s after release-all");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The garbage collector takes the token Secrets with their pods.
+    let secrets: Api<Secret> = Api::namespaced(world.client.clone(), &world.namespace);
+    loop {
+        let left = secrets.list(&ListParams::default().labels(OURS)).await.unwrap().items.len();
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} token Secrets left 300 s after release-all");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     world.tear_down().await;
+}
+
+/// The label of everything the provider makes.
+const OURS: &str = "app.kubernetes.io/managed-by=sandman";
+
+/// Waits until every token Secret of the burst has its owners, and checks them: with shared
+/// Secrets, each pod is an owner of the Secret it mounts, which holds its key, and no Secret
+/// has an owner that does not mount it; else one Secret per pod, owned by it. Answers how many
+/// Secrets there are.
+async fn token_secrets_settled(world: &World, n: usize, token: TokenDelivery) -> usize {
+    let secrets: Api<Secret> = Api::namespaced(world.client.clone(), &world.namespace);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let list = secrets.list(&ListParams::default().labels(OURS)).await.unwrap().items;
+        let owners: usize = list.iter().map(|s| s.metadata.owner_references.as_ref().map_or(0, Vec::len)).sum();
+        if owners == n {
+            let pods = world.pods().list(&ListParams::default().labels(OURS)).await.unwrap().items;
+            let by_name: BTreeMap<String, &Secret> =
+                list.iter().map(|s| (s.metadata.name.clone().unwrap_or_default(), s)).collect();
+            for pod in &pods {
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                let volume = pod
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.volumes.as_ref())
+                    .and_then(|v| v.iter().find(|v| v.name == "sandman-token").and_then(|v| v.secret.clone()));
+                let volume = volume.unwrap_or_else(|| panic!("{name} mounts no token Secret"));
+                let mounted = volume.secret_name.clone().unwrap_or_default();
+                let key = volume.items.as_ref().and_then(|i| i.first()).map(|i| i.key.clone()).unwrap_or_default();
+                let items = volume.items.as_ref().map_or(0, Vec::len);
+                assert_eq!(items, 1, "{name} mounts {items} keys of its token Secret");
+                let secret =
+                    by_name.get(&mounted).unwrap_or_else(|| panic!("{name} mounts a Secret that is not there"));
+                assert!(secret.data.as_ref().is_some_and(|d| d.contains_key(&key)), "{mounted} holds no `{key}`");
+                let owned = secret
+                    .metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| Some(&o.uid) == pod.metadata.uid.as_ref());
+                assert!(owned, "{name} is not an owner of the token Secret {mounted} it mounts");
+                match token {
+                    TokenDelivery::SharedSecret => assert_eq!(key, name.trim_start_matches("sandman-")),
+                    _ => assert_eq!((mounted.as_str(), key.as_str()), (name.as_str(), "token")),
+                }
+            }
+            return list.len();
+        }
+        assert!(Instant::now() < deadline, "{owners} owners of token Secrets after 60 s, not {n}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// CPU seconds used so far by the processes the burst runs on (this machine's `/proc`): the
+/// API server, etcd, the fake nodes, their daemons, and this test (the provider). A process
+/// that has exited is not counted; on a remote cluster the first two are absent.
+fn cpu_seconds() -> BTreeMap<&'static str, f64> {
+    const NAMES: [(&str, &str); 4] = [
+        ("kube-apiserver", "API server"),
+        ("etcd", "etcd"),
+        ("sandman-fake-no", "fake nodes"),
+        ("sandmand", "daemons"),
+    ];
+    let me = std::process::id().to_string();
+    let mut out = BTreeMap::new();
+    // The whole machine's idle time (idle and iowait, in ticks of every cpu).
+    if let Some(line) = std::fs::read_to_string("/proc/stat").ok().and_then(|s| s.lines().next().map(str::to_string)) {
+        let idle: f64 = line.split_whitespace().skip(4).take(2).filter_map(|f| f.parse::<f64>().ok()).sum();
+        out.insert("idle", idle / 100.0);
+    }
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().to_string();
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let comm = &stat[open + 1..close];
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // utime and stime: fields 14 and 15 of the line, 12 and 13 after the name.
+        let ticks: f64 = fields.iter().skip(11).take(2).filter_map(|f| f.parse::<f64>().ok()).sum();
+        let name = if pid == me {
+            Some("provider (this test)")
+        } else {
+            NAMES.iter().find(|(c, _)| *c == comm).map(|(_, n)| *n)
+        };
+        if let Some(name) = name {
+            *out.entry(name).or_default() += ticks / 100.0;
+        }
+    }
+    out
+}
+
+/// The `p` quantile of sorted `times`.
+fn pct(times: &[Duration], p: f64) -> Duration {
+    times[((times.len() as f64 * p).ceil() as usize).saturating_sub(1).min(times.len() - 1)]
+}
+
+/// Memory of the processes the burst runs on, in KiB: resident for the API server, etcd, the fake
+/// nodes and this test (the provider); for the daemons their proportional share (their shared
+/// binary counted once), with how many there are.
+fn memory_kib() -> BTreeMap<String, u64> {
+    let me = std::process::id().to_string();
+    let mut out = BTreeMap::new();
+    let mut daemons = 0u64;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().to_string();
+        let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else { continue };
+        let field = |file: &str, key: &str| -> u64 {
+            let text = std::fs::read_to_string(entry.path().join(file)).unwrap_or_default();
+            let line = text.lines().find(|l| l.starts_with(key)).unwrap_or_default();
+            line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0)
+        };
+        let name = match comm.trim() {
+            _ if pid == me => "provider (this test)",
+            "kube-apiserver" => "API server",
+            "etcd" => "etcd",
+            "sandman-fake-no" => "fake nodes",
+            "sandmand" => {
+                daemons += 1;
+                *out.entry("daemons".to_string()).or_default() += field("smaps_rollup", "Pss:");
+                continue;
+            }
+            _ => continue,
+        };
+        *out.entry(name.to_string()).or_default() += field("status", "VmRSS:");
+    }
+    if let Some(kib) = out.remove("daemons") {
+        out.insert(format!("{daemons} daemons"), kib);
+    }
+    out
+}
+
+/// How fast the API server took bare pod creates, and how busy it was meanwhile.
+struct RawRate {
+    /// Creates per second.
+    rate: f64,
+    /// The API server's CPU seconds per second (where it runs on this machine).
+    api_cores: f64,
+}
+
+/// The API server's pace at pod creates, as a yardstick for the burst: `count` bare pods (one
+/// container, no volumes, bound to a node that does not exist, so that nothing runs them), made
+/// by `clients` clients at once, each one after another. They are deleted (at once: no kubelet
+/// confirms them) before it answers.
+async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> RawRate {
+    const RAW_LABEL: &str = "sandman.dev/e2e-raw";
+    let nowhere = format!("sandman-nowhere-{}", unique());
+    let mut apis = Vec::new();
+    for _ in 0..clients {
+        apis.push(Api::<Pod>::namespaced(world.client(None).await, &world.namespace));
+    }
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let cpu_before = cpu_seconds();
+    let started = Instant::now();
+    let made = futures_util::future::join_all(apis.iter().map(|pods| {
+        let (next, nowhere) = (next.clone(), nowhere.clone());
+        async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= count {
+                    return;
+                }
+                let pod: Pod = serde_json::from_value(json!({
+                    "metadata": {"name": format!("raw-{i:05}"), "labels": {RAW_LABEL: "true"}},
+                    "spec": {"nodeName": nowhere, "automountServiceAccountToken": false,
+                        "containers": [{"name": "c", "image": "busybox:e2e"}]}
+                }))
+                .unwrap();
+                pods.create(&PostParams::default(), &pod).await.unwrap_or_else(|e| panic!("raw pod create: {e}"));
+            }
+        }
+    }));
+    made.await;
+    let rate = count as f64 / started.elapsed().as_secs_f64();
+    let cpu_after = cpu_seconds();
+    let api_cpu =
+        cpu_after.get("API server").copied().unwrap_or(0.0) - cpu_before.get("API server").copied().unwrap_or(0.0);
+    let etcd_cpu = cpu_after.get("etcd").copied().unwrap_or(0.0) - cpu_before.get("etcd").copied().unwrap_or(0.0);
+    let idle = cpu_after.get("idle").copied().unwrap_or(0.0) - cpu_before.get("idle").copied().unwrap_or(0.0);
+    let secs = count as f64 / rate;
+    println!(
+        "raw pod creates          {rate:.0}/s; cpu per create: API server {:.2} ms, etcd {:.2} ms; API server busy {:.2} cores, machine idle {:.0}%",
+        api_cpu * 1e3 / count as f64,
+        etcd_cpu * 1e3 / count as f64,
+        api_cpu / secs,
+        100.0 * idle / (2.0 * secs)
+    );
+    let pods = world.pods();
+    let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() };
+    let raw = ListParams::default().labels(RAW_LABEL);
+    pods.delete_collection(&now, &raw).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !pods.list(&raw.clone().limit(1)).await.unwrap().items.is_empty() {
+        assert!(Instant::now() < deadline, "raw pods left 120 s after their deletion");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    RawRate { rate, api_cores: api_cpu / secs }
 }
 
 async fn check_health(endpoint: &Endpoint) -> Result<(), String> {
@@ -640,7 +1078,7 @@ fn drain(rx: &mut tokio::sync::mpsc::UnboundedReceiver<NodeProgress>) -> Vec<Nod
 async fn prepare_suite(world: World) {
     let mut config = world.config();
     // Only this run's node: a real API server may hold fake nodes of other runs.
-    config.node_selector.insert("kubernetes.io/hostname".into(), world.node_name.clone());
+    config.node_selector.insert("kubernetes.io/hostname".into(), world.node_name().to_string());
     // A node controller (if the server has one) lifts this taint a moment after the node is Ready.
     config.tolerations.push(Toleration {
         key: Some("node.kubernetes.io/not-ready".into()),
@@ -657,7 +1095,7 @@ async fn prepare_suite(world: World) {
     let lines = drain(&mut rx);
     let states: Vec<NodeState> = lines.iter().map(|l| l.state).collect();
     assert_eq!(states, [NodeState::Pulling, NodeState::Ready], "{lines:?}");
-    assert!(lines.iter().all(|l| l.node == world.node_name && l.nodes_total == 1), "{lines:?}");
+    assert!(lines.iter().all(|l| l.node == world.node_name() && l.nodes_total == 1), "{lines:?}");
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     match p.prepare(MISSING, tx).await {
@@ -832,7 +1270,7 @@ async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports(
     let client = client(&kubeconfig, None).await;
     sweep_leftovers(&client).await;
     let namespace = format!("sandman-e2e-eval-{}", unique());
-    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), None).await;
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
     let config = KubeConfig {
         namespace: namespace.clone(),
         daemon_image,
@@ -933,7 +1371,7 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
     let client = client(&kubeconfig, None).await;
     sweep_leftovers(&client).await;
     let namespace = format!("sandman-e2e-cap-{}", unique());
-    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), None).await;
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
     let config = KubeConfig {
         namespace: namespace.clone(),
         daemon_image,

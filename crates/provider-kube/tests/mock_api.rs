@@ -16,7 +16,7 @@ use http::StatusCode;
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
 use sandman_provider_kube::pod::build_pod;
-use sandman_provider_kube::{IdentityCheck, KubeConfig, KubeProvider};
+use sandman_provider_kube::{IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_wire::server::Reason;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -380,6 +380,162 @@ async fn writes_keep_to_the_configured_rate() {
     }
     // (30 - 3) writes at 5 per second after the burst.
     assert!(started.elapsed() >= Duration::from_millis(5400), "finished in {:?}", started.elapsed());
+}
+
+/// A call the mocked server holds: its answer's body goes on the sender; the posted object.
+type HeldCall = (mpsc::Sender<bytes::Bytes>, Value);
+
+#[tokio::test(start_paused = true)]
+async fn calls_in_flight_never_exceed_api_concurrency() {
+    // Pod creates are answered only when the test says: until then each holds its call.
+    let held: Arc<Mutex<Vec<HeldCall>>> = Arc::default();
+    let mut watches = Watches::default();
+    let (client, mock) = mock({
+        let held = held.clone();
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("1", vec![]));
+            }
+            let (tx, rx) = mpsc::channel(1);
+            held.lock().unwrap().push((tx, req.json()));
+            Reply::Stream(rx)
+        }
+    });
+    let p = Arc::new(provider_with(client, KubeConfig { api_concurrency: 3, ..config() }));
+    let creates: Vec<_> = (0..8)
+        .map(|i| {
+            let p = p.clone();
+            tokio::spawn(async move { p.create(&spec(&format!("fl{i}"), "busybox:1")).await })
+        })
+        .collect();
+    let posts = || mock.writes().iter().filter(|w| is(w, "POST", "/pods")).count();
+    // On the paused clock, everything that could be sent has been once the runtime idles.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(posts(), 3, "calls in flight beyond api_concurrency");
+    // One answered: one more goes.
+    let (tx, pod) = held.lock().unwrap().remove(0);
+    tx.send(bytes::Bytes::from(serde_json::to_vec(&pod).unwrap())).await.unwrap();
+    drop(tx);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(posts(), 4);
+    for c in creates {
+        c.abort();
+    }
+}
+
+// ---- shared token Secrets ----
+
+/// A token as the API server stores it.
+fn stored_token(token: &str) -> Value {
+    serde_json::to_value(k8s_openapi::ByteString(token.as_bytes().to_vec())).unwrap()
+}
+
+#[tokio::test]
+async fn a_burst_shares_one_token_secret_each_pod_mounting_only_its_own_key_and_owning_it() {
+    let cluster = Cluster::shared();
+    let (client, mock) = client_on(&cluster);
+    let config = KubeConfig { token: TokenDelivery::SharedSecret, ..config() };
+    let p = provider_with(client, config.clone());
+    let specs: Vec<SandboxSpec> = (0..30).map(|i| spec(&format!("sh{i:02}"), "busybox:1")).collect();
+    for r in futures_util::future::join_all(specs.iter().map(|s| p.create(s))).await {
+        r.unwrap();
+    }
+    // The owners are written once the last pod of the Secret is made.
+    mock.until("the owners of the token Secret", |seen| {
+        seen.iter().any(|r| is(r, "PATCH", "") && r.path.contains("/secrets/"))
+    })
+    .await;
+    let writes = mock.writes();
+    let secret_posts: Vec<&common::Seen> = writes.iter().filter(|w| is(w, "POST", "/secrets")).collect();
+    // Every create had sent its deposit before the writer ran: one Secret for all.
+    assert_eq!(secret_posts.len(), 1, "{:?}", writes.iter().map(|w| (&w.method, &w.path)).collect::<Vec<_>>());
+    assert_eq!(writes.len(), 30 + 2, "a pod each, the Secret, its owners");
+    let c = cluster.lock().unwrap().clone_state();
+    let (name, secret) = c.secrets.iter().next().unwrap();
+    assert!(name.starts_with("sandman-tokens-"), "{name}");
+    assert_eq!(secret["immutable"], true);
+    assert_eq!(secret["metadata"]["labels"]["sandman.dev/tokens"], "shared");
+    let owners = secret["metadata"]["ownerReferences"].as_array().unwrap();
+    assert_eq!(owners.len(), 30);
+    for s in &specs {
+        let pod = &c.pods[&format!("sandman-{}", s.id)];
+        let volume = pod["spec"]["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "sandman-token").unwrap();
+        assert_eq!(volume["secret"]["secretName"], name.as_str());
+        // Only its own key is mounted, as the file the daemon reads.
+        assert_eq!(volume["secret"]["items"], serde_json::json!([{"key": s.id, "path": "token"}]));
+        assert_eq!(secret["data"][&s.id], stored_token(&s.token), "{}", s.id);
+        assert!(owners.iter().any(|o| o["uid"] == pod["metadata"]["uid"] && o["kind"] == "Pod"), "{}", s.id);
+        assert!(!pod.to_string().contains(&s.token), "the token is in the pod object");
+    }
+
+    // A second server finds every token.
+    let (client2, _mock2) = client_on(&cluster);
+    let second = provider_with(client2, config);
+    let mut records = second.list().await.unwrap();
+    records.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
+    assert_eq!(
+        records.iter().map(|r| r.spec.token.clone()).collect::<Vec<_>>(),
+        specs.iter().map(|s| s.token.clone()).collect::<Vec<_>>()
+    );
+    assert!(records.iter().all(|r| r.ended.is_none()));
+
+    // The Secret goes with the last of its pods.
+    for s in &specs[..29] {
+        p.delete(&s.id).await.unwrap();
+    }
+    assert_eq!(cluster.lock().unwrap().secrets.len(), 1, "the Secret went before its last pod");
+    p.delete(&specs[29].id).await.unwrap();
+    assert!(cluster.lock().unwrap().secrets.is_empty(), "the Secret outlived its pods");
+}
+
+#[tokio::test]
+async fn a_shared_token_secret_none_of_whose_pods_was_made_is_deleted() {
+    let cluster = Cluster::shared();
+    // A pod of that name exists already, made from another spec: the create fails, no pod made.
+    let other = spec("taken", "alpine:3");
+    let existing = build_pod(&other, &config()).unwrap();
+    cluster.lock().unwrap().pods.insert("sandman-taken".into(), serde_json::to_value(existing).unwrap());
+    let (client, mock) = client_on(&cluster);
+    let p = provider_with(client, KubeConfig { token: TokenDelivery::SharedSecret, ..config() });
+    let err = p.create(&spec("taken", "busybox:1")).await.unwrap_err();
+    assert!(err.to_string().contains("is not sandbox"), "{err}");
+    mock.until("the Secret's deletion", |seen| {
+        seen.iter().any(|r| r.method == "DELETE" && r.path.contains("/secrets/"))
+    })
+    .await;
+    assert!(cluster.lock().unwrap().secrets.is_empty(), "a token Secret no pod mounts was left");
+}
+
+#[tokio::test]
+async fn a_retried_create_with_shared_token_secrets_takes_its_pod_only_with_the_same_token() {
+    let cluster = Cluster::shared();
+    let config = KubeConfig { token: TokenDelivery::SharedSecret, ..config() };
+    let (client, _mock) = client_on(&cluster);
+    let first = provider_with(client, config.clone());
+    let s = spec("again", "busybox:1");
+    let endpoint = first.create(&s).await.unwrap();
+
+    // The same create tried again by another server: the pod is its own, with its token.
+    let (client, mock) = client_on(&cluster);
+    let second = provider_with(client, config.clone());
+    assert_eq!(second.create(&s).await.unwrap(), endpoint);
+    // Its own deposit made no pod: that Secret is deleted.
+    mock.until("the unused Secret's deletion", |seen| {
+        seen.iter().any(|r| r.method == "DELETE" && r.path.contains("/secrets/"))
+    })
+    .await;
+    assert_eq!(cluster.lock().unwrap().secrets.len(), 1, "only the Secret the pod mounts is left");
+
+    // Another token for the same id is refused.
+    let (client, _mock) = client_on(&cluster);
+    let third = provider_with(client, config);
+    let mut other = s.clone();
+    other.token = "another-token".into();
+    let err = third.create(&other).await.unwrap_err();
+    assert!(err.to_string().contains("with another token"), "{err}");
 }
 
 // ---- the watch ----

@@ -80,6 +80,17 @@ struct Args {
     first_ip: Ipv4Addr,
     #[arg(long, default_value = "info")]
     log: String,
+    /// With several fake nodes on one scheduler name: how many there are, and which one this
+    /// is. Each binds only the pods whose name hashes to its own shard, so that no two race to
+    /// bind the same pod.
+    #[arg(long, default_value_t = 1)]
+    shards: u32,
+    #[arg(long, default_value_t = 0)]
+    shard: u32,
+    /// Calls to the API server in flight at once (bindings, statuses, deletions, Secret reads):
+    /// each holds one pooled connection, so this bounds the connections too.
+    #[arg(long, default_value_t = 16)]
+    api_concurrency: u32,
 }
 
 /// A pod this node has taken on.
@@ -102,6 +113,34 @@ struct FakeNode {
     next_ip: Mutex<u32>,
     tasks: TaskTracker,
     cancel: CancellationToken,
+    /// What this node has written to the API server, and how long its work took.
+    stats: Mutex<Stats>,
+    /// Bounds the calls in flight (`--api-concurrency`).
+    in_flight: tokio::sync::Semaphore,
+    /// Immutable Secrets read already, by name: their data never changes. Locked briefly.
+    immutable: Mutex<HashMap<String, HashMap<String, String>>>,
+}
+
+/// The node's writes by kind, and the time each step of starting a pod took, answered on
+/// stdout as one JSON line whenever a line `stats` is read on stdin.
+#[derive(Debug, Default, serde::Serialize)]
+struct Stats {
+    bindings: u64,
+    statuses: u64,
+    deletes: u64,
+    /// Reads of token Secrets, and how many found none yet.
+    secret_reads: u64,
+    secret_misses: u64,
+    /// Milliseconds from seeing a pod unbound to its binding answered.
+    bind_ms: Vec<u32>,
+    /// Milliseconds from seeing a pod bound to its daemon listening (token, process, listen).
+    start_ms: Vec<u32>,
+    /// Milliseconds the Running status write took.
+    status_ms: Vec<u32>,
+}
+
+fn ms(since: Instant) -> u32 {
+    u32::try_from(since.elapsed().as_millis()).unwrap_or(u32::MAX)
 }
 
 fn main() -> Result<()> {
@@ -113,7 +152,10 @@ fn main() -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(run(args))
+    let result = runtime.block_on(run(args));
+    // The read of stdin (a blocking thread) may never end: the runtime does not wait for it.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
 }
 
 async fn run(args: Args) -> Result<()> {
@@ -132,12 +174,15 @@ async fn run(args: Args) -> Result<()> {
     let node = Arc::new(FakeNode {
         pods: Api::namespaced(client.clone(), &args.namespace),
         client,
-        args,
         taken: Mutex::default(),
         bound: Mutex::default(),
         next_ip: Mutex::new(0),
         tasks: TaskTracker::new(),
         cancel: CancellationToken::new(),
+        stats: Mutex::default(),
+        in_flight: tokio::sync::Semaphore::new(args.api_concurrency.max(1) as usize),
+        immutable: Mutex::default(),
+        args,
     });
     node.register().await?;
     tracing::info!(node = %node.args.node_name, namespace = %node.args.namespace, "fake node registered");
@@ -147,6 +192,8 @@ async fn run(args: Args) -> Result<()> {
     node.tasks.spawn(async move { heartbeat.heartbeat().await });
     let watching = node.clone();
     node.tasks.spawn(async move { watching.watch().await });
+    let asked = node.clone();
+    node.tasks.spawn(async move { asked.answer_stats().await });
 
     shutdown_signal().await;
     tracing::info!("stopping: killing every daemon");
@@ -177,6 +224,37 @@ fn now() -> Value {
 }
 
 impl FakeNode {
+    /// Answers each `stats` line on stdin with the stats as one JSON line on stdout.
+    async fn answer_stats(self: Arc<Self>) {
+        use tokio::io::AsyncBufReadExt;
+        let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+        loop {
+            let line = tokio::select! {
+                _ = self.cancel.cancelled() => return,
+                line = lines.next_line() => line,
+            };
+            match line {
+                Ok(Some(l)) if l.trim() == "stats" => {
+                    let text = serde_json::to_string(&*self.stats()).unwrap_or_default();
+                    println!("{text}");
+                }
+                Ok(Some(_)) => {}
+                _ => return,
+            }
+        }
+    }
+
+    fn stats(&self) -> std::sync::MutexGuard<'_, Stats> {
+        self.stats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether this node binds the pod `name` (its shard's).
+    fn binds(&self, name: &str) -> bool {
+        // FNV-1a: the same on every node, whatever the process.
+        let hash = name.bytes().fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+        hash % self.args.shards.max(1) == self.args.shard
+    }
+
     /// Creates the Node (or takes over one of the same name) and reports it Ready.
     async fn register(&self) -> Result<()> {
         let nodes: Api<Node> = Api::all(self.client.clone());
@@ -233,9 +311,16 @@ impl FakeNode {
     }
 
     /// Watches the namespace's sandbox pods and acts on each.
+    /// Watches the namespace's sandbox pods as a scheduler and a kubelet do: the unbound ones
+    /// (`spec.nodeName=`), and those bound to this node; acts on each. (Not every pod of the
+    /// namespace: with several fake nodes, each would read every other's pods' changes.)
     async fn watch(self: Arc<Self>) {
-        let config = watcher::Config::default().labels("app.kubernetes.io/managed-by=sandman");
-        let stream = watcher::watcher(self.pods.clone(), config).default_backoff();
+        let labels = "app.kubernetes.io/managed-by=sandman";
+        let unbound = watcher::Config::default().labels(labels).fields("spec.nodeName=");
+        let mine = watcher::Config::default().labels(labels).fields(&format!("spec.nodeName={}", self.args.node_name));
+        let unbound = watcher::watcher(self.pods.clone(), unbound).default_backoff().map(|e| (false, e));
+        let mine = watcher::watcher(self.pods.clone(), mine).default_backoff().map(|e| (true, e));
+        let stream = futures_util::stream::select(unbound, mine);
         let mut stream = std::pin::pin!(stream);
         loop {
             let next = tokio::select! {
@@ -244,10 +329,15 @@ impl FakeNode {
             };
             match next {
                 None => return,
-                Some(Ok(Event::Apply(pod) | Event::InitApply(pod))) => self.clone().pod_changed(pod),
-                Some(Ok(Event::Delete(pod))) => self.let_go(&pod),
-                Some(Ok(Event::Init | Event::InitDone)) => {}
-                Some(Err(err)) => tracing::warn!(%err, "pod watch failed; resuming"),
+                Some((_, Ok(Event::Apply(pod) | Event::InitApply(pod)))) => self.clone().pod_changed(pod),
+                // Gone from the unbound ones: bound (or deleted before it was).
+                Some((false, Ok(Event::Delete(pod)))) => {
+                    let uid = pod.metadata.uid.clone().unwrap_or_default();
+                    self.bound.lock().unwrap_or_else(PoisonError::into_inner).remove(&uid);
+                }
+                Some((true, Ok(Event::Delete(pod)))) => self.let_go(&pod),
+                Some((_, Ok(Event::Init | Event::InitDone))) => {}
+                Some((_, Err(err))) => tracing::warn!(%err, "pod watch failed; resuming"),
             }
         }
     }
@@ -276,6 +366,7 @@ impl FakeNode {
         }
         if spec.node_name.is_none() {
             if spec.scheduler_name.as_deref() == Some(self.args.scheduler_name.as_str())
+                && self.binds(&name)
                 && self.bound.lock().unwrap_or_else(PoisonError::into_inner).insert(uid)
             {
                 let me = self.clone();
@@ -316,7 +407,15 @@ impl FakeNode {
         let binding = json!({"apiVersion": "v1", "kind": "Binding",
             "metadata": {"name": name, "namespace": self.args.namespace},
             "target": {"apiVersion": "v1", "kind": "Node", "name": self.args.node_name}});
-        match self.pods.create_subresource::<_, Value>("binding", name, &PostParams::default(), &binding).await {
+        let t0 = Instant::now();
+        let _permit = self.in_flight.acquire().await.ok();
+        let result = self.pods.create_subresource::<_, Value>("binding", name, &PostParams::default(), &binding).await;
+        {
+            let mut stats = self.stats();
+            stats.bindings += 1;
+            stats.bind_ms.push(ms(t0));
+        }
+        match result {
             Ok(_) => tracing::debug!(pod = name, "bound"),
             Err(kube::Error::Api(s)) if s.code == 409 => {}
             Err(err) => tracing::warn!(pod = name, %err, "cannot bind"),
@@ -329,7 +428,11 @@ impl FakeNode {
             preconditions: Some(Preconditions { uid: Some(uid.to_string()), resource_version: None }),
             ..DeleteParams::default()
         };
-        match self.pods.delete(name, &params).await {
+        self.stats().deletes += 1;
+        let permit = self.in_flight.acquire().await.ok();
+        let deleted = self.pods.delete(name, &params).await;
+        drop(permit);
+        match deleted {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
             Err(err) => tracing::warn!(pod = name, %err, "cannot confirm the deletion"),
@@ -387,6 +490,7 @@ impl FakeNode {
             return;
         }
         let port = listen_port(task).unwrap_or(7778);
+        let t0 = Instant::now();
         let ip = self.free_ip(port).await;
         let started = now();
         let dir = self.args.state_dir.join(pod.metadata.uid.as_deref().unwrap_or_default());
@@ -406,7 +510,13 @@ impl FakeNode {
             self.patch_status(&pod, status).await;
             return;
         }
+        let t1 = Instant::now();
         self.patch_status(&pod, running_status(&pod, &ip.to_string(), &started)).await;
+        {
+            let mut stats = self.stats();
+            stats.start_ms.push(u32::try_from((t1 - t0).as_millis()).unwrap_or(u32::MAX));
+            stats.status_ms.push(ms(t1));
+        }
         tracing::debug!(pod = %name, %ip, "running");
 
         let oom = self.args.oom_images.iter().any(|f| image.contains(f.as_str()));
@@ -525,14 +635,43 @@ impl FakeNode {
                 .cloned()
                 .context("the pod has no `sandman.dev/token` annotation");
         }
-        let name =
-            volume.secret.as_ref().and_then(|s| s.secret_name.clone()).context("the token volume names no secret")?;
+        let source = volume.secret.as_ref().context("the token volume is neither a Secret nor the downward API")?;
+        let name = source.secret_name.clone().context("the token volume names no secret")?;
+        // The key the pod mounts: `token` of a Secret of its own, its sandbox id of a shared one.
+        let key = source
+            .items
+            .as_ref()
+            .and_then(|items| items.first())
+            .map_or_else(|| "token".to_string(), |item| item.key.clone());
+        // As the kubelet does, an immutable Secret is read once.
+        if let Some(token) =
+            self.immutable.lock().unwrap_or_else(PoisonError::into_inner).get(&name).and_then(|d| d.get(&key))
+        {
+            return Ok(token.clone());
+        }
         let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &self.args.namespace);
         // As the kubelet does, wait for a Secret created just after its pod.
         for _ in 0..100 {
-            if let Some(secret) = secrets.get_opt(&name).await? {
-                let bytes = secret.data.and_then(|d| d.get("token").cloned()).context("the secret has no `token`")?;
-                return Ok(String::from_utf8(bytes.0)?);
+            let permit = self.in_flight.acquire().await.ok();
+            let found = secrets.get_opt(&name).await?;
+            drop(permit);
+            {
+                let mut stats = self.stats();
+                stats.secret_reads += 1;
+                stats.secret_misses += u64::from(found.is_none());
+            }
+            if let Some(secret) = found {
+                let data: HashMap<String, String> = secret
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|(k, v)| Some((k, String::from_utf8(v.0).ok()?)))
+                    .collect();
+                let token = data.get(&key).cloned().with_context(|| format!("the secret `{name}` has no `{key}`"))?;
+                if secret.immutable == Some(true) {
+                    self.immutable.lock().unwrap_or_else(PoisonError::into_inner).insert(name, data);
+                }
+                return Ok(token);
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -540,7 +679,9 @@ impl FakeNode {
     }
 
     async fn patch_status(&self, pod: &Pod, patch: Value) {
+        self.stats().statuses += 1;
         let name = pod.metadata.name.clone().unwrap_or_default();
+        let _permit = self.in_flight.acquire().await.ok();
         if let Err(err) = self.pods.patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch)).await {
             tracing::warn!(pod = %name, %err, "cannot write the pod's status");
         }

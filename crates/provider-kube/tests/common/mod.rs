@@ -326,6 +326,11 @@ impl Cluster {
         Arc::new(Mutex::new(Cluster { external_kubelet: true, ..Cluster::default() }))
     }
 
+    /// A copy of the pods and Secrets, to look at without the lock.
+    pub fn clone_state(&self) -> Cluster {
+        Cluster { pods: self.pods.clone(), secrets: self.secrets.clone(), ..Cluster::default() }
+    }
+
     fn bump(&mut self) -> u64 {
         self.rv += 1;
         self.rv
@@ -398,6 +403,13 @@ impl Cluster {
         pod["metadata"]["resourceVersion"] = rv.to_string().into();
         self.pods.remove(name);
         self.secrets.remove(name);
+        // The garbage collector: a Secret whose owners are all gone goes too.
+        let uids: std::collections::HashSet<String> =
+            self.pods.values().filter_map(|p| p["metadata"]["uid"].as_str().map(str::to_string)).collect();
+        self.secrets.retain(|_, s| {
+            let owners = s["metadata"]["ownerReferences"].as_array().cloned().unwrap_or_default();
+            owners.is_empty() || owners.iter().any(|o| o["uid"].as_str().is_some_and(|u| uids.contains(u)))
+        });
         self.emit("DELETED", &pod);
         Some(before)
     }
@@ -467,8 +479,17 @@ impl Cluster {
                 pod["metadata"]["uid"] = format!("uid-{name}").into();
                 pod["metadata"]["resourceVersion"] = rv.to_string().into();
                 pod["status"] = serde_json::json!({"phase": "Pending", "qosClass": qos_class(&pod)});
-                self.pods.insert(name, pod.clone());
+                self.pods.insert(name.clone(), pod.clone());
                 self.emit("ADDED", &pod);
+                // A shared token Secret is made before its pods: the kubelet finds it at once.
+                let volumes = pod["spec"]["volumes"].as_array().cloned().unwrap_or_default();
+                let shared = volumes.iter().find(|v| v["name"] == "sandman-token").and_then(|v| {
+                    let secret = v["secret"]["secretName"].as_str()?;
+                    (secret != name && self.secrets.contains_key(secret)).then_some(())
+                });
+                if shared.is_some() && !self.external_kubelet {
+                    self.run(&name);
+                }
                 Reply::Json(StatusCode::CREATED, pod)
             }
             ("POST", ["secrets"]) => {
@@ -532,6 +553,15 @@ impl Cluster {
             },
             ("GET", ["secrets", name]) => match self.secrets.get(*name) {
                 Some(s) => ok(s.clone()),
+                None => not_found(name),
+            },
+            ("PATCH", ["secrets", name]) => {
+                let Some(secret) = self.secrets.get_mut(*name) else { return not_found(name) };
+                merge_patch(secret, &req.json());
+                ok(secret.clone())
+            }
+            ("DELETE", ["secrets", name]) => match self.secrets.remove(*name) {
+                Some(s) => ok(s),
                 None => not_found(name),
             },
             ("DELETE", ["pods", name]) => match self.delete_pod(name, grace) {
