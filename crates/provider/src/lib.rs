@@ -207,12 +207,10 @@ pub enum ProviderError {
     /// provider's records); this one took nothing.
     #[error("{0}")]
     Claimed(String),
-    #[error("{what}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// Said whole, with the system's error (`cannot make the cgroup …: Cannot allocate memory`):
+    /// the message is what a caller sees of a failed create.
+    #[error("{what}: {cause}")]
+    Io { what: String, cause: std::io::Error },
     /// The backend (engine, API server) answered with an error.
     #[error("{0}")]
     Backend(String),
@@ -220,7 +218,7 @@ pub enum ProviderError {
 
 impl ProviderError {
     pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
-        ProviderError::Io { what: what.into(), source }
+        ProviderError::Io { what: what.into(), cause: source }
     }
 
     /// The lifecycle reason a failed create is reported with.
@@ -317,6 +315,13 @@ pub trait Provider: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_io_failure_says_what_failed_and_why() {
+        let enomem = std::io::Error::from_raw_os_error(12);
+        let e = ProviderError::io("cannot make the cgroup `/x`", enomem);
+        assert_eq!(e.to_string(), "cannot make the cgroup `/x`: Cannot allocate memory (os error 12)");
+    }
 
     #[test]
     fn an_id_is_being_created_once_until_its_guard_goes() {
