@@ -40,11 +40,18 @@ pub enum Version {
 /// One cgroup directory per controller eval needs; under v2 all three are the same directory.
 /// Serialized as the sandbox's `cgroups.json`, so that a delete or `applied` after a server
 /// restart (which may run in another cgroup) finds the sandbox's own.
+///
+/// A sandbox's v1 cpu and memory cgroups exist only when it is limited there (`None` else): a
+/// memory cgroup costs the kernel about 1.4 MiB that it keeps until the cgroup is removed, more
+/// than the sandbox's daemon itself, and an unlimited one holds the sandbox to nothing. Its pids
+/// cgroup always exists: it limits, and it lists the sandbox's processes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Dirs {
     pub version: Version,
-    pub cpu: PathBuf,
-    pub memory: PathBuf,
+    #[serde(default)]
+    pub cpu: Option<PathBuf>,
+    #[serde(default)]
+    pub memory: Option<PathBuf>,
     pub pids: PathBuf,
 }
 
@@ -111,7 +118,7 @@ impl Dirs {
             if !sys::writable(&own) {
                 return Err(format!("cgroup v2: the server's cgroup `{}` is not writable", own.display()));
             }
-            return Ok(Dirs { version: Version::V2, cpu: own.clone(), memory: own.clone(), pids: own });
+            return Ok(Dirs { version: Version::V2, cpu: Some(own.clone()), memory: Some(own.clone()), pids: own });
         }
         let mut found = Vec::new();
         let mut missing = Vec::new();
@@ -124,18 +131,24 @@ impl Dirs {
             }
         }
         match <[PathBuf; 3]>::try_from(found) {
-            Ok([cpu, memory, pids]) if missing.is_empty() => Ok(Dirs { version: Version::V1, cpu, memory, pids }),
+            Ok([cpu, memory, pids]) if missing.is_empty() => {
+                Ok(Dirs { version: Version::V1, cpu: Some(cpu), memory: Some(memory), pids })
+            }
             _ => Err(format!("no writable cgroup v1 controller {}", missing.join(", "))),
         }
     }
 
-    /// The cgroups of sandbox `id`: `sandman-<id>` under each of these.
-    pub fn child(&self, id: &str) -> Dirs {
+    /// The cgroups of sandbox `id` held to `limits`: `sandman-<id>` under each of these (the
+    /// server's own), in v1 only for the controllers that limit it (and pids).
+    pub fn child(&self, id: &str, limits: &Limits) -> Dirs {
         let name = format!("sandman-{id}");
+        let v2 = self.version == Version::V2;
+        let limited =
+            |own: &Option<PathBuf>, limits: bool| own.as_ref().filter(|_| v2 || limits).map(|d| d.join(&name));
         Dirs {
             version: self.version,
-            cpu: self.cpu.join(&name),
-            memory: self.memory.join(&name),
+            cpu: limited(&self.cpu, limits.cpu.is_some()),
+            memory: limited(&self.memory, limits.memory.is_some()),
             pids: self.pids.join(&name),
         }
     }
@@ -143,8 +156,8 @@ impl Dirs {
     /// Each directory once (v2 has one).
     pub fn unique(&self) -> Vec<&Path> {
         let mut dirs: Vec<&Path> = Vec::new();
-        for d in [&self.cpu, &self.memory, &self.pids] {
-            if !dirs.contains(&d.as_path()) {
+        for d in [self.cpu.as_deref(), self.memory.as_deref(), Some(self.pids.as_path())].into_iter().flatten() {
+            if !dirs.contains(&d) {
                 dirs.push(d);
             }
         }
@@ -155,83 +168,78 @@ impl Dirs {
     /// `memory.memsw.limit_in_bytes`, v2 `memory.swap.max` (absent in a v2 root cgroup, where it
     /// is checked again once the sandbox's cgroup exists).
     pub fn accounts_swap(&self) -> bool {
+        let Some(memory) = &self.memory else { return false };
         match self.version {
-            Version::V1 => self.memory.join("memory.memsw.limit_in_bytes").exists(),
-            Version::V2 => self.memory.join("memory.swap.max").exists() || self.memory == Path::new(MOUNT),
+            Version::V1 => memory.join("memory.memsw.limit_in_bytes").exists(),
+            Version::V2 => memory.join("memory.swap.max").exists() || memory == Path::new(MOUNT),
         }
     }
 
     /// Writes the limits into these (existing) directories. `host_swap` is `SwapTotal`: with no
     /// way to limit swap, a host without swap is the only one where none is guaranteed.
     fn write_limits(&self, limits: Limits, host_swap: u64) -> Result<(), ProviderError> {
-        let pids = limits.pids.to_string();
-        match self.version {
-            Version::V1 => {
-                if let Some(quota) = limits.quota_us() {
-                    write(&self.cpu, "cpu.cfs_period_us", &PERIOD_US.to_string())?;
-                    write(&self.cpu, "cpu.cfs_quota_us", &quota.to_string())?;
-                }
-                if let Some(memory) = limits.memory.map(|m| m.to_string()) {
-                    // Memory first: memsw may never be below it.
-                    write(&self.memory, "memory.limit_in_bytes", &memory)?;
-                    if limits.no_swap {
-                        if self.memory.join("memory.memsw.limit_in_bytes").exists() {
-                            write(&self.memory, "memory.memsw.limit_in_bytes", &memory)?;
-                        } else if host_swap > 0 {
-                            return Err(no_swap_control(&self.memory));
-                        }
-                    }
-                }
-                write(&self.pids, "pids.max", &pids)?;
-            }
-            Version::V2 => {
-                if let Some(quota) = limits.quota_us() {
-                    write(&self.cpu, "cpu.max", &format!("{quota} {PERIOD_US}"))?;
-                }
-                if let Some(memory) = limits.memory {
-                    write(&self.memory, "memory.max", &memory.to_string())?;
-                    if limits.no_swap {
-                        if self.memory.join("memory.swap.max").exists() {
-                            write(&self.memory, "memory.swap.max", "0")?;
-                        } else if host_swap > 0 {
-                            return Err(no_swap_control(&self.memory));
-                        }
-                    }
-                }
-                write(&self.pids, "pids.max", &pids)?;
+        let v1 = self.version == Version::V1;
+        if let Some(quota) = limits.quota_us() {
+            let cpu = made_for(&self.cpu, "cpu")?;
+            if v1 {
+                write(cpu, "cpu.cfs_period_us", &PERIOD_US.to_string())?;
+                write(cpu, "cpu.cfs_quota_us", &quota.to_string())?;
+            } else {
+                write(cpu, "cpu.max", &format!("{quota} {PERIOD_US}"))?;
             }
         }
-        Ok(())
+        if let Some(bytes) = limits.memory.map(|m| m.to_string()) {
+            let memory = made_for(&self.memory, "memory")?;
+            let (limit, no_swap, no_swap_value) = if v1 {
+                // memsw is memory and swap together, never below memory: memory goes first.
+                ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", bytes.as_str())
+            } else {
+                ("memory.max", "memory.swap.max", "0")
+            };
+            write(memory, limit, &bytes)?;
+            if limits.no_swap {
+                if memory.join(no_swap).exists() {
+                    write(memory, no_swap, no_swap_value)?;
+                } else if host_swap > 0 {
+                    return Err(no_swap_control(memory));
+                }
+            }
+        }
+        write(&self.pids, "pids.max", &limits.pids.to_string())
     }
 
     /// The limits the files hold now. Swap is what is allowed beyond memory; with no swap limit
     /// readable, none when the host has no swap (`host_swap` is `SwapTotal`).
     pub fn read_back(&self, host_swap: Option<u64>) -> ReadBack {
+        let (memory, cpu) = (self.memory.as_deref(), self.cpu.as_deref());
+        let in_memory = |file: &str| memory.and_then(|m| read(m, file));
+        let in_cpu = |file: &str| cpu.and_then(|c| read(c, file));
+        let v1_bytes = |file: &str| in_memory(file).and_then(|v| v.parse::<u64>().ok()).filter(|v| *v < V1_UNLIMITED);
         let swap = match self.version {
             Version::V1 => {
-                let memory = read_u64(&self.memory, "memory.limit_in_bytes").filter(|v| *v < V1_UNLIMITED);
-                let memsw = read_u64(&self.memory, "memory.memsw.limit_in_bytes").filter(|v| *v < V1_UNLIMITED);
+                let (memory, memsw) = (v1_bytes("memory.limit_in_bytes"), v1_bytes("memory.memsw.limit_in_bytes"));
                 memsw.zip(memory).map(|(memsw, memory)| memsw.saturating_sub(memory))
             }
-            Version::V2 => read(&self.memory, "memory.swap.max").and_then(|v| parse_max(&v)),
+            Version::V2 => in_memory("memory.swap.max").and_then(|v| parse_max(&v)),
         };
         let swap = swap.or_else(|| (host_swap == Some(0)).then_some(0));
+        let pids = read(&self.pids, "pids.max").and_then(|v| parse_max(&v));
         match self.version {
             Version::V1 => {
-                let quota: Option<i64> = read(&self.cpu, "cpu.cfs_quota_us").and_then(|v| v.parse().ok());
-                let period: Option<i64> = read(&self.cpu, "cpu.cfs_period_us").and_then(|v| v.parse().ok());
+                let quota: Option<i64> = in_cpu("cpu.cfs_quota_us").and_then(|v| v.parse().ok());
+                let period: Option<i64> = in_cpu("cpu.cfs_period_us").and_then(|v| v.parse().ok());
                 ReadBack {
                     cpu: quota.zip(period).filter(|(q, p)| *q > 0 && *p > 0).map(|(q, p)| q as f64 / p as f64),
-                    memory: read_u64(&self.memory, "memory.limit_in_bytes").filter(|v| *v < V1_UNLIMITED),
+                    memory: v1_bytes("memory.limit_in_bytes"),
                     swap,
-                    pids: read(&self.pids, "pids.max").and_then(|v| parse_max(&v)),
+                    pids,
                 }
             }
             Version::V2 => ReadBack {
-                cpu: read(&self.cpu, "cpu.max").and_then(|v| parse_cpu_max(&v)),
-                memory: read(&self.memory, "memory.max").and_then(|v| parse_max(&v)),
+                cpu: in_cpu("cpu.max").and_then(|v| parse_cpu_max(&v)),
+                memory: in_memory("memory.max").and_then(|v| parse_max(&v)),
                 swap,
-                pids: read(&self.pids, "pids.max").and_then(|v| parse_max(&v)),
+                pids,
             },
         }
     }
@@ -324,6 +332,15 @@ fn make(dir: &Path) -> Result<(), ProviderError> {
     made.map_err(|e| ProviderError::io(format!("cannot make the cgroup `{}`", dir.display()), e))
 }
 
+/// The directory `child` made for a limited controller.
+fn made_for<'a>(dir: &'a Option<PathBuf>, controller: &str) -> Result<&'a Path, ProviderError> {
+    dir.as_deref().ok_or_else(|| {
+        ProviderError::Unsupported(format!(
+            "the sandbox's {controller} cgroup was not made, yet a limit is asked there"
+        ))
+    })
+}
+
 fn no_swap_control(memory: &Path) -> ProviderError {
     ProviderError::Unsupported(format!(
         "eval needs swap limited to nothing beyond memory, and the host has swap but the memory cgroup `{}` cannot limit it (swap accounting is off: boot with swapaccount=1)",
@@ -345,10 +362,6 @@ fn write(dir: &Path, file: &str, value: &str) -> Result<(), ProviderError> {
 
 fn read(dir: &Path, file: &str) -> Option<String> {
     std::fs::read_to_string(dir.join(file)).ok().map(|s| s.trim().to_string())
-}
-
-fn read_u64(dir: &Path, file: &str) -> Option<u64> {
-    read(dir, file)?.parse().ok()
 }
 
 /// The host's `SwapTotal`, read now (swap can be turned on at any time).
@@ -375,7 +388,7 @@ mod tests {
         for (f, v) in [("cpu.max", "max 100000"), ("memory.max", "max"), ("pids.max", "max")] {
             put(&d, f, v);
         }
-        let dirs = Dirs { version: Version::V2, cpu: d.clone(), memory: d.clone(), pids: d.clone() };
+        let dirs = Dirs { version: Version::V2, cpu: Some(d.clone()), memory: Some(d.clone()), pids: d.clone() };
         let limits = Limits { cpu: None, memory: None, no_swap: false, pids: 4096 };
         dirs.write_limits(limits, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
         let back = dirs.read_back(Some(1 << 30));
@@ -398,11 +411,17 @@ mod tests {
         let lines = "8:pids:/\n4:memory:/process_api/x\n1:cpu,cpuacct:/\n0::/\n";
         let own = Dirs::own(lines, r).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(own.version, Version::V1);
-        assert_eq!(own.memory, r.join("memory/process_api/x"));
-        let sb = own.child("sb-1");
-        assert_eq!(sb.memory, r.join("memory/process_api/x/sandman-sb-1"));
-        assert_eq!(sb.cpu, r.join("cpu/sandman-sb-1"));
+        assert_eq!(own.memory, Some(r.join("memory/process_api/x")));
+        let limited = Limits { cpu: Some(0.5), memory: Some(1 << 20), no_swap: false, pids: 10 };
+        let sb = own.child("sb-1", &limited);
+        assert_eq!(sb.memory, Some(r.join("memory/process_api/x/sandman-sb-1")));
+        assert_eq!(sb.cpu, Some(r.join("cpu/sandman-sb-1")));
         assert_eq!(sb.unique().len(), 3);
+        // Unlimited cpu and memory: no cgroup there, only pids.
+        let plain = own.child("sb-2", &Limits { cpu: None, memory: None, ..limited });
+        assert_eq!((&plain.cpu, &plain.memory), (&None, &None));
+        let pids = r.join("pids/sandman-sb-2");
+        assert_eq!(plain.unique(), vec![pids.as_path()]);
         let err = Dirs::own("4:memory:/process_api/x\n1:cpu:/\n", r).err().unwrap_or_default();
         assert!(err.contains("`pids`") && !err.contains("`cpu`"), "{err}");
     }
@@ -424,7 +443,12 @@ mod tests {
     fn v1_limits_are_written_and_read_back() {
         let root = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let r = root.path();
-        let dirs = Dirs { version: Version::V1, cpu: r.join("cpu"), memory: r.join("memory"), pids: r.join("pids") };
+        let dirs = Dirs {
+            version: Version::V1,
+            cpu: Some(r.join("cpu")),
+            memory: Some(r.join("memory")),
+            pids: r.join("pids"),
+        };
         // What the kernel puts in a new cgroup.
         for (f, v) in [
             ("cpu/cpu.cfs_period_us", "100000"),
@@ -459,7 +483,7 @@ mod tests {
         {
             put(&d, f, v);
         }
-        let dirs = Dirs { version: Version::V2, cpu: d.clone(), memory: d.clone(), pids: d.clone() };
+        let dirs = Dirs { version: Version::V2, cpu: Some(d.clone()), memory: Some(d.clone()), pids: d.clone() };
         dirs.write_limits(eval(0.25, 1 << 30, 1024), 1 << 30).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(std::fs::read_to_string(d.join("cpu.max")).ok().as_deref(), Some("25000 100000"));
         let back = dirs.read_back(Some(1 << 30));

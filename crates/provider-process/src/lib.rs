@@ -275,7 +275,7 @@ impl ProcessProvider {
             return Err(ProviderError::Unsupported("resources.pids must be at least 1".into()));
         }
         let limits = cgroup::Limits { cpu, memory, no_swap: false, pids };
-        Ok(Some(Cgroups { dirs: own.child(&spec.id), limits }))
+        Ok(Some(Cgroups { dirs: own.child(&spec.id, &limits), limits }))
     }
 
     /// What eval needs, each refusal naming what is missing: fixed cpu and memory in the spec, the
@@ -312,11 +312,11 @@ impl ProcessProvider {
         if cgroup::host_swap().is_none_or(|swap| swap > 0) && !own.accounts_swap() {
             return Err(refuse(format!(
                 "cannot hold swap to nothing beyond memory: the host has swap, and the memory cgroup `{}` does not account it (boot with swapaccount=1, or turn swap off)",
-                own.memory.display()
+                own.memory.as_deref().unwrap_or(Path::new("")).display()
             )));
         }
         let limits = cgroup::Limits { cpu: Some(cpu), memory: Some(memory), no_swap: true, pids };
-        Ok(Cgroups { dirs: own.child(&spec.id), limits })
+        Ok(Cgroups { dirs: own.child(&spec.id, &limits), limits })
     }
 
     /// Settles the daemon's command line and environments; touches nothing. `ids` is the host

@@ -114,6 +114,18 @@ async fn isolated_memory_cpu_and_pids_are_the_sandboxs_cgroup_limits() {
     let ep2 = ready(&p, &small).await;
     let bomb = sh(&ep2, &small.token, "for i in $(seq 40); do sleep 30 & done 2>&1; wait").await;
     assert!(out(&bomb).contains("fork") || bomb["stderr"].as_str().unwrap_or("").contains("fork"), "{bomb}");
+    // Under v1, cpu and memory cgroups are made only for a sandbox limited there: each memory
+    // cgroup costs the kernel more than the sandbox's daemon.
+    let cgroups = |ep: &sandman_provider::Endpoint| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir_of(ep).join("cgroups.json")).unwrap()).unwrap()
+    };
+    let (limited, plain) = (cgroups(&ep), cgroups(&ep2));
+    for dir in [&limited["cpu"], &limited["memory"], &limited["pids"], &plain["pids"]] {
+        assert!(Path::new(dir.as_str().unwrap()).is_dir(), "{dir}");
+    }
+    if plain["version"] == "v1" {
+        assert_eq!((&plain["cpu"], &plain["memory"]), (&json!(null), &json!(null)), "{plain}");
+    }
     p.delete(&small.id).await.unwrap();
     p.delete(&s.id).await.unwrap();
 }
