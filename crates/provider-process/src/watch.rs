@@ -42,13 +42,8 @@ enum Exit {
 impl Watch {
     /// Awaits our own child's exit through its pidfd, reaps it, then reports.
     pub async fn child(self, pid: i32, pidfd: Arc<AsyncFd<OwnedFd>>) {
-        tokio::select! {
-            _ = self.cancel.cancelled() => return,
-            ready = pidfd.readable() => {
-                if let Err(err) = ready {
-                    tracing::warn!(sandbox = %self.id, %err, "cannot watch the daemon's pidfd");
-                }
-            }
+        if !self.exited(&pidfd).await {
+            return;
         }
         match crate::sys::reap(pid) {
             Ok(Some(status)) => self.report(Exit::Status(status)).await,
@@ -61,15 +56,23 @@ impl Watch {
 
     /// Awaits the exit of a daemon this server did not start, through its pidfd (no polling).
     pub async fn pidfd(self, pidfd: Arc<AsyncFd<OwnedFd>>) {
+        if self.exited(&pidfd).await {
+            self.report(Exit::Unknown).await;
+        }
+    }
+
+    /// Waits for the pidfd to become readable (the process exited); false when the provider
+    /// stops first.
+    async fn exited(&self, pidfd: &AsyncFd<OwnedFd>) -> bool {
         tokio::select! {
-            _ = self.cancel.cancelled() => return,
+            _ = self.cancel.cancelled() => false,
             ready = pidfd.readable() => {
                 if let Err(err) = ready {
                     tracing::warn!(sandbox = %self.id, %err, "cannot watch the daemon's pidfd");
                 }
+                true
             }
         }
-        self.report(Exit::Unknown).await;
     }
 
     async fn report(self, exit: Exit) {

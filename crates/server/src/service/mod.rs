@@ -202,34 +202,36 @@ impl Service {
         self.tasks.spawn(async move { me.reaper().await });
         let me = self.clone();
         self.tasks.spawn(async move { me.admission_loop().await });
-        if let Some(mut rx) = self.provider.events() {
-            let me = self.clone();
-            self.tasks.spawn(async move {
-                loop {
-                    tokio::select! {
-                        _ = me.cancel.cancelled() => return,
-                        ev = rx.recv() => match ev {
-                            Some(ev) => me.provider_event(ev).await,
-                            None => return,
-                        },
-                    }
-                }
-            });
+        if let Some(rx) = self.provider.events() {
+            self.drain(rx, |me, ev| async move { me.provider_event(ev).await });
         }
-        if let Some(mut rx) = self.provider.progress() {
-            let me = self.clone();
-            self.tasks.spawn(async move {
-                loop {
-                    tokio::select! {
-                        _ = me.cancel.cancelled() => return,
-                        p = rx.recv() => match p {
-                            Some(p) => me.provider_progress(p),
-                            None => return,
-                        },
-                    }
-                }
-            });
+        if let Some(rx) = self.provider.progress() {
+            self.drain(rx, |me, p| async move { me.provider_progress(p) });
         }
+    }
+
+    /// Hands what `rx` receives to `each`, one at a time, until the channel closes or the
+    /// service stops.
+    fn drain<T, F>(
+        self: &Arc<Self>,
+        mut rx: tokio::sync::mpsc::Receiver<T>,
+        each: impl Fn(Arc<Self>, T) -> F + Send + 'static,
+    ) where
+        T: Send + 'static,
+        F: Future<Output = ()> + Send,
+    {
+        let me = self.clone();
+        self.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = me.cancel.cancelled() => return,
+                    got = rx.recv() => match got {
+                        Some(got) => each(me.clone(), got).await,
+                        None => return,
+                    },
+                }
+            }
+        });
     }
 
     pub fn get(&self, id: &str) -> ServerResult<Arc<Sandbox>> {
