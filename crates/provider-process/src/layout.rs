@@ -2,7 +2,10 @@
 //! `ids`, `cgroups.json`, `daemon.pid`, `ended.json`), the daemon's token, socket, log and the
 //! commands' environment, and the sandbox's `work/`, `tmp/` and `root/` (where its root is
 //! assembled). The records every provider keeps alike (`ended.json`, the `deleting` marker) are
-//! [`RecordDir`]'s. Everything here is blocking file I/O; callers run it off the async threads.
+//! [`RecordDir`]'s. The files are written whole or not at all but not synced
+//! ([`write_replacing`]): the sandboxes die with the machine, and after a crash a record the
+//! disk lost is a sandbox never made. Everything here is blocking file I/O; callers run it off
+//! the async threads.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom};
@@ -11,7 +14,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use sandman_provider::SandboxSpec;
-use sandman_provider::records::{RecordDir, last_paragraph, write_atomic};
+use sandman_provider::records::{RecordDir, last_paragraph, write_replacing};
 
 use crate::cgroup::Dirs;
 use crate::procs::ProcId;
@@ -99,17 +102,17 @@ impl SandboxDir {
         std::fs::DirBuilder::new().mode(0o700).create(self.rootfs())?;
         // Sticky and world-writable, like any /tmp (set apart from the umask).
         std::fs::set_permissions(self.tmp(), std::fs::Permissions::from_mode(0o1777))?;
-        write_atomic(&self.token(), spec.token.as_bytes(), 0o600)?;
+        write_replacing(&self.token(), spec.token.as_bytes(), 0o600)?;
         let env = serde_json::to_vec(&extra.commands_env).map_err(io::Error::other)?;
-        write_atomic(&self.env_file(), &env, 0o600)?;
+        write_replacing(&self.env_file(), &env, 0o600)?;
         if let Some(ids) = extra.ids {
-            write_atomic(&self.ids(), format!("{ids}\n").as_bytes(), 0o600)?;
+            write_replacing(&self.ids(), format!("{ids}\n").as_bytes(), 0o600)?;
         }
         if let Some(dirs) = &extra.cgroups {
             self.write_cgroups(dirs)?;
         }
         let record = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
-        write_atomic(&self.record(), &record, 0o600)?;
+        write_replacing(&self.record(), &record, 0o600)?;
         OpenOptions::new().create(true).append(true).mode(0o600).open(self.log())
     }
 
@@ -120,7 +123,7 @@ impl SandboxDir {
 
     pub fn write_cgroups(&self, dirs: &Dirs) -> io::Result<()> {
         let bytes = serde_json::to_vec_pretty(dirs).map_err(io::Error::other)?;
-        write_atomic(&self.cgroups(), &bytes, 0o600)
+        write_replacing(&self.cgroups(), &bytes, 0o600)
     }
 
     /// `None` when the sandbox has no cgroups (or the file was torn, which an atomic write rules
@@ -135,7 +138,7 @@ impl SandboxDir {
     }
 
     pub fn write_pid(&self, daemon: ProcId) -> io::Result<()> {
-        write_atomic(&self.pid_file(), daemon.to_line().as_bytes(), 0o600)
+        write_replacing(&self.pid_file(), daemon.to_line().as_bytes(), 0o600)
     }
 
     pub fn read_pid(&self) -> Option<ProcId> {

@@ -930,6 +930,13 @@ fn scan(sandboxes: &Path, creating: &HashSet<String>) -> std::io::Result<Scanned
                 out.unfinished.push(dir);
                 continue;
             }
+            // Torn (its blocks lost in a crash: records are not synced) with no daemon running:
+            // a sandbox that died with the machine, whose create nobody can report; removed.
+            Err(err) if !dir.read_pid().is_some_and(|d| d.is_running()) => {
+                tracing::warn!(sandbox = %id, %err, path = %dir.record().display(), "removing a sandbox whose record cannot be read and whose daemon is not running");
+                out.unfinished.push(dir);
+                continue;
+            }
             Err(err) => {
                 tracing::warn!(sandbox = %id, %err, path = %dir.record().display(), "skipping an unreadable sandbox record");
                 continue;

@@ -299,13 +299,27 @@ async fn a_restarted_server_learns_a_lapsed_lease_from_the_exit_file() {
 }
 
 #[tokio::test]
-async fn an_unreadable_record_is_skipped() {
+async fn an_unreadable_record_is_removed_unless_its_daemon_runs() {
     let state = state_dir();
     let p = provider(state.path(), Isolation::None);
-    let broken = state.path().join("sandboxes").join("broken");
+    let sandboxes = state.path().join("sandboxes");
+    // What a machine crash leaves of an unsynced record: its sandbox died with the machine.
+    let torn = sandboxes.join("torn");
+    std::fs::create_dir_all(torn.join("work")).unwrap();
+    std::fs::write(torn.join("record.json"), "").unwrap();
+    // Unreadable while a process it names runs (a record from elsewhere): kept, not listed.
+    let mut running = Command::new("sleep").arg("3004").spawn().unwrap();
+    let broken = sandboxes.join("broken");
     std::fs::create_dir_all(&broken).unwrap();
     std::fs::write(broken.join("record.json"), "{not json").unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", running.id())).unwrap();
+    let start_time = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(19).unwrap().to_string();
+    std::fs::write(broken.join("daemon.pid"), format!("{} {start_time}\n", running.id())).unwrap();
     assert!(p.list().await.unwrap().is_empty());
+    assert!(!torn.exists(), "a torn record of a dead sandbox is left behind");
+    assert!(broken.exists(), "an unreadable record whose daemon runs was removed");
     p.delete("broken").await.unwrap();
     assert!(!broken.exists());
+    // The delete killed what the record named.
+    assert!(running.wait().unwrap().code().is_none());
 }

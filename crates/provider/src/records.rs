@@ -126,13 +126,28 @@ pub fn last_paragraph(text: &str) -> Option<String> {
 /// renamed over it. Never creates the directory, so a write racing a delete cannot bring the
 /// sandbox back.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_renamed(path, bytes, mode, true)
+}
+
+/// [`write_atomic`] without the sync: whole or not at all for every process, but not made
+/// durable, for records that are worth nothing after the machine restarts (a process
+/// provider's sandboxes die with it). A file whose blocks a crash lost reads empty or torn;
+/// readers treat such a record as one never written. A sync costs a disk flush per file, and a
+/// create writes several.
+pub fn write_replacing(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_renamed(path, bytes, mode, false)
+}
+
+fn write_renamed(path: &Path, bytes: &[u8], mode: u32, sync: bool) -> io::Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = path.with_file_name(format!(".{name}.tmp"));
     let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
     // A temporary file left by a crash keeps its old mode; the mode matters (the token).
     f.set_permissions(std::fs::Permissions::from_mode(mode))?;
     f.write_all(bytes)?;
-    f.sync_all()?;
+    if sync {
+        f.sync_all()?;
+    }
     std::fs::rename(&tmp, path)
 }
 
@@ -204,14 +219,22 @@ mod tests {
 
     #[test]
     fn atomic_writes_set_the_mode_and_never_make_the_directory() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let path = dir.path().join("token");
-        write_atomic(&path, b"secret", 0o600).unwrap_or_else(|e| panic!("{e}"));
-        let meta = std::fs::metadata(&path).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
-        assert_eq!(std::fs::read(&path).ok().as_deref(), Some(&b"secret"[..]));
-        assert!(write_atomic(&dir.path().join("gone/token"), b"x", 0o600).is_err());
-        assert!(!dir.path().join("gone").exists());
+        for write in [write_atomic, write_replacing] {
+            let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+            let path = dir.path().join("token");
+            write(&path, b"secret", 0o600).unwrap_or_else(|e| panic!("{e}"));
+            let meta = std::fs::metadata(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+            assert_eq!(std::fs::read(&path).ok().as_deref(), Some(&b"secret"[..]));
+            // Replaced by a new file: a reader holding the old one reads it whole.
+            let held = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{e}"));
+            write(&path, b"other", 0o600).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(io::read_to_string(held).ok().as_deref(), Some("secret"));
+            assert_eq!(std::fs::read(&path).ok().as_deref(), Some(&b"other"[..]));
+            assert_eq!(std::fs::read_dir(dir.path()).map(|d| d.count()).ok(), Some(1), "a temporary file is left");
+            assert!(write(&dir.path().join("gone/token"), b"x", 0o600).is_err());
+            assert!(!dir.path().join("gone").exists());
+        }
     }
 
     #[test]
