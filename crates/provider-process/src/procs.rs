@@ -1,7 +1,7 @@
 //! Reading `/proc`: a process's start time (to tell a daemon from a later process that got its
 //! pid), whether it still runs, and killing a daemon's whole tree.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use crate::sys;
 
@@ -112,24 +112,30 @@ fn children_of(pid: i32) -> Vec<i32> {
         .collect()
 }
 
-/// Every descendant of `root` now in `/proc`.
+/// The children of every thread of `pid` (a child belongs to the thread that forked it, or that
+/// an orphan was handed to).
+fn children_of_all_threads(pid: i32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|text| text.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<i32>>())
+        .collect()
+}
+
+/// Every descendant of `root` now alive, walked down the `children` files: as many reads as the
+/// tree has processes, whatever else runs on the machine. A daemon is a child subreaper, so an
+/// orphan of its tree is handed to it and stays a descendant.
 fn descendants(root: i32) -> Vec<i32> {
-    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
-    if let Ok(dir) = std::fs::read_dir("/proc") {
-        for entry in dir.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-            if let Some(s) = parse_stat(&stat) {
-                children.entry(s.ppid).or_default().push(pid);
-            }
-        }
-    }
     let mut out = Vec::new();
+    let mut seen = HashSet::from([root]);
     let mut stack = vec![root];
     while let Some(p) = stack.pop() {
-        for &k in children.get(&p).map(Vec::as_slice).unwrap_or_default() {
-            out.push(k);
-            stack.push(k);
+        for k in children_of_all_threads(p) {
+            if seen.insert(k) {
+                out.push(k);
+                stack.push(k);
+            }
         }
     }
     out
@@ -138,7 +144,7 @@ fn descendants(root: i32) -> Vec<i32> {
 /// SIGKILLs `daemon`, its process group and every descendant. The tree is frozen first (SIGSTOP,
 /// rescanning until no new process appears) so that nothing forks away between the scan and the
 /// kill; a daemon that is not isolated starts each command in a process group of its own, so the
-/// group alone would miss them. Blocking: reads `/proc`.
+/// group alone would miss them. Blocking: reads the tree's `/proc` entries.
 pub fn kill_tree(daemon: ProcId) {
     if !daemon.is_running() {
         // Gone, or its pid now names someone else: signal nothing.
@@ -192,6 +198,59 @@ mod tests {
         assert!(me.is_running());
         assert!(!ProcId { start_time: me.start_time + 1, ..me }.is_running());
         assert_eq!(ProcId::parse(&me.to_line()), Some(me));
+    }
+
+    /// Every process whose parent chain reaches `root`, found the slow way: all of `/proc`.
+    fn descendants_by_scan(root: i32) -> HashSet<i32> {
+        let mut parent = std::collections::HashMap::new();
+        for entry in std::fs::read_dir("/proc").unwrap_or_else(|e| panic!("{e}")).flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+            if let Some(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|t| parse_stat(&t)) {
+                parent.insert(pid, s.ppid);
+            }
+        }
+        let reaches = |mut p: i32| loop {
+            match parent.get(&p) {
+                Some(&q) if q == root => return true,
+                Some(&q) if q > 1 && q != p => p = q,
+                _ => return false,
+            }
+        };
+        parent.keys().copied().filter(|&p| reaches(p)).collect()
+    }
+
+    #[test]
+    fn descendants_are_the_whole_tree_from_the_children_files() {
+        // Three levels, with a subshell's children handed around: sh → (sh → sleep, sleep), sleep.
+        let mut tree = std::process::Command::new("sh")
+            .args(["-c", "(sleep 3001 & sleep 3002 & wait) & sleep 3003 & echo started; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(tree.stdout.take().unwrap_or_else(|| panic!("no stdout"))),
+            &mut line,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let root = tree.id() as i32;
+        // Until all four are forked (the subshell forks its two a moment later).
+        let mut found: HashSet<i32> = HashSet::new();
+        for _ in 0..500 {
+            found = descendants(root).into_iter().collect();
+            if found.len() >= 4 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let expected = descendants_by_scan(root);
+        let _ = sys::kill(root, sys::SIGKILL, false);
+        for pid in &expected {
+            let _ = sys::kill(*pid, sys::SIGKILL, false);
+        }
+        let _ = tree.wait();
+        assert_eq!(found.len(), 4, "{found:?}");
+        assert_eq!(found, expected);
     }
 
     #[test]
