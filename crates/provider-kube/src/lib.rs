@@ -496,7 +496,7 @@ impl Provider for KubeProvider {
     }
 
     /// Yes, unless told to trust pod addresses (tests on a mocked API server): each create
-    /// proves the daemon at its pod's address while watching the pod ([`KubeProvider::verify_daemon`]).
+    /// proves the daemon at its pod's address while it follows the pod on the watch.
     fn proves_daemon(&self) -> bool {
         self.identity == IdentityCheck::Challenge
     }
