@@ -1,96 +1,29 @@
-//! Tells a sandbox's own daemon from another answering at its address. A pod's IP is reused once
-//! the pod is gone, and a watch can be behind, so before a create hands out `ip:port` the
-//! provider asks the daemon there to prove the sandbox's token: `GET /v1/health?challenge=<fresh
-//! random>` must answer `proof` = HMAC-SHA256(token, challenge). The token itself is never sent,
-//! so a stranger learns nothing it could use. Start at [`prove`].
-
-use std::time::Duration;
+//! The transport of the identity check of a sandbox's daemon at its pod's address: a pod's IP
+//! is reused once the pod is gone, and a watch can be behind, so before a create hands out
+//! `ip:port` it has the daemon there prove the sandbox's token ([`sandman_provider::identity`],
+//! the same check the server makes for other providers), over a plain HTTP/1.1 connection to
+//! the pod. Start at [`prove`].
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::rt::TokioIo;
-use ring::rand::{SecureRandom, SystemRandom};
-use sandman_wire::daemon::{Health, health_proof_input};
+use sandman_provider::identity::{self, Unproven};
+use sandman_wire::daemon::Health;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-/// How long one health call may take before it is tried again.
-const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest health answer read.
 const MAX_ANSWER: usize = 16 * 1024;
-/// Bytes of randomness in a challenge (sent as hex).
-const CHALLENGE_BYTES: usize = 16;
 
-/// Why the daemon at a pod's address was not taken for the sandbox's own.
-#[derive(Debug, thiserror::Error)]
-pub enum IdentityError {
-    /// A daemon answered, with a proof made with another token: it serves another sandbox.
-    #[error(
-        "the daemon at {addr} answered for another sandbox (its health proof was not made with this sandbox's token)"
-    )]
-    Stranger { addr: String },
-    /// A daemon answered without a proof: one too old to give it, so it cannot be told apart.
-    #[error(
-        "the daemon at {addr} (version {version}) gave no health proof, so it cannot be told from another sandbox's: the daemon image is older than this server"
-    )]
-    NoProof { addr: String, version: String },
-    /// No daemon answered before the deadline.
-    #[error("no daemon answered its health check at {addr}: {last}")]
-    Unreachable { addr: String, last: String },
-    /// No randomness for the challenge.
-    #[error("cannot draw a random challenge")]
-    Random,
-}
-
-/// Asks the daemon at `addr` to prove `token`, trying again (backing off from 10 ms to 200 ms)
-/// while nothing answers, until `deadline`. Any answer with a proof decides at once.
-pub async fn prove(addr: &str, token: &str, deadline: Instant) -> Result<(), IdentityError> {
-    let challenge = challenge()?;
-    let mut pause = Duration::from_millis(10);
-    loop {
-        let last = match tokio::time::timeout(CALL_TIMEOUT, health(addr, &challenge)).await {
-            Ok(Ok(answer)) => return check(addr, token, &challenge, &answer),
-            Ok(Err(why)) => why,
-            Err(_) => format!("no answer within {} s", CALL_TIMEOUT.as_secs()),
-        };
-        if Instant::now() + pause > deadline {
-            return Err(IdentityError::Unreachable { addr: addr.to_string(), last });
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(200));
-    }
-}
-
-/// Whether `answer` proves `token` for `challenge`; the comparison takes the same time wherever
-/// the proof differs.
-pub fn check(addr: &str, token: &str, challenge: &str, answer: &Health) -> Result<(), IdentityError> {
-    let Some(proof) = answer.proof.as_deref() else {
-        return Err(IdentityError::NoProof { addr: addr.to_string(), version: answer.version.clone() });
-    };
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-    match hex_decode(proof) {
-        Some(tag) if ring::hmac::verify(&key, &health_proof_input(challenge), &tag).is_ok() => Ok(()),
-        _ => Err(IdentityError::Stranger { addr: addr.to_string() }),
-    }
-}
-
-/// A fresh random challenge, as hex.
-fn challenge() -> Result<String, IdentityError> {
-    let mut bytes = [0u8; CHALLENGE_BYTES];
-    SystemRandom::new().fill(&mut bytes).map_err(|_| IdentityError::Random)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
-}
-
-fn hex_decode(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len() / 2).map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()).collect()
+/// Has the daemon at `addr` prove `token` ([`identity::prove`]), trying again while nothing
+/// answers, until `deadline`. Any answer decides at once.
+pub async fn prove(addr: &str, token: &str, deadline: Instant) -> Result<(), Unproven> {
+    identity::prove(token, deadline, |challenge| health(addr, challenge)).await
 }
 
 /// One `GET /v1/health?challenge=` on a connection of its own; any answer but a 200 with a
 /// health body is an error (the caller tries again).
-async fn health(addr: &str, challenge: &str) -> Result<Health, String> {
+async fn health(addr: &str, challenge: String) -> Result<Health, String> {
     let stream = TcpStream::connect(addr).await.map_err(|e| format!("cannot connect: {e}"))?;
     let _ = stream.set_nodelay(true);
     let (mut sender, conn) =
@@ -119,97 +52,39 @@ async fn health(addr: &str, challenge: &str) -> Result<Health, String> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use std::time::Duration;
+
+    use sandman_testkit::standin::StandIn;
     use tokio::net::TcpListener;
 
-    /// A daemon stand-in holding `token` (or none: an old daemon without proofs) at a loopback
-    /// address: it answers each health call with the proof its token makes.
-    async fn daemon(token: Option<&'static str>) -> (String, tokio::task::JoinHandle<()>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let task = tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                let mut buf = vec![0u8; 4096];
-                let mut len = 0;
-                while !buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf[len..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => len += n,
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..len]).to_string();
-                let challenge = head.split("challenge=").nth(1).and_then(|r| r.split(' ').next()).unwrap_or("");
-                let mut answer = serde_json::json!({"status": "ok", "version": "0.0.1"});
-                if let Some(t) = token {
-                    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, t.as_bytes());
-                    let tag = ring::hmac::sign(&key, &health_proof_input(challenge));
-                    answer["proof"] = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect::<String>().into();
-                }
-                let body = answer.to_string();
-                let reply = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = stream.write_all(reply.as_bytes()).await;
-            }
-        });
-        (addr, task)
-    }
+    use super::*;
 
     fn soon() -> Instant {
         Instant::now() + Duration::from_secs(30)
     }
 
+    /// One health call decides, and it never carries the token.
     #[tokio::test]
-    async fn the_sandboxs_own_daemon_proves_its_token() {
-        let (addr, _d) = daemon(Some("token-ours")).await;
+    async fn the_sandboxs_own_daemon_proves_its_token_in_one_call_without_it() {
+        let (daemon, addr) = StandIn::tcp(Some("token-ours")).await;
         prove(&addr, "token-ours", soon()).await.unwrap();
+        assert_eq!((daemon.health_calls(), daemon.calls_with_a_token()), (1, 0));
     }
 
     #[tokio::test]
     async fn a_reused_pod_ip_answered_by_another_sandboxs_daemon_is_not_taken_for_ours() {
-        let (addr, _d) = daemon(Some("token-theirs")).await;
-        match prove(&addr, "token-ours", soon()).await {
-            Err(IdentityError::Stranger { addr: a }) => assert_eq!(a, addr),
-            other => panic!("a stranger's daemon was taken for ours: {other:?}"),
-        }
-    }
-
-    #[tokio::test]
-    async fn a_daemon_without_proofs_is_refused_naming_its_version() {
-        let (addr, _d) = daemon(None).await;
+        let (_daemon, addr) = StandIn::tcp(Some("token-theirs")).await;
+        assert_eq!(prove(&addr, "token-ours", soon()).await, Err(Unproven::Stranger));
+        let (_old, addr) = StandIn::tcp(None).await;
         let err = prove(&addr, "token-ours", soon()).await.unwrap_err();
-        assert!(matches!(err, IdentityError::NoProof { ref version, .. } if version == "0.0.1"), "{err:?}");
-        assert!(err.to_string().contains("older than this server"), "{err}");
-    }
-
-    #[test]
-    fn a_proof_for_another_challenge_or_malformed_is_refused() {
-        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"tok");
-        let proof = |c: &str| -> String {
-            ring::hmac::sign(&key, &health_proof_input(c)).as_ref().iter().map(|b| format!("{b:02x}")).collect()
-        };
-        let answer = |p: &str| Health { status: "ok".into(), version: "v".into(), proof: Some(p.into()) };
-        assert!(check("a", "tok", "c1", &answer(&proof("c1"))).is_ok());
-        // Replayed from another challenge, cut short, not hex, empty.
-        for bad in [proof("c0"), proof("c1")[..62].to_string(), "zz".repeat(32), String::new()] {
-            assert!(matches!(check("a", "tok", "c1", &answer(&bad)), Err(IdentityError::Stranger { .. })), "{bad}");
-        }
-    }
-
-    #[test]
-    fn challenges_are_fresh() {
-        let (a, b) = (challenge().unwrap(), challenge().unwrap());
-        assert_eq!(a.len(), 2 * CHALLENGE_BYTES);
-        assert_ne!(a, b);
+        assert!(matches!(err, Unproven::NoProof { ref version } if version == "0.0.1"), "{err:?}");
     }
 
     #[tokio::test]
-    async fn nothing_listening_until_the_deadline_is_unreachable() {
+    async fn nothing_listening_until_the_deadline_is_silence() {
         // A port just freed: nothing listens there.
         let addr = TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().to_string();
         let err = prove(&addr, "t", Instant::now() + Duration::from_millis(50)).await.unwrap_err();
-        assert!(matches!(err, IdentityError::Unreachable { .. }), "{err:?}");
+        assert!(matches!(err, Unproven::Silent { ref last } if last.contains("cannot connect")), "{err:?}");
     }
 }

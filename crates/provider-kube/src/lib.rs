@@ -404,6 +404,7 @@ impl KubeProvider {
 impl KubeProvider {
     /// Makes sure the daemon at `addr` is the sandbox's own ([`identity::prove`]), while the
     /// watch still shows its pod running: a pod that ends meanwhile fails the create with why.
+    /// This is why the provider, not the server, proves its daemons ([`Provider::proves_daemon`]).
     async fn verify_daemon(
         &self,
         spec: &SandboxSpec,
@@ -430,12 +431,8 @@ impl KubeProvider {
         };
         tokio::select! {
             proved = proved => proved.map_err(|e| {
-                let reason = match e {
-                    identity::IdentityError::Unreachable { .. } => Reason::ReadyTimeout,
-                    _ => Reason::DaemonStartFailed,
-                };
-                tracing::warn!(sandbox = %spec.id, err = %e, "the daemon at the pod's address is not the sandbox's");
-                ProviderError::Failed { reason, message: e.to_string() }
+                tracing::warn!(sandbox = %spec.id, err = %e, addr, "the daemon at the pod's address is not the sandbox's");
+                ProviderError::Failed { reason: e.reason(), message: format!("{e} (at {addr})") }
             }),
             e = ended => Err(e),
         }
@@ -496,6 +493,12 @@ impl Provider for KubeProvider {
 
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
         pod::check(spec, &self.config)
+    }
+
+    /// Yes, unless told to trust pod addresses (tests on a mocked API server): each create
+    /// proves the daemon at its pod's address while it follows the pod on the watch.
+    fn proves_daemon(&self) -> bool {
+        self.identity == IdentityCheck::Challenge
     }
 
     /// Creates the pod (and its token Secret), then waits, on the shared watch, until it runs

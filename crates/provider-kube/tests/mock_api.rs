@@ -17,6 +17,7 @@ use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
 use sandman_provider_kube::pod::build_pod;
 use sandman_provider_kube::{IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
+use sandman_testkit::standin::StandIn;
 use sandman_wire::server::Reason;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -221,13 +222,15 @@ async fn failures_in_the_pod_status_fail_the_create_at_once_and_remove_the_pod()
 
 /// Creates `sbx-0001` whose pod runs at 127.0.0.1, where a daemon stand-in holding `token`
 /// answers; the provider checks identities.
-async fn create_at_a_daemon_holding(token: &str) -> (Result<Endpoint, ProviderError>, String, common::Mock) {
-    let (daemon, _stub) = common::daemon_stub(token.to_string()).await;
+async fn create_at_a_daemon_holding(token: &str) -> (Result<Endpoint, ProviderError>, StandIn, String, common::Mock) {
+    let (standin, daemon) = StandIn::tcp(Some(token)).await;
+    let port = daemon.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap();
     let watches = Arc::new(Mutex::new(Watches::default()));
     let feed = watches.lock().unwrap().push();
     let (client, mock) = scripted(watches);
-    let config = KubeConfig { daemon_port: daemon.port(), ..config() };
+    let config = KubeConfig { daemon_port: port, ..config() };
     let p = KubeProvider::new(client, config).unwrap();
+    assert!(p.proves_daemon(), "a provider checking identities must say so, or the server checks again");
     let s = spec("sbx-0001", "busybox:local");
     let mut running = json("pod-running-ready.json");
     running["status"]["podIP"] = "127.0.0.1".into();
@@ -237,19 +240,28 @@ async fn create_at_a_daemon_holding(token: &str) -> (Result<Endpoint, ProviderEr
         feed.send(event("MODIFIED", &running)).await.unwrap();
     };
     let (result, ()) = tokio::join!(tokio::time::timeout(Duration::from_secs(30), p.create(&s)), feeder);
-    (result.unwrap_or_else(|_| panic!("the create did not end within 30 s")), daemon.to_string(), mock)
+    (result.unwrap_or_else(|_| panic!("the create did not end within 30 s")), standin, daemon, mock)
 }
 
+/// A provider that trusts pod addresses has proven nothing: the server must check the daemon.
+#[tokio::test]
+async fn a_provider_trusting_pod_addresses_leaves_the_daemons_proof_to_the_server() {
+    let (client, _mock) = scripted(Arc::new(Mutex::new(Watches::default())));
+    assert!(!provider(client).proves_daemon());
+}
+
+/// One health round trip proves the daemon, and the token is never sent with it.
 #[tokio::test]
 async fn a_create_hands_out_its_address_once_the_daemon_there_proves_the_sandboxs_token() {
-    let (result, daemon, mock) = create_at_a_daemon_holding("token-sbx-0001").await;
+    let (result, standin, daemon, mock) = create_at_a_daemon_holding("token-sbx-0001").await;
     assert_eq!(result.unwrap(), Endpoint::Tcp(daemon));
+    assert_eq!((standin.health_calls(), standin.calls_with_a_token()), (1, 0));
     assert!(!mock.seen().iter().any(|r| r.method == "DELETE"), "the pod of a good create was deleted");
 }
 
 #[tokio::test]
 async fn a_reused_pod_ip_answered_by_another_sandboxs_daemon_fails_the_create_and_removes_the_pod() {
-    let (result, daemon, mock) = create_at_a_daemon_holding("token-of-another-sandbox").await;
+    let (result, _standin, daemon, mock) = create_at_a_daemon_holding("token-of-another-sandbox").await;
     match result {
         Err(ProviderError::Failed { reason: Reason::DaemonStartFailed, message }) => {
             assert!(message.contains(&daemon) && message.contains("another sandbox"), "{message}")

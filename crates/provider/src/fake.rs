@@ -2,6 +2,7 @@
 //! creates fail and sandboxes die; the server's and the conformance suite's tests run on it.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use sandman_wire::server::{Applied, Reason};
@@ -39,6 +40,8 @@ pub struct FakeProvider {
     elsewhere: Mutex<(usize, Vec<String>)>,
     /// How long a create takes.
     create_delay: Mutex<std::time::Duration>,
+    /// What [`Provider::proves_daemon`] answers (see [`FakeProvider::set_proves_daemon`]).
+    proves_daemon: AtomicBool,
 }
 
 /// Where the fake's sandboxes answer.
@@ -86,7 +89,15 @@ impl FakeProvider {
             nodes: Mutex::new((1, std::time::Duration::ZERO)),
             elsewhere: Mutex::default(),
             create_delay: Mutex::default(),
+            proves_daemon: AtomicBool::new(false),
         }
+    }
+
+    /// Makes the fake say that its creates prove the daemon ([`Provider::proves_daemon`]), as
+    /// the Kubernetes provider's do. The fake itself asks the daemon nothing: a test sees that
+    /// the server does not ask either.
+    pub fn set_proves_daemon(&self, proves: bool) {
+        self.proves_daemon.store(proves, Ordering::Relaxed);
     }
 
     /// Makes creates of `image` fail as a failed pull would.
@@ -177,6 +188,10 @@ impl Provider for FakeProvider {
         let record = Record { spec: spec.clone(), endpoint: endpoint.clone(), ended: None, claim: None };
         self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
         Ok(endpoint)
+    }
+
+    fn proves_daemon(&self) -> bool {
+        self.proves_daemon.load(Ordering::Relaxed)
     }
 
     async fn delete(&self, id: &str) -> Result<(), ProviderError> {

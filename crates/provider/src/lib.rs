@@ -2,7 +2,8 @@
 //! observe); [`SandboxSpec`] is what the server asks for and what the backend keeps as the state
 //! of record, so that a restarted server finds every sandbox again. [`fake::FakeProvider`] lives
 //! beside it, and [`conformance`] checks any provider against the same expectations; [`records`]
-//! is how providers keep a sandbox's records in the server's state directory.
+//! is how providers keep a sandbox's records in the server's state directory; [`identity`] is
+//! how a create makes sure the daemon at its endpoint is the sandbox's own.
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
@@ -16,6 +17,7 @@ use tokio::sync::mpsc;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod fake;
+pub mod identity;
 pub mod records;
 
 /// Everything a provider needs to make a sandbox, and everything the server needs back after a
@@ -251,8 +253,20 @@ pub trait Provider: Send + Sync {
     }
 
     /// Makes the sandbox and starts its daemon; answers with where the daemon will listen. The
-    /// server then waits for the daemon's health, so this need not.
+    /// server then waits for the daemon to answer and prove the sandbox's token
+    /// ([`identity::prove`]), unless the provider did so itself ([`Provider::proves_daemon`]).
     fn create(&self, spec: &SandboxSpec) -> impl Future<Output = Result<Endpoint, ProviderError>> + Send;
+
+    /// Whether [`Provider::create`] answers only once the daemon at the endpoint has proven the
+    /// sandbox's token ([`identity::prove`]), failing the create otherwise (with
+    /// [`identity::Unproven::reason`]). The server then takes the daemon as healthy and the
+    /// sandbox's own and does not ask again: one health round trip per create. A provider does
+    /// it itself where it can do better than the server alone (Kubernetes: the pod's watch is
+    /// followed meanwhile, so a pod that ends fails the create with its reason). The default is
+    /// no: the server proves the daemon after every create.
+    fn proves_daemon(&self) -> bool {
+        false
+    }
 
     /// Removes the sandbox and everything it holds. Deleting one that is gone already is fine.
     fn delete(&self, id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;

@@ -14,7 +14,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandman_provider::Endpoint;
-use sandman_wire::daemon::{Health, health_proof_input};
+use sandman_provider::identity::{self, Unproven};
+use sandman_wire::daemon::Health;
 use tokio::net::{TcpStream, UnixStream};
 
 /// A connection to a daemon, over either transport, counted while it is open.
@@ -260,47 +261,25 @@ pub async fn call_json<B: serde::Serialize, T: serde::de::DeserializeOwned>(
     serde_json::from_slice(&bytes).map_err(|e| format!("cannot decode the daemon's answer: {e}"))
 }
 
-/// Why a daemon was not found healthy.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Unhealthy {
-    /// Nothing answered a health check in time; the last failure as text.
-    Silent(String),
-    /// What answered at the sandbox's address could not prove the sandbox's token: another
-    /// sandbox's daemon (a reused address), or a daemon too old to answer a challenge.
-    Stranger(String),
-}
-
-/// Waits until the daemon answers its health check, backing off from 5 ms to 100 ms, and has it
-/// prove that it holds `token` (`GET /v1/health?challenge=`, answered with an HMAC of the
-/// challenge keyed with the token). The token is not sent: whatever answers at a reused address
-/// learns nothing from the check, and is never taken for the sandbox's daemon.
+/// Waits until the daemon at `endpoint` answers its health check and proves that it holds
+/// `token`, for at most `limit` ([`identity::prove`]: `GET /v1/health?challenge=`, answered with
+/// an HMAC of the challenge keyed with the token). The token is not sent: whatever answers at a
+/// reused address learns nothing from the check, and is never taken for the sandbox's daemon.
 pub async fn wait_healthy(
     client: &DaemonClient,
     endpoint: &Endpoint,
     token: &str,
     limit: Duration,
-) -> Result<(), Unhealthy> {
-    let challenge = crate::sys::random_hex();
-    let path = format!("/v1/health?challenge={challenge}");
+) -> Result<(), Unproven> {
     let deadline = tokio::time::Instant::now() + limit;
-    let mut pause = Duration::from_millis(5);
-    loop {
-        let last = match health(client, endpoint, &path).await {
-            Ok(answer) => return proven(token, &challenge, &answer),
-            Err(e) => e,
-        };
-        if tokio::time::Instant::now() + pause > deadline {
-            return Err(Unhealthy::Silent(last));
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(100));
-    }
+    identity::prove(token, deadline, |challenge| health(client, endpoint, format!("/v1/health?challenge={challenge}")))
+        .await
 }
 
 /// One unauthenticated health call; any answer but a 200 with a health body is an error.
-async fn health(client: &DaemonClient, endpoint: &Endpoint, path: &str) -> Result<Health, String> {
+async fn health(client: &DaemonClient, endpoint: &Endpoint, path: String) -> Result<Health, String> {
     use http_body_util::BodyExt;
-    let req = http::Request::get(uri(endpoint, path).map_err(|e| e.to_string())?)
+    let req = http::Request::get(uri(endpoint, &path).map_err(|e| e.to_string())?)
         .body(Body::empty())
         .map_err(|e| e.to_string())?;
     let resp = client.request(req).await.map_err(|e| e.to_string())?;
@@ -314,24 +293,6 @@ async fn health(client: &DaemonClient, endpoint: &Endpoint, path: &str) -> Resul
         .map_err(|e| format!("reading the health answer: {e}"))?
         .to_bytes();
     serde_json::from_slice(&bytes).map_err(|e| format!("not a health answer: {e}"))
-}
-
-/// Whether `answer` proves `token` for `challenge` (compared in the same time wherever it differs).
-fn proven(token: &str, challenge: &str, answer: &Health) -> Result<(), Unhealthy> {
-    let Some(proof) = answer.proof.as_deref() else {
-        return Err(Unhealthy::Stranger(format!(
-            "the daemon answering (version {}) gave no proof of the sandbox's token: it is older than this server \
-             or not the sandbox's",
-            answer.version
-        )));
-    };
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-    match hex::decode(proof) {
-        Ok(tag) if ring::hmac::verify(&key, &health_proof_input(challenge), &tag).is_ok() => Ok(()),
-        _ => Err(Unhealthy::Stranger(
-            "the daemon answering at the sandbox's address does not hold its token (another sandbox's daemon?)".into(),
-        )),
-    }
 }
 
 #[cfg(test)]
@@ -435,38 +396,28 @@ mod tests {
     }
 
     /// The daemon at the address must prove the token, which is never sent: a right proof is
-    /// healthy, a wrong one or none is a stranger at once, and silence is reported at the limit.
+    /// healthy, a wrong one or none is refused at once, and silence is reported at the limit.
     #[tokio::test]
     async fn a_daemon_is_healthy_only_once_it_proves_the_token() {
+        use sandman_testkit::standin::StandIn;
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let client = client_keeping(Connector::new(16));
-        let fake = |name: &str, key: &'static str, proof: bool| {
+        let at = |name: &str, token: Option<&str>| {
             let socket = dir.path().join(name);
-            let listener = tokio::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
-            serve(listener, Arc::default(), move |req: http::Request<hyper::body::Incoming>| {
-                assert!(req.headers().get(http::header::AUTHORIZATION).is_none(), "the token was sent");
-                let challenge = req.uri().query().and_then(|q| q.strip_prefix("challenge=")).unwrap_or_default();
-                let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key.as_bytes());
-                let tag = hex::encode(ring::hmac::sign(&key, &health_proof_input(challenge)));
-                let health = Health { status: "ok".into(), version: "0.1.0".into(), proof: proof.then_some(tag) };
-                async move { http::Response::new(Body::from(serde_json::to_vec(&health).unwrap_or_default())) }
-            });
-            Endpoint::Unix(socket)
+            (StandIn::unix(&socket, token), Endpoint::Unix(socket))
         };
-        let (ours, stranger, mute) =
-            (fake("ours", "tok-a", true), fake("stranger", "tok-b", true), fake("old", "tok-a", false));
+        let (ours, stranger, old) = (at("ours", Some("tok-a")), at("stranger", Some("tok-b")), at("old", None));
         let limit = Duration::from_secs(30);
-        assert_eq!(wait_healthy(&client, &ours, "tok-a", limit).await, Ok(()));
-        let Err(Unhealthy::Stranger(msg)) = wait_healthy(&client, &stranger, "tok-a", limit).await else {
-            panic!("another sandbox's daemon was taken for this one's")
-        };
-        assert!(msg.contains("does not hold its token"), "{msg}");
-        let Err(Unhealthy::Stranger(msg)) = wait_healthy(&client, &mute, "tok-a", limit).await else {
+        assert_eq!(wait_healthy(&client, &ours.1, "tok-a", limit).await, Ok(()));
+        assert_eq!(wait_healthy(&client, &stranger.1, "tok-a", limit).await, Err(Unproven::Stranger));
+        let Err(Unproven::NoProof { .. }) = wait_healthy(&client, &old.1, "tok-a", limit).await else {
             panic!("a daemon without a proof was taken for the sandbox's")
         };
-        assert!(msg.contains("no proof"), "{msg}");
+        for (standin, _) in [&ours, &stranger, &old] {
+            assert_eq!((standin.health_calls(), standin.calls_with_a_token()), (1, 0), "one call, no token sent");
+        }
         let nobody = Endpoint::Unix(dir.path().join("nobody"));
-        let Err(Unhealthy::Silent(last)) = wait_healthy(&client, &nobody, "tok-a", Duration::from_millis(50)).await
+        let Err(Unproven::Silent { last }) = wait_healthy(&client, &nobody, "tok-a", Duration::from_millis(50)).await
         else {
             panic!("nothing listening was found healthy")
         };

@@ -60,6 +60,15 @@ impl Provider for AnyProvider {
         }
     }
 
+    fn proves_daemon(&self) -> bool {
+        match self {
+            AnyProvider::Process(p) => p.proves_daemon(),
+            AnyProvider::Docker(p) => p.proves_daemon(),
+            AnyProvider::Kube(p) => p.proves_daemon(),
+            AnyProvider::Fake(p) => p.proves_daemon(),
+        }
+    }
+
     async fn delete(&self, id: &str) -> Result<(), ProviderError> {
         match self {
             AnyProvider::Process(p) => p.delete(id).await,

@@ -3,11 +3,13 @@
 //! the test ends, and prints that file when the test fails; [`wait_healthy`] waits for an HTTP
 //! health check on a TCP address or Unix socket with a deadline; [`eventually`] polls a
 //! condition; [`scratch!`] is scratch space outside `/tmp`; [`http`] is a small client for what
-//! the tests start, [`docker`] the Docker fixtures.
+//! the tests start, [`docker`] the Docker fixtures, [`standin::StandIn`] a daemon's stand-in
+//! that proves a token to health checks and counts them.
 //! Start at [`Spawned::spawn`].
 
 pub mod docker;
 pub mod http;
+pub mod standin;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};

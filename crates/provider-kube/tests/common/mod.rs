@@ -752,36 +752,3 @@ pub fn kubeconfig(dir: &std::path::Path, addr: std::net::SocketAddr) -> std::pat
     std::fs::write(&path, text).unwrap();
     path
 }
-
-/// A daemon stand-in on 127.0.0.1 holding `token`: it answers every `GET /v1/health?challenge=`
-/// with the proof that token makes (`sandman_wire::daemon::Health::proof`). Stops on drop of the
-/// handle's task.
-pub async fn daemon_stub(token: String) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let mut buf = vec![0u8; 4096];
-            let mut len = 0;
-            while !buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                match stream.read(&mut buf[len..]).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => len += n,
-                }
-            }
-            let head = String::from_utf8_lossy(&buf[..len]).to_string();
-            let challenge = head.split("challenge=").nth(1).and_then(|r| r.split(' ').next()).unwrap_or("");
-            let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-            let tag = ring::hmac::sign(&key, &sandman_wire::daemon::health_proof_input(challenge));
-            let proof: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
-            let body = serde_json::json!({"status": "ok", "version": "0.1.0", "proof": proof}).to_string();
-            let reply = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(reply.as_bytes()).await;
-        }
-    });
-    (addr, task)
-}

@@ -91,9 +91,9 @@ mod tests {
     use std::path::Path;
     use std::sync::Arc;
 
-    use axum::routing::get;
     use sandman_provider::Endpoint;
     use sandman_provider::fake::FakeProvider;
+    use sandman_testkit::standin::StandIn;
     use sandman_wire::daemon::Observed;
     use sandman_wire::server::{Applied, Profile};
     use serde_json::Value;
@@ -101,27 +101,19 @@ mod tests {
     use crate::provider::AnyProvider;
     use crate::service::{Service, Settings};
 
-    /// The service over the fake provider, whose every sandbox's daemon is an in-process
-    /// stand-in holding the sandbox's token: it proves it to the health check and answers
-    /// `GET /v1/conditions` with `observed`.
+    /// The service over the fake provider, whose every sandbox's daemon is a stand-in holding
+    /// the sandbox's token: it proves it to the health check and answers `GET /v1/conditions`
+    /// with `observed`.
     async fn with_daemon(dir: &Path, applied: Applied, observed: Observed) -> Arc<Service> {
         let sockets = dir.to_path_buf();
+        let observed = serde_json::to_value(observed).unwrap_or_else(|e| panic!("{e}"));
+        // The stand-ins live as long as the service's provider.
+        let standins = std::sync::Mutex::new(Vec::new());
         let fake = FakeProvider::each_at(move |spec| {
             let socket = sockets.join(format!("{}.sock", spec.id));
-            let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap_or_else(|e| panic!("{e}"));
-            listener.set_nonblocking(true).unwrap_or_else(|e| panic!("{e}"));
-            let listener = tokio::net::UnixListener::from_std(listener).unwrap_or_else(|e| panic!("{e}"));
-            let (token, observed) = (spec.token.clone(), observed.clone());
-            let health = move |q: axum::extract::Query<sandman_wire::daemon::HealthQuery>| async move {
-                let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-                let input = sandman_wire::daemon::health_proof_input(q.challenge.as_deref().unwrap_or_default());
-                let proof = hex::encode(ring::hmac::sign(&key, &input));
-                axum::Json(serde_json::json!({"status": "ok", "version": "test", "proof": proof}))
-            };
-            let app = axum::Router::new()
-                .route("/v1/health", get(health))
-                .route("/v1/conditions", get(move || async move { axum::Json(observed) }));
-            tokio::spawn(async move { axum::serve(listener, app).await });
+            let standin = StandIn::unix(&socket, Some(&spec.token));
+            standin.answer("/v1/conditions", observed.clone());
+            standins.lock().unwrap_or_else(|e| panic!("{e}")).push(standin);
             Endpoint::Unix(socket)
         });
         fake.set_applied(applied);

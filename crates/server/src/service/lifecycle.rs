@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use sandman_provider::identity::Unproven;
 use sandman_provider::{Endpoint, Provider};
 use sandman_wire::daemon::{ExecRequest, ExecResult, Info, Usage};
 use sandman_wire::server::{CreateSandbox, Profile, Reason, Sandbox as WireSandbox, SandboxState, UsageRecord};
@@ -265,20 +266,18 @@ impl Service {
             let _ = self.provider.delete(sb.id()).await;
             return;
         }
-        if self.settings.daemons == Daemons::Real {
+        // A provider that proved the daemon in its create is not asked twice.
+        if self.settings.daemons == Daemons::Real && !self.provider.proves_daemon() {
             let limit = self.settings.ready_timeout.saturating_sub(started.elapsed());
-            match daemon::wait_healthy(&self.daemons, &endpoint, &sb.spec.token, limit).await {
-                Ok(()) => {}
-                Err(daemon::Unhealthy::Silent(last)) => {
-                    let secs = self.settings.ready_timeout.as_secs();
-                    self.fail(&sb, Reason::ReadyTimeout, format!("the daemon did not answer within {secs} s: {last}"))
-                        .await;
-                    return;
-                }
-                Err(daemon::Unhealthy::Stranger(msg)) => {
-                    self.fail(&sb, Reason::DaemonStartFailed, msg).await;
-                    return;
-                }
+            if let Err(e) = daemon::wait_healthy(&self.daemons, &endpoint, &sb.spec.token, limit).await {
+                let message = match &e {
+                    Unproven::Silent { last } => {
+                        format!("the daemon did not answer within {} s: {last}", self.settings.ready_timeout.as_secs())
+                    }
+                    _ => e.to_string(),
+                };
+                self.fail(&sb, e.reason(), message).await;
+                return;
             }
         }
         if let Err(msg) = self.run_setup(&sb, &endpoint, &sb.setup).await {

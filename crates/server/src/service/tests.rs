@@ -12,6 +12,7 @@ use sandman_wire::server::{
 use super::*;
 use crate::pool::{Claim, POOL_LABEL};
 use crate::sandbox::{Timers, now_ms};
+use sandman_testkit::standin::StandIn;
 
 fn settings(dir: &std::path::Path) -> Settings {
     Settings {
@@ -792,4 +793,68 @@ async fn a_pulls_progress_is_an_event_of_its_create_tagged_with_the_idempotency_
     // Another create's events are not tagged: the filter leaves them out.
     s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(s.events.list(&filter, 0).len(), 2);
+}
+
+/// A service over the fake whose every sandbox's daemon is a stand-in at a socket of its own,
+/// holding the sandbox's token (or, for a `stranger`, another one); the stand-ins stay in the
+/// list answered, to be asked how often they were called.
+fn with_standins(
+    dir: &std::path::Path,
+    proves_daemon: bool,
+    stranger: bool,
+) -> (Arc<Service>, Arc<std::sync::Mutex<Vec<StandIn>>>) {
+    let standins = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (kept, sockets) = (standins.clone(), dir.to_path_buf());
+    let fake = FakeProvider::each_at(move |spec| {
+        let socket = sockets.join(format!("{}.sock", spec.id));
+        let token = if stranger { format!("not-{}", spec.token) } else { spec.token.clone() };
+        kept.lock().unwrap_or_else(|e| panic!("{e}")).push(StandIn::unix(&socket, Some(&token)));
+        Endpoint::Unix(socket)
+    });
+    fake.set_proves_daemon(proves_daemon);
+    let state = dir.join("state");
+    std::fs::create_dir_all(&state).unwrap_or_else(|e| panic!("{e}"));
+    let s = Service::new(settings(&state), AnyProvider::Fake(fake), "t".into());
+    s.start_background();
+    (s, standins)
+}
+
+/// The health calls each stand-in has answered, in create order.
+fn health_calls(standins: &std::sync::Mutex<Vec<StandIn>>) -> Vec<usize> {
+    standins.lock().unwrap_or_else(|e| panic!("{e}")).iter().map(StandIn::health_calls).collect()
+}
+
+#[tokio::test]
+async fn a_daemon_the_provider_proved_in_its_create_is_not_proven_again() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (s, standins) = with_standins(dir.path(), true, false);
+    for _ in 0..3 {
+        let sb = s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sb.state, SandboxState::Ready);
+    }
+    assert_eq!(health_calls(&standins), [0, 0, 0], "the server checked a daemon its provider had proven");
+}
+
+#[tokio::test]
+async fn a_daemon_the_provider_did_not_prove_is_proven_by_the_server_once() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (s, standins) = with_standins(dir.path(), false, false);
+    for _ in 0..3 {
+        let sb = s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(sb.state, SandboxState::Ready);
+    }
+    assert_eq!(health_calls(&standins), [1, 1, 1]);
+}
+
+#[tokio::test]
+async fn a_stranger_at_the_address_of_a_provider_that_did_not_prove_fails_the_create() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (s, standins) = with_standins(dir.path(), false, true);
+    match s.create(create_req(None, true)).await {
+        Err(ServerError::Failed { reason: Reason::DaemonStartFailed, message, .. }) => {
+            assert!(message.contains("another sandbox"), "{message}")
+        }
+        other => panic!("another sandbox's daemon was taken for this one's: {other:?}"),
+    }
+    assert_eq!(health_calls(&standins), [1]);
 }

@@ -1,0 +1,211 @@
+//! Tells a sandbox's own daemon from another answering at its address, the one check that every
+//! create passes before its sandbox is ready. An address is reused once its sandbox is gone (a
+//! pod IP, a socket path), and a watch can be behind, so the daemon there proves the sandbox's
+//! token: `GET /v1/health?challenge=<fresh random>` must answer `proof` = HMAC-SHA256(token,
+//! [`health_proof_input`]). The token itself is never sent, so a stranger learns nothing it
+//! could use. Start at [`prove`]; the caller brings the transport (one health call).
+//!
+//! Who runs it: the server, after [`Provider::create`](crate::Provider::create), unless the
+//! provider says it has already ([`Provider::proves_daemon`](crate::Provider::proves_daemon)).
+
+use std::future::Future;
+use std::time::Duration;
+
+use ring::rand::{SecureRandom, SystemRandom};
+use sandman_wire::daemon::{Health, health_proof_input};
+use sandman_wire::server::Reason;
+use tokio::time::Instant;
+
+/// How long one health call may take before it is given up and tried again.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bytes of randomness in a challenge (sent as hex).
+const CHALLENGE_BYTES: usize = 16;
+/// The first pause between calls while nothing answers; it doubles up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(5);
+const MAX_PAUSE: Duration = Duration::from_millis(100);
+
+/// Why the daemon at a sandbox's address was not taken for the sandbox's own.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unproven {
+    /// Nothing answered a health check before the deadline; the last failure.
+    #[error("no daemon answered its health check: {last}")]
+    Silent { last: String },
+    /// A daemon answered without a proof: one too old to give it, so it cannot be told apart.
+    #[error(
+        "the daemon answering (version {version}) gave no health proof, so it cannot be told from another \
+         sandbox's: the daemon is older than this server"
+    )]
+    NoProof { version: String },
+    /// A daemon answered with a proof not made with this sandbox's token: it serves another
+    /// sandbox (a reused address).
+    #[error("the daemon answering does not hold the sandbox's token: it serves another sandbox")]
+    Stranger,
+    /// No randomness for the challenge.
+    #[error("cannot draw a random challenge")]
+    Random,
+}
+
+impl Unproven {
+    /// The lifecycle reason a create that ends here fails with: `ready_timeout` for silence,
+    /// `daemon_start_failed` for a daemon that is not the sandbox's.
+    pub fn reason(&self) -> Reason {
+        match self {
+            Unproven::Silent { .. } => Reason::ReadyTimeout,
+            Unproven::NoProof { .. } | Unproven::Stranger => Reason::DaemonStartFailed,
+            Unproven::Random => Reason::ProviderError,
+        }
+    }
+}
+
+/// Has the daemon prove `token`: calls `health` with a fresh challenge (the caller sends
+/// `GET /v1/health?challenge=<it>`, without the token, and answers the decoded body; any other
+/// answer is an error as text), trying again while nothing answers, backing off from 5 ms to
+/// 100 ms, each call given at most [`CALL_TIMEOUT`], until `deadline`. The first answer decides.
+pub async fn prove<F, Fut>(token: &str, deadline: Instant, mut health: F) -> Result<(), Unproven>
+where
+    F: FnMut(String) -> Fut,
+    Fut: Future<Output = Result<Health, String>>,
+{
+    let challenge = challenge()?;
+    let mut pause = FIRST_PAUSE;
+    loop {
+        let allowed = deadline.saturating_duration_since(Instant::now()).min(CALL_TIMEOUT);
+        let last = match tokio::time::timeout(allowed, health(challenge.clone())).await {
+            Ok(Ok(answer)) => return check(token, &challenge, &answer),
+            Ok(Err(why)) => why,
+            Err(_) => format!("no answer within {} ms", allowed.as_millis()),
+        };
+        if Instant::now() + pause > deadline {
+            return Err(Unproven::Silent { last });
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(MAX_PAUSE);
+    }
+}
+
+/// Whether `answer` proves `token` for `challenge`; the comparison takes the same time wherever
+/// the proof differs.
+pub fn check(token: &str, challenge: &str, answer: &Health) -> Result<(), Unproven> {
+    let Some(proof) = answer.proof.as_deref() else {
+        return Err(Unproven::NoProof { version: answer.version.clone() });
+    };
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+    match hex_decode(proof) {
+        Some(tag) if ring::hmac::verify(&key, &health_proof_input(challenge), &tag).is_ok() => Ok(()),
+        _ => Err(Unproven::Stranger),
+    }
+}
+
+/// A fresh random challenge, as hex.
+fn challenge() -> Result<String, Unproven> {
+    let mut bytes = [0u8; CHALLENGE_BYTES];
+    SystemRandom::new().fill(&mut bytes).map_err(|_| Unproven::Random)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len() / 2).map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// The proof a daemon holding `token` gives for `challenge`.
+    fn proof(token: &str, challenge: &str) -> String {
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+        ring::hmac::sign(&key, &health_proof_input(challenge)).as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn answer(proof: Option<String>) -> Health {
+        Health { status: "ok".into(), version: "0.0.1".into(), proof }
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(30)
+    }
+
+    #[tokio::test]
+    async fn the_sandboxs_own_daemon_proves_its_token() {
+        let asked = Mutex::new(Vec::new());
+        let health = |c: String| {
+            asked.lock().unwrap().push(c.clone());
+            async move { Ok(answer(Some(proof("tok", &c)))) }
+        };
+        assert_eq!(prove("tok", soon(), health).await, Ok(()));
+        let asked = asked.into_inner().unwrap();
+        assert_eq!(asked.len(), 1, "one answer decides");
+        assert_eq!(asked[0].len(), 2 * CHALLENGE_BYTES);
+    }
+
+    #[tokio::test]
+    async fn another_sandboxs_daemon_is_a_stranger_and_decides_at_once() {
+        let health = |c: String| async move { Ok(answer(Some(proof("theirs", &c)))) };
+        let err = prove("ours", soon(), health).await.unwrap_err();
+        assert_eq!(err, Unproven::Stranger);
+        assert_eq!(err.reason(), Reason::DaemonStartFailed);
+        assert!(err.to_string().contains("another sandbox"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_daemon_without_proofs_is_refused_naming_its_version() {
+        let err = prove("tok", soon(), |_| async { Ok(answer(None)) }).await.unwrap_err();
+        assert_eq!(err, Unproven::NoProof { version: "0.0.1".into() });
+        assert_eq!(err.reason(), Reason::DaemonStartFailed);
+        assert!(err.to_string().contains("older than this server"), "{err}");
+    }
+
+    /// Calls that fail are tried again; the first answer decides.
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_not_answering_yet_is_asked_again() {
+        let calls = Mutex::new(0);
+        let health = |c: String| {
+            let n = {
+                let mut calls = calls.lock().unwrap();
+                *calls += 1;
+                *calls
+            };
+            async move { if n < 4 { Err("connection refused".to_string()) } else { Ok(answer(Some(proof("tok", &c)))) } }
+        };
+        assert_eq!(prove("tok", soon(), health).await, Ok(()));
+        assert_eq!(calls.into_inner().unwrap(), 4);
+    }
+
+    /// Nothing answering is silence at the deadline (`ready_timeout`), with the last failure;
+    /// a call that hangs is given up, not waited for past the deadline.
+    #[tokio::test(start_paused = true)]
+    async fn nothing_answering_until_the_deadline_is_silence() {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let err = prove("tok", deadline, |_| async { Err("connection refused".to_string()) }).await.unwrap_err();
+        assert_eq!(err, Unproven::Silent { last: "connection refused".into() });
+        assert_eq!(err.reason(), Reason::ReadyTimeout);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let hangs = |_| std::future::pending::<Result<Health, String>>();
+        let err = prove("tok", deadline, hangs).await.unwrap_err();
+        assert!(matches!(err, Unproven::Silent { ref last } if last.starts_with("no answer within")), "{err:?}");
+        assert!(Instant::now() <= deadline);
+    }
+
+    #[test]
+    fn a_proof_for_another_challenge_or_malformed_is_refused() {
+        assert_eq!(check("tok", "c1", &answer(Some(proof("tok", "c1")))), Ok(()));
+        // Replayed from another challenge, cut short, not hex, empty.
+        for bad in [proof("tok", "c0"), proof("tok", "c1")[..62].to_string(), "zz".repeat(32), String::new()] {
+            assert_eq!(check("tok", "c1", &answer(Some(bad.clone()))), Err(Unproven::Stranger), "{bad}");
+        }
+    }
+
+    #[test]
+    fn challenges_are_fresh() {
+        let (a, b) = (challenge().unwrap(), challenge().unwrap());
+        assert_eq!(a.len(), 2 * CHALLENGE_BYTES);
+        assert_ne!(a, b);
+    }
+}
