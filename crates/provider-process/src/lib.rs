@@ -984,6 +984,12 @@ fn not_running() -> Ended {
 /// Runs the daemon's isolation once, as a sandbox would get it, and reports why it failed: the
 /// provider starts only where sandboxes can be isolated. Blocking; at start.
 fn check_isolation(config: &ProcessConfig) -> Result<(), String> {
+    if let Some(fresh) = fresh_inside(&resolve(&config.state_dir)) {
+        return Err(format!(
+            "the state directory `{}` is under `{fresh}`, which every sandbox gets fresh, so its work directory there could not be reached; use a directory elsewhere (a tmpfs of its own, say)",
+            config.state_dir.display()
+        ));
+    }
     let dir = config.state_dir.join("isolation-check");
     let _ = std::fs::remove_dir_all(&dir);
     let (root, work, tmp) = (dir.join("root"), dir.join("work"), dir.join("tmp"));
@@ -1018,6 +1024,12 @@ fn check_isolation(config: &ProcessConfig) -> Result<(), String> {
     let said = String::from_utf8_lossy(&out.stderr);
     let words = said.lines().filter(|l| l.starts_with("error:") || l.starts_with("  caused by:")).map(str::trim);
     Err(words.collect::<Vec<_>>().join(" ").trim_start_matches("error: ").to_string())
+}
+
+/// The mount an isolated sandbox gets fresh (its own `/dev`, `/proc`, `/sys`) that `path` lies
+/// under, if any.
+fn fresh_inside(path: &Path) -> Option<&'static str> {
+    ["/dev", "/proc", "/sys"].into_iter().find(|fresh| path.starts_with(fresh))
 }
 
 /// A sandbox id names a directory.
@@ -1088,6 +1100,14 @@ mod tests {
         let e = exhausted(&std::io::Error::from_raw_os_error(libc::EAGAIN)).map(|e| e.to_string());
         assert!(e.unwrap_or_default().contains("kernel.pid_max"));
         assert!(exhausted(&std::io::Error::from_raw_os_error(libc::ENOENT)).is_none());
+    }
+
+    #[test]
+    fn a_state_directory_under_what_a_sandbox_gets_fresh_is_named() {
+        assert_eq!(fresh_inside(Path::new("/dev/shm/sandman")), Some("/dev"));
+        assert_eq!(fresh_inside(Path::new("/sys/fs/x")), Some("/sys"));
+        assert_eq!(fresh_inside(Path::new("/devices/sandman")), None);
+        assert_eq!(fresh_inside(Path::new("/var/lib/sandman")), None);
     }
 
     #[test]

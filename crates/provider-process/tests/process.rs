@@ -323,3 +323,20 @@ async fn an_unreadable_record_is_removed_unless_its_daemon_runs() {
     // The delete killed what the record named.
     assert!(running.wait().unwrap().code().is_none());
 }
+
+#[tokio::test]
+async fn isolation_refuses_a_state_directory_the_sandboxes_get_fresh() {
+    require_root();
+    // /dev is every isolated sandbox's own: a work directory under it could not be reached.
+    let state = Path::new("/dev/shm").join(format!("sandman-pp-{}", std::process::id()));
+    let made = ProcessProvider::new(ProcessConfig {
+        state_dir: state.clone(),
+        daemon_bin: common::daemon_bin(),
+        daemon_args: Vec::new(),
+        isolation: Isolation::Full,
+        hide: Vec::new(),
+    });
+    let _ = std::fs::remove_dir_all(&state);
+    let err = made.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("is under `/dev`, which every sandbox gets fresh"), "{err}");
+}
