@@ -7,10 +7,10 @@
 //! disk lost is a sandbox never made. Everything here is blocking file I/O; callers run it off
 //! the async threads.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::ops::Deref;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use sandman_provider::SandboxSpec;
@@ -91,9 +91,9 @@ impl SandboxDir {
 
     /// Makes the directory (which must not exist) with `work/`, `tmp/` and `root/`, writes the
     /// token, the commands' environment, the id range and the cgroups' names, and last the
-    /// record, then opens the log for the daemon's stderr. A directory without a record is one
+    /// record (the daemon's log is opened as it starts). A directory without a record is one
     /// whose create never got this far, which a restarted provider removes.
-    pub fn prepare(&self, spec: &SandboxSpec, extra: &Extra) -> io::Result<File> {
+    pub fn prepare(&self, spec: &SandboxSpec, extra: &Extra) -> io::Result<()> {
         // Traversable but not listable by the sandbox's other users: commands may run as another
         // uid, with `work/` as their cwd.
         std::fs::DirBuilder::new().mode(0o711).create(&self.root)?;
@@ -112,8 +112,7 @@ impl SandboxDir {
             self.write_cgroups(dirs)?;
         }
         let record = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
-        write_replacing(&self.record(), &record, 0o600)?;
-        OpenOptions::new().create(true).append(true).mode(0o600).open(self.log())
+        write_replacing(&self.record(), &record, 0o600)
     }
 
     /// The sandbox's cgroup directories (`cgroup::Dirs` as JSON); absent without cgroups.

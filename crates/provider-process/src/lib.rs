@@ -16,6 +16,7 @@ mod cgroup;
 mod ids;
 mod layout;
 mod procs;
+mod spawner;
 mod sys;
 mod watch;
 
@@ -158,6 +159,9 @@ pub struct ProcessProvider {
     events_tx: mpsc::Sender<ProviderEvent>,
     /// Handed to the server once.
     events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
+    /// Where daemons are started from: a thread whose descriptor table does not grow with the
+    /// sandboxes, so that a spawn costs the same at the first sandbox and the ten-thousandth.
+    spawner: spawner::Spawner,
     /// The watcher tasks; cancelled on shutdown (the daemons keep running for the next server).
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -210,8 +214,11 @@ impl ProcessProvider {
                 Some(own)
             }
         };
+        let spawner = spawner::Spawner::start()
+            .map_err(|e| ProviderError::io("cannot start the thread that starts daemons (unshare(CLONE_FILES))", e))?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
         Ok(ProcessProvider {
+            spawner,
             config,
             sandboxes,
             cgroups,
@@ -386,38 +393,45 @@ impl ProcessProvider {
         out
     }
 
-    /// Starts the daemon of a prepared directory and its watcher.
-    async fn start(
-        &self,
-        spec: &SandboxSpec,
-        dir: &SandboxDir,
-        plan: Plan,
-        log: std::fs::File,
-    ) -> Result<(), ProviderError> {
+    /// Starts the daemon of a prepared directory (from the spawner thread) and its watcher.
+    async fn start(&self, spec: &SandboxSpec, dir: &SandboxDir, plan: Plan) -> Result<(), ProviderError> {
         let Plan { args, env, .. } = plan;
-        // A std child: tokio's would keep a pidfd of its own beside the one the watcher waits on,
-        // and at tens of thousands of sandboxes every descriptor per sandbox counts.
-        use std::os::unix::process::CommandExt;
-        let mut cmd = std::process::Command::new(&self.config.daemon_bin);
-        cmd.args(&self.config.daemon_args);
-        cmd.args(&args)
-            .env_clear()
-            .envs(&env)
-            .current_dir(dir.work())
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(log)
-            // Its own group: a ^C or SIGTERM to the server's group does not reach it.
-            .process_group(0);
+        let (bin, daemon_args, work, log) =
+            (self.config.daemon_bin.clone(), self.config.daemon_args.clone(), dir.work(), dir.log());
         let start_failed = |what: String| ProviderError::Failed { reason: Reason::DaemonStartFailed, message: what };
-        let child = cmd.spawn().map_err(|e| {
+        // A std child, dropped at once (that neither kills nor reaps it): tokio's would keep a
+        // pidfd of its own beside the one the watcher waits on, and at tens of thousands of
+        // sandboxes every descriptor per sandbox counts. Everything the spawn opens (the log,
+        // /dev/null) is opened and closed on the spawner thread.
+        let spawned = self
+            .spawner
+            .run(move || {
+                use std::os::unix::fs::OpenOptionsExt;
+                use std::os::unix::process::CommandExt;
+                let log = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(&log)?;
+                std::process::Command::new(&bin)
+                    .args(&daemon_args)
+                    .args(&args)
+                    .env_clear()
+                    .envs(&env)
+                    .current_dir(work)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(log)
+                    // Its own group: a ^C or SIGTERM to the server's group does not reach it.
+                    .process_group(0)
+                    .spawn()
+                    .map(|child| child.id())
+            })
+            .await
+            .and_then(|spawned| spawned);
+        let child = spawned.map_err(|e| {
             exhausted(&e).unwrap_or_else(|| {
                 start_failed(format!("cannot start the daemon `{}`: {e}", self.config.daemon_bin.display()))
             })
         })?;
-        let pid = child.id() as i32;
-        // Dropping a std child neither kills nor reaps it: the watcher reaps it through `pid`.
-        drop(child);
+        // Not reaped: the watcher reaps it through `pid`.
+        let pid = child as i32;
         // Not yet reaped (only the watcher reaps it), so neither the pid nor /proc entry can name
         // another process yet.
         let watched = ProcId::of(pid)
@@ -602,8 +616,8 @@ impl Provider for ProcessProvider {
             };
             tokio::task::spawn_blocking(move || dir.prepare(&spec, &extra)).await
         };
-        let log = match flatten(prepared) {
-            Ok(log) => log,
+        match flatten(prepared) {
+            Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                 return Err(ProviderError::Backend(format!(
                     "sandbox `{}` exists already in `{}`",
@@ -616,7 +630,7 @@ impl Provider for ProcessProvider {
                 return Err(exhausted(&e)
                     .unwrap_or_else(|| ProviderError::io(format!("cannot prepare `{}`", dir.root.display()), e)));
             }
-        };
+        }
         let cgroups = plan.cgroups.clone();
         if let Some(c) = &cgroups
             && let Err(e) = make_cgroups(c).await
@@ -624,7 +638,7 @@ impl Provider for ProcessProvider {
             records::remove_dir(&dir).await;
             return Err(e);
         }
-        if let Err(e) = self.start(spec, &dir, plan, log).await {
+        if let Err(e) = self.start(spec, &dir, plan).await {
             if let Some(c) = &cgroups
                 && let Err(err) = remove_cgroups(&c.dirs).await
             {

@@ -1,5 +1,6 @@
 //! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `waitpid`,
-//! `kill`, `pidfd_send_signal`, `geteuid` and `access`, which std does not expose.
+//! `kill`, `pidfd_send_signal`, `geteuid`, `access`, `unshare(CLONE_FILES)`, `close_range` and
+//! `gettid`, which std does not expose.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -91,6 +92,33 @@ pub fn kill(pid: i32, signal: i32, group: bool) -> io::Result<()> {
     }
     let err = io::Error::last_os_error();
     if err.raw_os_error() == Some(libc::ESRCH) { Ok(()) } else { Err(err) }
+}
+
+/// Gives the calling thread a descriptor table of its own, a copy of the process's
+/// (`unshare(CLONE_FILES)`): descriptors opened or closed by either afterwards are not the
+/// other's.
+pub fn unshare_files() -> io::Result<()> {
+    // SAFETY: `unshare` takes flags only.
+    if unsafe { libc::unshare(libc::CLONE_FILES) } == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Closes every descriptor from `first` up in the calling thread's table (`close_range`, Linux
+/// 5.9). Only for a table of its own ([`unshare_files`]): in the shared one it would close
+/// descriptors other code owns.
+pub fn close_from(first: u32) -> io::Result<()> {
+    // SAFETY: `close_range` takes two descriptor numbers and flags, no pointers.
+    if unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, 0) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The calling thread's id.
+#[cfg(test)]
+pub fn gettid() -> i32 {
+    // SAFETY: `gettid` takes no arguments and cannot fail.
+    unsafe { libc::gettid() }
 }
 
 /// The effective uid of the server.

@@ -49,6 +49,15 @@ async fn a_sandbox_holds_one_descriptor_and_its_daemons_death_is_reaped_with_its
         }
     }
     assert_eq!(added, vec!["anon_inode:[pidfd]"; 5], "what five more sandboxes hold open");
+    // The daemons are spawned from a thread whose table holds none of them: a spawn copies a
+    // table that does not grow with the sandboxes.
+    let spawner = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| t.ok())
+        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "sandman-spawner"))
+        .unwrap_or_else(|| panic!("no thread named sandman-spawner"));
+    let in_spawner = std::fs::read_dir(spawner.path().join("fd")).unwrap().count();
+    assert!(in_spawner <= 3 && open_files().len() > 6, "the spawner thread holds {in_spawner} descriptors");
 
     // Our child, killed from outside: its status comes from reaping it, and no zombie is left.
     let pid_line = std::fs::read_to_string(dir_of(&endpoints[0]).join("daemon.pid")).unwrap();
