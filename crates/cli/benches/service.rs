@@ -9,13 +9,16 @@
 //! - the Python SDK's exec vs a raw `httpx` client (`sdk_exec.py`, with the worktree's SDK);
 //! - create-to-ready of the process provider (isolated, `--isolation none`, eval);
 //! - density: `SANDMAN_BENCH_SANDBOXES` sandboxes (default 2000) held by one server at once,
-//!   each answering an exec; their PSS, the server's bytes and open files per sandbox, create,
-//!   list and release rates (first half vs second half, to show nothing grows worse than
+//!   each answering an exec; their PSS, the server's bytes and open files per sandbox, the CPU a
+//!   create costs the server and the sandbox's own processes (and so the most creates a second
+//!   the machine's cores allow), create, list and release rates (first half vs second half, to show nothing grows worse than
 //!   linearly), and a check that nothing is left after the release (process, mount, cgroup,
 //!   directory).
 //!
 //! `cargo bench -p sandman-cli --bench service` after `./scripts/build-daemon` (it runs the static
-//! daemon; `SANDMAND_STATIC` overrides). `SANDMAN_BENCH_N` sets the rounds of the round-trip
+//! daemon; `SANDMAND_STATIC` overrides). `SANDMAN_BENCH_DIR` is where the servers' state
+//! directories go (default: the tests' scratch directory; the file system type is printed, as
+//! file writes and creates cost what it charges). `SANDMAN_BENCH_N` sets the rounds of the round-trip
 //! runs; `SANDMAN_BENCH_PYTHON` the Python with `httpx` (default `target/py/bin/python`, which
 //! `./scripts/test` makes, else `python3`). Create-to-ready is measured isolated and with
 //! `--isolation none`, interleaved; with `SANDMAN_BENCH_BASELINE=<dir>` (a directory holding
@@ -178,6 +181,32 @@ fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
 }
 
+/// Nanoseconds `pid` has run, all its threads together (`/proc/<pid>/task/*/schedstat`; finer
+/// than `stat`'s clock ticks, which round a short-lived daemon's start to nothing).
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            std::fs::read_to_string(t.path().join("schedstat")).ok()?.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .sum::<u64>()
+}
+
+/// The file system type `path` lives on (the longest mount point over it in `/proc/mounts`).
+fn fs_type(path: &Path) -> String {
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (point, kind) = (f.nth(1)?, f.next()?);
+            path.starts_with(point).then(|| (point.len(), kind.to_string()))
+        })
+        .max()
+        .map_or_else(|| "?".into(), |(_, kind)| kind)
+}
+
 fn open_files_limit(pid: u32) -> String {
     let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap_or_default();
     limits
@@ -248,7 +277,8 @@ async fn bench() {
     let rounds = env_usize("SANDMAN_BENCH_N", 1000);
     let density = env_usize("SANDMAN_BENCH_SANDBOXES", 2000);
     let daemon = sandman_testkit::static_daemon();
-    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let scratch = std::env::var_os("SANDMAN_BENCH_DIR").map_or_else(e2e::scratch, PathBuf::from);
+    let dir = tempfile::tempdir_in(&scratch).unwrap();
     let state = dir.path().join("state");
     let daemon_arg = daemon.display().to_string();
     let server = Server::start_in(
@@ -268,6 +298,7 @@ async fn bench() {
     let http = server.client();
     let mut summary: Vec<Row> = Vec::new();
     println!("sandman service benchmark: daemon {}", daemon.display());
+    println!("  state directory {} ({}; sandboxes' files and records live there)", state.display(), fs_type(&state));
 
     // ---- idle daemon, before any call but readiness ----
     let idle = http.create(json!({"image": "host"})).await;
@@ -384,7 +415,7 @@ async fn bench() {
 
     // ---- many small files: a 1,000-file tar through the server vs tar -x directly ----
     let tar = many_files_tar(1000);
-    let direct_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let direct_dir = tempfile::tempdir_in(&scratch).unwrap();
     let (mut up, mut untar) = (Vec::new(), Vec::new());
     for round in 0..7 {
         let t = Instant::now();
@@ -476,13 +507,13 @@ async fn bench() {
     http.release(&id).await;
     http.release(&idle_id).await;
     // ---- create to ready: isolated against not isolated (and a baseline build), interleaved ----
-    let plain_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let plain_dir = tempfile::tempdir_in(&scratch).unwrap();
     let plain = Server::start_in(
         &plain_dir.path().join("state"),
         &["--daemon", &daemon_arg, "--isolation", "none", "--create-rate", "0"],
     );
     let baseline = std::env::var_os("SANDMAN_BENCH_BASELINE").map(PathBuf::from);
-    let baseline_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let baseline_dir = tempfile::tempdir_in(&scratch).unwrap();
     let baseline = baseline.map(|dir| {
         let daemon = dir.join("sandmand").display().to_string();
         let server = Server::start_bin(
@@ -563,9 +594,22 @@ async fn bench() {
     let server_pid = server.pid();
     let server_before = sandman_testkit::rss_kib(server_pid);
     let fds_before = open_fds(server_pid);
+    let server_cpu_before = cpu_ns(server_pid);
     let t = Instant::now();
     let (created, create_halves) = create_many(&http, density, 16).await;
     let create_secs = t.elapsed().as_secs_f64();
+    // What a create costs the machine: the server's share, and the sandbox's own processes' (its
+    // daemon's start, and when isolated its waiter's), read before any of them runs a command.
+    let server_cpu = cpu_ns(server_pid).saturating_sub(server_cpu_before) as f64 / 1e6 / created.len().max(1) as f64;
+    let sandbox_cpu = created
+        .iter()
+        .filter_map(|id| inner_daemon(&state, id))
+        .map(|pid| cpu_ns(pid) + children_of(pid).into_iter().map(cpu_ns).sum::<u64>())
+        .sum::<u64>() as f64
+        / 1e6
+        / created.len().max(1) as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let ceiling = cores * 1e3 / (server_cpu + sandbox_cpu);
     let t = Instant::now();
     let answered = exec_all(&http, &created, 16).await;
     let exec_secs = t.elapsed().as_secs_f64();
@@ -599,6 +643,9 @@ async fn bench() {
         created.len() as f64 / create_secs
     );
     println!("  create rate: first half {:.0}/s, second half {:.0}/s", create_halves.0, create_halves.1);
+    println!(
+        "  CPU per create: server {server_cpu:.2} ms, the sandbox's processes {sandbox_cpu:.2} ms: at most {ceiling:.0}/s on {cores} cores"
+    );
     let mib = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0) as f64 / 1024.0;
     let pss_mean = daemon_pss.iter().sum::<u64>() as f64 / daemon_pss.len().max(1) as f64 / 1024.0;
     println!(
@@ -663,6 +710,13 @@ async fn bench() {
         floor: "1000/s".into(),
         ratio: Some(created.len() as f64 / create_secs / 1000.0),
         target: Some((1.0, false)),
+    });
+    summary.push(Row {
+        what: "create rate / what its CPU allows",
+        value: format!("{:.0}/s", created.len() as f64 / create_secs),
+        floor: format!("{ceiling:.0}/s"),
+        ratio: Some(created.len() as f64 / create_secs / ceiling),
+        target: None,
     });
     summary.push(Row {
         what: "create rate, second half / first half",
