@@ -16,6 +16,8 @@ use tokio::time::Instant;
 
 /// How long one health call may take before it is tried again.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a running pod's daemon may stay silent before it is logged.
+const SILENT_FOR: Duration = Duration::from_secs(10);
 /// The largest health answer read.
 const MAX_ANSWER: usize = 16 * 1024;
 /// Bytes of randomness in a challenge (sent as hex).
@@ -43,10 +45,14 @@ pub enum IdentityError {
 }
 
 /// Asks the daemon at `addr` to prove `token`, trying again (backing off from 10 ms to 200 ms)
-/// while nothing answers, until `deadline`. Any answer with a proof decides at once.
+/// while nothing answers, until `deadline`. Any answer with a proof decides at once. Still no
+/// answer after [`SILENT_FOR`] is logged once (the pod runs, so the server cannot reach pods:
+/// a network policy, a CNI or host firewall), since the create may wait long after that.
 pub async fn prove(addr: &str, token: &str, deadline: Instant) -> Result<(), IdentityError> {
     let challenge = challenge()?;
     let mut pause = Duration::from_millis(10);
+    let started = Instant::now();
+    let mut told = false;
     loop {
         let last = match tokio::time::timeout(CALL_TIMEOUT, health(addr, &challenge)).await {
             Ok(Ok(answer)) => return check(addr, token, &challenge, &answer),
@@ -55,6 +61,15 @@ pub async fn prove(addr: &str, token: &str, deadline: Instant) -> Result<(), Ide
         };
         if Instant::now() + pause > deadline {
             return Err(IdentityError::Unreachable { addr: addr.to_string(), last });
+        }
+        if !told && started.elapsed() >= SILENT_FOR {
+            told = true;
+            tracing::warn!(
+                addr,
+                last = %last,
+                "the sandbox's pod runs but its daemon has not answered for {} s; can this server reach pod IPs?",
+                SILENT_FOR.as_secs()
+            );
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(200));
