@@ -4,11 +4,11 @@
 # to its state directory (the manifests mount a volume at /var/lib/sandman) and reads
 # SANDMAN_TOKEN from the environment.
 #
-#   bin=$(./scripts/build-server)
-#   docker build -f deploy/docker/server.Dockerfile -t ghcr.io/sandman-dev/sandman:0.1.0 "$(dirname "$bin")"
+#   ctx=$(mktemp -d) && cp "$(./scripts/build-server)" "$ctx"
+#   docker build -f deploy/docker/server.Dockerfile -t ghcr.io/sandman-dev/sandman:0.1.0 "$ctx"
 #
-# The context is the binary's directory; server.Dockerfile.dockerignore keeps all but `sandman`
-# out of it.
+# Any directory holding `sandman` will do as the context: server.Dockerfile.dockerignore keeps
+# the rest out of it (BuildKit only; the legacy builder sends the whole directory).
 FROM scratch
 COPY sandman /usr/local/bin/sandman
 USER 65532:65532
