@@ -254,6 +254,11 @@ pub enum AdmissionError {
     /// It waited for room until its deadline.
     #[error("no room on the eligible nodes before the wait's deadline: still waiting for capacity ({resource})")]
     TimedOut { resource: Resource },
+    /// The API server refuses the watches that tell the room (and no room was seen before).
+    #[error(
+        "capacity-aware admission cannot watch the cluster's nodes and pods: {why}; it needs list and watch on both, cluster-wide (deploy/components/capacity-rbac)"
+    )]
+    Forbidden { why: String },
 }
 
 /// The gate every create passes before its pod is made.
@@ -281,6 +286,9 @@ struct State {
     head_waits: Option<Resource>,
     /// Whether the room has been observed once: before, nothing is known and nothing goes.
     observed: bool,
+    /// Why the API server refuses the watches (403), until the room is observed: creates are
+    /// refused at once rather than waiting for room nothing will tell.
+    forbidden: Option<String>,
 }
 
 impl State {
@@ -322,7 +330,20 @@ impl Admission {
         let mut s = self.lock();
         s.room = room;
         s.observed = true;
+        s.forbidden = None;
         s.assumed.retain(|id, _| !settled(id));
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// The API server refused a watch with 403 (`why`): until the room is observed, creates
+    /// waiting and to come are refused with [`AdmissionError::Forbidden`].
+    pub fn forbidden(&self, why: String) {
+        let mut s = self.lock();
+        if s.observed {
+            return;
+        }
+        s.forbidden = Some(why);
         drop(s);
         self.changed.notify_waiters();
     }
@@ -362,6 +383,9 @@ impl Admission {
             changed.as_mut().enable();
             let outcome = {
                 let mut s = self.lock();
+                if let Some(why) = s.forbidden.clone() {
+                    return Err(AdmissionError::Forbidden { why });
+                }
                 let position = s.queue.iter().position(|t| *t == ticket).unwrap_or(0);
                 let fit = if s.observed { s.room_now().fit(&ask) } else { Fit::Wait(Resource::Nodes) };
                 let full = !s.observed || s.assumed.len() >= self.max_pending;
@@ -464,27 +488,33 @@ pub async fn watch(
     let node_events = watcher(kube::Api::<Node>::all(client.clone()), watcher::Config::default())
         .default_backoff()
         .reflect(node_writer)
-        .map(|e| e.err().map(|e| e.to_string()));
+        .map(|e| e.err().map(|e| (e.to_string(), forbidden(&e))));
     let live = watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
     let pod_events = watcher(kube::Api::<Pod>::all(client), live)
         .default_backoff()
         .reflect(pod_writer)
-        .map(|e| e.err().map(|e| e.to_string()));
+        .map(|e| e.err().map(|e| (e.to_string(), forbidden(&e))));
     let mut events = std::pin::pin!(futures_util::stream::select(node_events, pod_events));
     loop {
         let next = tokio::select! {
             _ = cancel.cancelled() => return,
             next = events.next() => next,
         };
+        let failed = |(err, forbidden): (String, Option<String>)| {
+            tracing::warn!(%err, "capacity watch failed; resuming");
+            if let Some(why) = forbidden {
+                gate.forbidden(why);
+            }
+        };
         match next {
             None => return,
-            Some(Some(err)) => tracing::warn!(%err, "capacity watch failed; resuming"),
+            Some(Some(err)) => failed(err),
             Some(None) => {}
         }
         // The rest of the batch first: one computation for many events.
         while let Some(Some(next)) = events.next().now_or_never() {
             if let Some(err) = next {
-                tracing::warn!(%err, "capacity watch failed; resuming");
+                failed(err);
             }
         }
         if nodes.wait_until_ready().now_or_never().is_none() || pods.wait_until_ready().now_or_never().is_none() {
@@ -500,6 +530,20 @@ pub async fn watch(
             .collect();
         gate.observe(room, |id| bound.contains(id));
     }
+}
+
+/// The API server's message when it refused a watch with 403 (the RBAC is missing), which no
+/// retry mends.
+fn forbidden(e: &kube::runtime::watcher::Error) -> Option<String> {
+    use kube::runtime::watcher::Error;
+    let status = match e {
+        Error::InitialListFailed(kube::Error::Api(s))
+        | Error::WatchStartFailed(kube::Error::Api(s))
+        | Error::WatchFailed(kube::Error::Api(s))
+        | Error::WatchError(s) => s,
+        _ => return None,
+    };
+    (status.code == 403).then(|| status.message.clone())
 }
 
 #[cfg(test)]
@@ -612,6 +656,45 @@ mod tests {
         gate.observe(Room::observe([&node()], [], &config()), |_| false);
         let err = big.await.unwrap().unwrap_err();
         assert!(matches!(err, AdmissionError::NeverFits { .. }), "{err:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_the_rbac_for_the_watches_creates_are_refused_at_once_naming_it() {
+        let gate = Arc::new(Admission::new(4));
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let waiting = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("early", cpu(100), deadline, |_| {}).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let why = r#"pods is forbidden: User "system:serviceaccount:sandman-system:sandman-server" cannot list resource "pods""#;
+        gate.forbidden(why.to_string());
+        // The one waiting already, and the next, both at once: not at the deadline.
+        let err = waiting.await.unwrap().unwrap_err();
+        assert!(matches!(&err, AdmissionError::Forbidden { why: w } if w == why), "{err:?}");
+        assert!(err.to_string().contains("deploy/components/capacity-rbac"), "{err}");
+        let err = gate.admit("late", cpu(100), deadline, |_| {}).await.unwrap_err();
+        assert!(matches!(err, AdmissionError::Forbidden { .. }), "{err:?}");
+        assert!(Instant::now() < deadline, "it waited for the deadline");
+        // Granted, and the room seen: creates go again, and a later 403 changes nothing.
+        gate.observe(Room::observe([&node()], [], &config()), |_| false);
+        gate.forbidden(why.to_string());
+        gate.admit("after", cpu(100), deadline, |_| {}).await.unwrap();
+    }
+
+    #[test]
+    fn a_403_is_told_from_other_watch_failures() {
+        let status = |code| {
+            Box::new(kube::core::Status { code, message: "pods is forbidden".into(), ..kube::core::Status::default() })
+        };
+        use kube::runtime::watcher::Error;
+        let said = Some("pods is forbidden".to_string());
+        assert_eq!(forbidden(&Error::InitialListFailed(kube::Error::Api(status(403)))), said);
+        assert_eq!(forbidden(&Error::WatchStartFailed(kube::Error::Api(status(403)))), said);
+        assert_eq!(forbidden(&Error::WatchError(status(403))), said);
+        assert_eq!(forbidden(&Error::InitialListFailed(kube::Error::Api(status(500)))), None);
+        assert_eq!(forbidden(&Error::WatchError(status(410))), None);
+        assert_eq!(forbidden(&Error::NoResourceVersion), None);
     }
 
     #[tokio::test(start_paused = true)]

@@ -48,10 +48,11 @@ pub enum Injection {
     #[default]
     InitContainer,
     /// The daemon is read from a directory of the node (`path`/sandmand), put there by the
-    /// `sandman-daemon-installer` DaemonSet (`deploy/daemonset-hostpath.yaml`). No init container.
+    /// `sandman-daemon-installer` DaemonSet (`deploy/overlays/hostpath`). No init container.
     HostPath { path: String },
     /// `daemon_image` mounted as an image volume (Kubernetes 1.33+ with the `ImageVolume`
-    /// feature; on by default from 1.35). No init container, no copy.
+    /// feature; on by default from 1.35) and a runtime that mounts image volumes (containerd 2.1+,
+    /// CRI-O 1.31+). No init container, no copy.
     ImageVolume,
 }
 
@@ -382,11 +383,17 @@ write_burst: 40
 
     #[test]
     fn the_shipped_deploy_configs_load() {
-        for file in ["deploy/base/kubernetes.yaml", "deploy/overlays/hostpath/kubernetes.yaml"] {
+        let files = [
+            ("deploy/base/kubernetes.yaml", Injection::InitContainer),
+            ("deploy/overlays/hostpath/kubernetes.yaml", Injection::HostPath { path: "/opt/sandman".into() }),
+            ("deploy/overlays/image-volume/kubernetes.yaml", Injection::ImageVolume),
+        ];
+        for (file, injection) in files {
             let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(file);
             let config = KubeConfig::from_file(&path).unwrap_or_else(|e| panic!("{file}: {}", crate::api::chain(&e)));
             assert_eq!(config.namespace, "sandman-sandboxes", "{file}");
             assert_eq!(config.priority_class.as_deref(), Some("sandman-sandbox"), "{file}");
+            assert_eq!(config.injection, injection, "{file}");
         }
     }
 

@@ -14,11 +14,29 @@ use tokio::time::Instant;
 
 /// The largest health answer read.
 const MAX_ANSWER: usize = 16 * 1024;
+/// How long a running pod's daemon may stay silent before it is logged.
+const SILENT_FOR: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Has the daemon at `addr` prove `token` ([`identity::prove`]), trying again while nothing
-/// answers, until `deadline`. Any answer decides at once.
+/// answers, until `deadline`. Any answer decides at once. Still no answer after [`SILENT_FOR`]
+/// is logged once (the pod runs, so the server cannot reach pods: a network policy, a CNI or a
+/// host firewall), since the create may wait long after that.
 pub async fn prove(addr: &str, token: &str, deadline: Instant) -> Result<(), Unproven> {
-    identity::prove(token, deadline, |challenge| health(addr, challenge)).await
+    let started = Instant::now();
+    let mut told = false;
+    identity::prove(token, deadline, |challenge| {
+        // Every call after the first follows one that got no answer.
+        if !told && started.elapsed() >= SILENT_FOR {
+            told = true;
+            tracing::warn!(
+                addr,
+                "the sandbox's pod runs but its daemon has not answered for {} s; can this server reach pod IPs?",
+                SILENT_FOR.as_secs()
+            );
+        }
+        health(addr, challenge)
+    })
+    .await
 }
 
 /// One `GET /v1/health?challenge=` on a connection of its own; any answer but a 200 with a

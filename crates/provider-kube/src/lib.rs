@@ -200,7 +200,13 @@ impl KubeProvider {
             })
             .await;
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(&spec.id);
-        admitted.map_err(|e| ProviderError::Failed { reason: Reason::Unschedulable, message: e.to_string() })?;
+        admitted.map_err(|e| {
+            let reason = match e {
+                capacity::AdmissionError::Forbidden { .. } => Reason::ProviderError,
+                _ => Reason::Unschedulable,
+            };
+            ProviderError::Failed { reason, message: e.to_string() }
+        })?;
         Ok(Some(Admitted { gate, id: &spec.id, kept: false }))
     }
 
