@@ -51,6 +51,9 @@ use crate::watch::Tracker;
 /// How often a claim reads the pod and tries its conditional update again when something other
 /// than a claim (the kubelet's status, say) wrote the pod between the read and the update.
 const CLAIM_TRIES: u32 = 3;
+/// How often a release-all calls `deletecollection` again after the API server ran out of time
+/// without the job's pods getting fewer.
+const RELEASE_STALLED_TRIES: u32 = 3;
 /// How often, at most, a create waiting for capacity is told its new place (what it waits for
 /// changing is told at once).
 const WAIT_TOLD_EVERY: Duration = Duration::from_secs(1);
@@ -66,6 +69,18 @@ pub enum IdentityCheck {
     /// The address the pod's status names is taken as it is. Only for tests on a mocked API
     /// server, whose pod IPs no daemon listens at.
     Trust,
+}
+
+/// What a [`KubeProvider`] holds at one moment ([`KubeProvider::footprint`]): each count is
+/// bounded by the sandboxes alive and being made or released, never by how many there have been.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Footprint {
+    /// Pods in the shared watch's store.
+    pub watched_pods: usize,
+    /// Sandboxes the watch's tracker follows (being made, alive, or being deleted).
+    pub tracked: usize,
+    /// Shared token Secrets written whose creates have not all reported their pods.
+    pub pending_secrets: usize,
 }
 
 /// Name of the NetworkPolicy that cuts off `network: none` and `eval` sandboxes.
@@ -242,17 +257,58 @@ impl KubeProvider {
     }
 
     /// Releases every sandbox of `job` with one `deletecollection` by label; answers the ids of
-    /// the sandboxes whose pods it deleted.
+    /// the sandboxes whose pods it deleted. The job's pods are read first (their metadata):
+    /// the API server stops a `deletecollection` at its request timeout (60 s by default, a few
+    /// thousand pods), having deleted the pods it reached and naming none, and then it is called
+    /// again, as long as each call leaves fewer pods not yet being deleted (the pods being
+    /// deleted already cost the API server no write).
     pub async fn delete_job(&self, job: &str) -> Result<Vec<String>, ProviderError> {
         self.tracker.mark_job_deleting(&label_value(job));
         let selector = pod::job_selector(&self.config.instance, job);
-        let pods = self.api.delete_pods(&selector, self.config.termination_grace_s).await?;
-        let ids: Vec<String> = pods.iter().filter_map(|p| pod::sandbox_id(&p.metadata).map(str::to_string)).collect();
+        let ids_of = |metas: Vec<ObjectMeta>| -> Vec<String> {
+            metas.iter().filter_map(|m| pod::sandbox_id(m).map(str::to_string)).collect()
+        };
+        let listed = self.api.list_pod_metadata(&selector).await?;
+        let mut ids: std::collections::BTreeSet<String> =
+            ids_of(listed.into_iter().map(|p| p.metadata).collect()).into_iter().collect();
+        let mut left = usize::MAX;
+        let mut stalled = 0;
+        loop {
+            match self.api.delete_pods(&selector, self.config.termination_grace_s).await {
+                Ok(pods) => {
+                    ids.extend(ids_of(pods.into_iter().map(|p| p.metadata).collect()));
+                    break;
+                }
+                Err(e) if e.code() == Some(504) => {
+                    let pods = self.api.list_pod_metadata(&selector).await?;
+                    let now = pods.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).count();
+                    ids.extend(ids_of(pods.into_iter().map(|p| p.metadata).collect()));
+                    stalled = if now < left { 0 } else { stalled + 1 };
+                    if stalled >= RELEASE_STALLED_TRIES {
+                        return Err(e.into());
+                    }
+                    left = now;
+                    tracing::info!(job, left, "the API server ran out of time deleting a job's pods; calling again");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        // Its pods the watch has not seen are no news when it does (their job is marked); one
+        // whose deletion it has seen already is gone from the tracker and stays gone.
         for id in &ids {
-            self.tracker.mark_deleting(id);
+            self.tracker.mark_deleting_if_tracked(id);
         }
         tracing::info!(job, pods = ids.len(), "released a job's sandboxes");
-        Ok(ids)
+        Ok(ids.into_iter().collect())
+    }
+
+    /// What this provider holds now, to watch it stay flat over a long run.
+    pub fn footprint(&self) -> Footprint {
+        Footprint {
+            watched_pods: self.store.state().len(),
+            tracked: self.tracker.tracked(),
+            pending_secrets: self.tokens.as_ref().map_or(0, |t| t.pending()),
+        }
     }
 
     /// The sandbox's pod as the shared watch last saw it.

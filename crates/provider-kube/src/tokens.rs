@@ -198,6 +198,11 @@ impl Tokens {
         }
     }
 
+    /// Secrets written whose creates have not all said yet whether their pods were made.
+    pub fn pending(&self) -> usize {
+        self.lock().len()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Pending>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -76,6 +76,11 @@ impl Tracker {
         self.slots.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// How many sandboxes it follows now.
+    pub fn tracked(&self) -> usize {
+        self.slots().len()
+    }
+
     /// A create begins: its changes are awaited on the answer, and its end is the create's.
     pub fn begin_create(&self, id: &str, job: Option<String>) -> watch::Receiver<PodState> {
         let mut slots = self.slots();
@@ -106,6 +111,14 @@ impl Tracker {
     /// This provider is deleting the sandbox: its end is not news.
     pub fn mark_deleting(&self, id: &str) {
         self.slots().entry(id.to_string()).or_insert_with(|| Slot::new(None)).deleting = true;
+    }
+
+    /// This provider is deleting the sandbox, if it follows it: a release-all names pods that
+    /// may be gone already (their deletion seen), whose slots must not come back.
+    pub fn mark_deleting_if_tracked(&self, id: &str) {
+        if let Some(slot) = self.slots().get_mut(id) {
+            slot.deleting = true;
+        }
     }
 
     /// Forgets a sandbox whose pod was not there to delete.

@@ -27,9 +27,17 @@
 //! side, sandboxes per second, create-to-ready p50/p99, writes per sandbox (the provider's and
 //! the fake nodes'), all writes per second and their ratio to the bare create rate, where the
 //! CPU went, and the latencies of each step.
+//!
+//! At the paper's scale (`e2e/scale.rs`, skipped by `./scripts/e2e-kube` unless `--scale`): a
+//! hold of `SANDMAN_E2E_SANDBOXES` (11858 there) sandboxes at once on `SANDMAN_E2E_FAKE_NODES`
+//! (one per 3,000) fake nodes, and a churn soak of `SANDMAN_E2E_SOAK_S` (1800) seconds at
+//! `SANDMAN_E2E_SOAK_RATE` (12) creates a second, each sandbox held `SANDMAN_E2E_SOAK_HOLD_S`
+//! (10) after its exec, sampled every `SANDMAN_E2E_SOAK_SAMPLE_S` (30).
 #![allow(clippy::unwrap_used, clippy::panic, clippy::print_stdout)]
 
 mod common;
+#[path = "e2e/scale.rs"]
+mod scale;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -129,13 +137,18 @@ where
     }
 }
 
-/// A client on the test API server; its writes are logged in `log`.
+/// A client on the test API server; its writes are logged in `log`, if given (not otherwise:
+/// a soak's client would keep every write it ever sent).
 async fn client(kubeconfig: &Path, log: Option<WriteLog>) -> Client {
     let kc = Kubeconfig::read_from(kubeconfig).unwrap();
     let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.unwrap();
     let builder = kube::client::ClientBuilder::try_from(config).unwrap();
-    let log = log.unwrap_or_default();
-    builder.with_layer(&tower::layer::layer_fn(move |inner| Logged { inner, log: log.clone() })).build()
+    match log {
+        Some(log) => {
+            builder.with_layer(&tower::layer::layer_fn(move |inner| Logged { inner, log: log.clone() })).build()
+        }
+        None => builder.build(),
+    }
 }
 
 /// Eight hex digits no other run will pick (from the standard library's random hash keys).
@@ -310,6 +323,7 @@ impl World {
                 .arg(&kubeconfig)
                 .args(["--namespace", &namespace, "--node-name", node_name])
                 .args(["--scheduler-name", SCHEDULER, "--first-ip", &ip.to_string()])
+                .args(["--addresses", &ADDRESSES_PER_NODE.to_string()])
                 .args(["--shards", &count.to_string(), "--shard", &i.to_string()])
                 .args(["--api-concurrency", &env_or("SANDMAN_E2E_NODE_CONCURRENCY", 16u32).to_string()])
                 .args(["--fail-image", "e2e-missing", "--oom-image", "e2e-oom"])
@@ -333,6 +347,17 @@ impl World {
             assert!(matches!(ready, Ok(Ok(Some(ref l))) if l == "ready"), "a fake node did not start: {ready:?}");
         }
         world
+    }
+
+    /// The fake nodes' process ids (those still running).
+    fn node_pids(&self) -> Vec<u32> {
+        self.nodes.iter().filter_map(|n| n.child.id()).collect()
+    }
+
+    /// Where the fake nodes keep each pod's token and working directory (every daemon's
+    /// command line names it).
+    fn state_dir(&self) -> PathBuf {
+        self._state.path().to_path_buf()
     }
 
     /// The first fake node's Node name.

@@ -16,7 +16,7 @@ use http::StatusCode;
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
 use sandman_provider_kube::pod::build_pod;
-use sandman_provider_kube::{IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
+use sandman_provider_kube::{Footprint, IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_testkit::standin::StandIn;
 use sandman_wire::server::Reason;
 use serde_json::Value;
@@ -738,6 +738,58 @@ async fn releasing_a_job_is_one_deletecollection_and_its_deaths_are_not_news() {
     // Deleting a sandbox that is gone already is fine (the recorded 404).
     p.delete("job-x-0").await.unwrap();
     p.delete("never-existed").await.unwrap();
+}
+
+/// Five sandboxes of one job, created on `cluster`.
+async fn five_of_a_job(p: &KubeProvider) {
+    for i in 0..5 {
+        let mut s = spec(&format!("job-x-{i}"), "busybox:1");
+        s.job = Some("job x".into());
+        p.create(&s).await.unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_all_that_outlasts_the_api_servers_timeout_is_called_again_and_names_every_pod() {
+    let cluster = Cluster::shared();
+    let (client, mock) = client_on(&cluster);
+    let p = provider(client);
+    five_of_a_job(&p).await;
+    // Each deletecollection deletes one pod, then answers the recorded 504 naming none: four
+    // tries (one call and its retries) delete four, the next call the last and answers it alone.
+    cluster.lock().unwrap().collection_cut = Some(1);
+    let writes_before = mock.writes().len();
+    let ids = p.delete_job("job x").await.unwrap();
+    assert_eq!(ids, (0..5).map(|i| format!("job-x-{i}")).collect::<Vec<_>>(), "every released pod named");
+    assert!(cluster.lock().unwrap().pods.is_empty(), "pods left");
+    let collections = mock.writes()[writes_before..].iter().filter(|w| w.method == "DELETE").count();
+    assert_eq!(collections, 5);
+    // The pods were read first (their metadata only), and again after the call that failed.
+    let reads: Vec<common::Seen> = mock
+        .seen()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.query.get("labelSelector").is_some_and(|l| l.contains("sandman.dev/job=")))
+        .collect();
+    assert_eq!(reads.len(), 2, "{reads:?}");
+    // Nothing of the released sandboxes stays in the provider once the watch has seen them go
+    // (most went while the release-all was still calling).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.footprint() != Footprint::default() {
+        assert!(Instant::now() < deadline, "the provider still holds {:?}", p.footprint());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_release_all_that_deletes_nothing_in_the_api_servers_time_fails_with_its_answer() {
+    let cluster = Cluster::shared();
+    let (client, _mock) = client_on(&cluster);
+    let p = provider(client);
+    five_of_a_job(&p).await;
+    cluster.lock().unwrap().collection_cut = Some(0);
+    let err = p.delete_job("job x").await.unwrap_err().to_string();
+    assert!(err.contains("504") && err.contains("did not complete within the allotted timeout"), "{err}");
+    assert_eq!(cluster.lock().unwrap().pods.len(), 5);
 }
 
 #[tokio::test]

@@ -78,6 +78,12 @@ struct Args {
     /// The first loopback address handed out; each pod gets the next one.
     #[arg(long, default_value = "127.1.0.1")]
     first_ip: Ipv4Addr,
+    /// How many addresses from `--first-ip` it hands out before it starts over at the first
+    /// (0: on to the end of 127.0.0.0/8). Nodes sharing a machine each take a range of their
+    /// own; an address where a daemon still listens is skipped, so a range only needs to be
+    /// larger than the pods the node runs at once.
+    #[arg(long, default_value_t = 0)]
+    addresses: u32,
     #[arg(long, default_value = "info")]
     log: String,
     /// With several fake nodes on one scheduler name: how many there are, and which one this
@@ -163,6 +169,9 @@ async fn run(args: Args) -> Result<()> {
         bail!("--first-ip {} is not a loopback address: this node only runs daemons on 127.0.0.0/8", args.first_ip);
     }
     std::fs::create_dir_all(&args.state_dir).with_context(|| format!("cannot create {}", args.state_dir.display()))?;
+    // Each running daemon holds a descriptor here (its pidfd): thousands of pods need more
+    // than the usual soft limit of 1,024.
+    let open_files = sys::raise_open_files().context("cannot raise the limit of open files")?;
     let config = match &args.kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -185,7 +194,7 @@ async fn run(args: Args) -> Result<()> {
         args,
     });
     node.register().await?;
-    tracing::info!(node = %node.args.node_name, namespace = %node.args.namespace, "fake node registered");
+    tracing::info!(node = %node.args.node_name, namespace = %node.args.namespace, open_files, "fake node registered");
     println!("ready");
 
     let heartbeat = node.clone();
@@ -444,6 +453,9 @@ impl FakeNode {
     fn next_ip(&self) -> Ipv4Addr {
         let mut next = self.next_ip.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
+            if self.args.addresses > 0 && *next >= self.args.addresses {
+                *next = 0;
+            }
             let candidate = Ipv4Addr::from(u32::from(self.args.first_ip).wrapping_add(*next));
             *next += 1;
             let [a, _, _, d] = candidate.octets();
@@ -831,9 +843,29 @@ fn terminated_status(pod: &Pod, code: i32, reason: &str, message: Option<&str>, 
 }
 
 /// The node's only `unsafe`: each daemon is killed by the kernel when the node dies, however it
-/// dies (SIGKILL included), so that no daemon outlives its node holding a loopback address.
+/// dies (SIGKILL included), so that no daemon outlives its node holding a loopback address; and
+/// the limit of open files raised.
 #[allow(unsafe_code)]
 mod sys {
+    /// Raises this process's soft limit of open files to its hard limit; answers the limit in
+    /// force. (The daemons inherit it.)
+    pub fn raise_open_files() -> std::io::Result<u64> {
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit and setrlimit only read and write the plain struct they are given.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if limit.rlim_cur < limit.rlim_max {
+                limit.rlim_cur = limit.rlim_max;
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+        }
+        Ok(limit.rlim_cur)
+    }
+
     /// Has the kernel SIGKILL the command's process when the thread that started it ends (tokio's
     /// worker threads live as long as the node's runtime), or at once if the node is already gone.
     pub fn die_with_this_process(cmd: &mut tokio::process::Command) {

@@ -309,6 +309,9 @@ pub struct Cluster {
     pub throttle_next: u32,
     /// A kubelet of its own runs the pods (else the fake node does).
     pub external_kubelet: bool,
+    /// A `deletecollection` of pods runs out of time after deleting this many (those being
+    /// deleted already cost it nothing) and answers the recorded `504`, naming none.
+    pub collection_cut: Option<usize>,
 }
 
 /// Images the fake kubelet cannot pull (`ErrImagePull`, with the recorded message).
@@ -570,6 +573,16 @@ impl Cluster {
             },
             ("DELETE", ["pods"]) => {
                 let matched = selected(&self.pods);
+                let deleting = |p: &Value| p["metadata"]["deletionTimestamp"].is_string();
+                if let Some(cut) = self.collection_cut
+                    && matched.iter().filter(|p| !deleting(p)).count() > cut
+                {
+                    for p in matched.iter().filter(|p| !deleting(p)).take(cut) {
+                        self.delete_pod(p["metadata"]["name"].as_str().unwrap(), grace);
+                    }
+                    let (status, headers, body) = recorded_response("http-504-deletecollection-timeout.http");
+                    return Reply::Raw(status, headers, body);
+                }
                 let out = self.list("PodList", matched.clone());
                 for p in matched {
                     self.delete_pod(p["metadata"]["name"].as_str().unwrap(), grace);
