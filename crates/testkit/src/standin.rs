@@ -148,5 +148,5 @@ fn answer<B>(req: &Request<B>, counts: &Counts, answers: &Answers, token: Option
 /// lowercase hex of HMAC-SHA256(token, [`health_proof_input`]).
 pub fn proof(token: &str, challenge: &str) -> String {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-    ring::hmac::sign(&key, &health_proof_input(challenge)).as_ref().iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(ring::hmac::sign(&key, &health_proof_input(challenge)).as_ref())
 }
