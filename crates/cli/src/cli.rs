@@ -412,7 +412,8 @@ pub struct JobPutCmd {
     /// Most creates per second.
     #[arg(long, value_name = "PER_SEC")]
     pub create_rate: Option<f64>,
-    /// Share of the create rate when jobs queue [default: 1]
+    /// Share of the create rate when jobs queue, and of the nodes' room while creates wait for
+    /// capacity (kubernetes) [default: 1]
     #[arg(long, value_name = "W")]
     pub weight: Option<f64>,
     /// Default lease of the job's sandboxes, in seconds.

@@ -7,11 +7,20 @@
 //! create that fits an eligible node is admitted and counted on that node (as the scheduler's
 //! own cache assumes a pod) until its pod is seen bound; one that fits none now is admitted too,
 //! its pod left pending so that a cluster autoscaler sees the demand and adds nodes. The rest
-//! wait here, in order, with their position and what they wait for. Only a request no eligible
-//! node could hold even empty (bigger than the largest node) is refused at once; a wait longer
-//! than its deadline ends `unschedulable` too.
+//! wait here with their position and what they wait for. Only a request no eligible node could
+//! hold even empty (bigger than the largest node) is refused at once; a wait longer than its
+//! deadline ends `unschedulable` too.
+//!
+//! Fair shares: the waiting creates go in the order of their [`Tenant`]'s share of the room,
+//! least first. A tenant's share is the room its sandboxes hold (bound pods as the watch sees
+//! them, and its admitted creates not yet bound), as the dominant fraction of the eligible
+//! nodes' allocatable (the largest of cpu, memory and pods), divided by its weight; each create
+//! let through adds its ask to its tenant's share. So a job that arrives while another holds
+//! the nodes gets the room that frees until their shares are even, and two jobs waiting together
+//! share it by weight. Within a tenant, first come first served. A warm pool's refills go last,
+//! after every other waiting create: a pool is kept ready with room nobody waits for.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::fmt;
 use std::sync::{Mutex, PoisonError};
 
@@ -22,6 +31,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::KubeConfig;
+use crate::pod::{LABEL_INSTANCE, LABEL_JOB, LABEL_MANAGED_BY, LABEL_POOL, MANAGED_BY, label_value};
 
 /// What a pod asks the scheduler for, as the scheduler counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -55,6 +65,61 @@ impl fmt::Display for Resource {
     }
 }
 
+/// Whose share a create's room counts against.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tenant {
+    /// A job (its name as the pods' job label has it).
+    Job(String),
+    /// Creates that name no job.
+    NoJob,
+    /// A warm pool's refills (unclaimed pool sandboxes): they go after every other waiting create.
+    Refill,
+}
+
+impl Tenant {
+    /// Whose create `spec` is.
+    pub fn of_spec(spec: &sandman_provider::SandboxSpec) -> Tenant {
+        match &spec.job {
+            Some(job) => Tenant::Job(label_value(job)),
+            None if spec.labels.contains_key(sandman_provider::POOL_LABEL) => Tenant::Refill,
+            None => Tenant::NoJob,
+        }
+    }
+
+    /// Whose sandbox the pod is, from its labels (a claimed pool sandbox is its claimer's).
+    pub fn of_pod(pod: &Pod) -> Tenant {
+        let labels = pod.metadata.labels.as_ref();
+        match (labels.and_then(|l| l.get(LABEL_JOB)), labels.is_some_and(|l| l.contains_key(LABEL_POOL))) {
+            (Some(job), _) => Tenant::Job(job.clone()),
+            (None, true) => Tenant::Refill,
+            (None, false) => Tenant::NoJob,
+        }
+    }
+}
+
+/// The room each tenant's sandboxes hold: the requests of the provider's own pods bound to a node
+/// and not ended, by tenant.
+pub type Held = BTreeMap<Tenant, Ask>;
+
+/// What the provider's own pods (this namespace and instance) bound to a node hold, by tenant.
+pub fn held<'a>(pods: impl IntoIterator<Item = &'a Pod>, config: &KubeConfig) -> Held {
+    let instance = label_value(&config.instance);
+    let mut held = Held::new();
+    for pod in pods {
+        let labels = pod.metadata.labels.as_ref();
+        let ours = pod.metadata.namespace.as_deref() == Some(config.namespace.as_str())
+            && labels.and_then(|l| l.get(LABEL_MANAGED_BY)).is_some_and(|v| v == MANAGED_BY)
+            && labels.and_then(|l| l.get(LABEL_INSTANCE)) == Some(&instance);
+        let bound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+        let ended = matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"));
+        if ours && bound && !ended {
+            let t = held.entry(Tenant::of_pod(pod)).or_default();
+            *t = t.plus(&Ask::of_pod(pod));
+        }
+    }
+    held
+}
+
 impl Ask {
     /// The pod's effective requests: per resource, the larger of its containers' sum and its
     /// largest init container (init containers run one at a time, before the others).
@@ -84,6 +149,16 @@ impl Ask {
         } else {
             None
         }
+    }
+
+    /// The largest fraction of `total` this ask takes, over cpu, memory and pods (a pod when
+    /// nothing is known of the nodes).
+    fn dominant(&self, total: &Ask) -> f64 {
+        if *total == Ask::default() {
+            return self.pods as f64;
+        }
+        let part = |a: u64, t: u64| if t == 0 { 0.0 } else { a as f64 / t as f64 };
+        part(self.cpu_milli, total.cpu_milli).max(part(self.memory, total.memory)).max(part(self.pods, total.pods))
     }
 
     fn plus(&self, o: &Ask) -> Ask {
@@ -180,6 +255,18 @@ impl Room {
         Room { nodes: room.into_values().collect() }
     }
 
+    /// [`Fit::Never`] when no eligible node could hold `ask` even empty (and some node is
+    /// known).
+    fn never(&self, ask: &Ask) -> Option<Fit> {
+        let largest =
+            self.nodes.iter().max_by_key(|n| (n.allocatable.cpu_milli, n.allocatable.memory, n.name.clone()))?;
+        if self.nodes.iter().all(|n| ask.short_of(&n.allocatable).is_some()) {
+            let resource = ask.short_of(&largest.allocatable).unwrap_or(Resource::Cpu);
+            return Some(Fit::Never { largest: largest.name.clone(), resource });
+        }
+        None
+    }
+
     /// Where `ask` fits: the eligible node with the most cpu left that holds it.
     pub fn fit(&self, ask: &Ask) -> Fit {
         let roomiest = |nodes: &mut dyn Iterator<Item = &NodeRoom>| {
@@ -188,17 +275,19 @@ impl Room {
         if let Some(n) = roomiest(&mut self.nodes.iter().filter(|n| ask.short_of(&n.free()).is_none())) {
             return Fit::Node(n.name);
         }
-        let Some(largest) =
-            self.nodes.iter().max_by_key(|n| (n.allocatable.cpu_milli, n.allocatable.memory, n.name.clone()))
-        else {
+        if self.nodes.is_empty() {
             return Fit::Wait(Resource::Nodes);
-        };
-        if self.nodes.iter().all(|n| ask.short_of(&n.allocatable).is_some()) {
-            let resource = ask.short_of(&largest.allocatable).unwrap_or(Resource::Cpu);
-            return Fit::Never { largest: largest.name.clone(), resource };
+        }
+        if let Some(never) = self.never(ask) {
+            return never;
         }
         let short = roomiest(&mut self.nodes.iter()).and_then(|n| ask.short_of(&n.free()));
         Fit::Wait(short.unwrap_or(Resource::Cpu))
+    }
+
+    /// What the eligible nodes offer together.
+    fn total(&self) -> Ask {
+        self.nodes.iter().fold(Ask::default(), |t, n| t.plus(&n.allocatable))
     }
 
     fn take(&mut self, node: &str, ask: &Ask) {
@@ -261,13 +350,37 @@ pub enum AdmissionError {
     Forbidden { why: String },
 }
 
+/// Who asks: the tenant whose share the create counts against, and its weight (positive; 1 is
+/// the default).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Share {
+    pub tenant: Tenant,
+    pub weight: f64,
+}
+
+impl Share {
+    /// The share of `spec`'s create: its tenant, and the job's weight as the server sent it.
+    pub fn of_spec(spec: &sandman_provider::SandboxSpec) -> Share {
+        Share::new(Tenant::of_spec(spec), spec.server.weight.unwrap_or(1.0))
+    }
+
+    /// A weight out of the server's bounds (0.001 to 1000, finite) is brought within them.
+    pub fn new(tenant: Tenant, weight: f64) -> Share {
+        let weight = if weight.is_finite() { weight.clamp(MIN_WEIGHT, MAX_WEIGHT) } else { 1.0 };
+        Share { tenant, weight }
+    }
+}
+
+const MIN_WEIGHT: f64 = 0.001;
+const MAX_WEIGHT: f64 = 1000.0;
+
 /// The gate every create passes before its pod is made.
 #[derive(Debug)]
 pub struct Admission {
     /// Admitted creates whose pods are not seen bound yet, at most.
     max_pending: usize,
-    /// The room, the admitted creates not yet seen bound, the queue. Locked briefly, never across
-    /// an await.
+    /// The room, the admitted creates not yet seen bound, the waiting creates. Locked briefly,
+    /// never across an await.
     state: Mutex<State>,
     /// Wakes the waiters when the room changes or a create is done.
     changed: Notify,
@@ -276,13 +389,16 @@ pub struct Admission {
 #[derive(Debug, Default)]
 struct State {
     room: Room,
-    /// Admitted creates whose pods the watches do not show bound yet, by sandbox id: the node
-    /// counted for them (none: admitted pending), and their ask.
-    assumed: BTreeMap<String, (Option<String>, Ask)>,
-    /// Tickets of the waiting creates, first come first served.
-    queue: VecDeque<u64>,
+    /// What each tenant's bound pods hold, as the watches show.
+    held: Held,
+    /// Admitted creates whose pods the watches do not show bound yet, by sandbox id.
+    assumed: BTreeMap<String, Assumed>,
+    /// The waiting creates, by ticket (the order of arrival).
+    waiting: BTreeMap<u64, Waiter>,
+    /// The order the waiting creates go in (see [`State::order`]), until something changes it.
+    order: Option<HashMap<u64, usize>>,
     next_ticket: u64,
-    /// What the first in the queue waits for: what everyone behind it waits for too.
+    /// What the first in line waits for: what everyone behind it waits for too.
     head_waits: Option<Resource>,
     /// Whether the room has been observed once: before, nothing is known and nothing goes.
     observed: bool,
@@ -291,30 +407,107 @@ struct State {
     forbidden: Option<String>,
 }
 
+/// An admitted create not seen bound: the node counted for it (none: admitted pending), its ask
+/// and whose it is.
+#[derive(Debug)]
+struct Assumed {
+    node: Option<String>,
+    ask: Ask,
+    tenant: Tenant,
+}
+
+/// One tenant's waiting creates in [`State::order`]: its weight, and (ticket, ask) in order of
+/// arrival.
+type Line<'a> = (f64, std::collections::VecDeque<(u64, &'a Ask)>);
+
+#[derive(Debug)]
+struct Waiter {
+    tenant: Tenant,
+    weight: f64,
+    ask: Ask,
+}
+
 impl State {
     /// The room as seen, with the assumed creates counted on their nodes, and the pending ones
     /// on whatever room has appeared since: the scheduler places them there first.
     fn room_now(&self) -> Room {
         let mut room = self.room.clone();
-        for (node, ask) in self.assumed.values() {
-            if let Some(node) = node {
-                room.take(node, ask);
+        for a in self.assumed.values() {
+            if let Some(node) = &a.node {
+                room.take(node, &a.ask);
             }
         }
-        for (node, ask) in self.assumed.values() {
-            if node.is_none()
-                && let Fit::Node(n) = room.fit(ask)
+        for a in self.assumed.values() {
+            if a.node.is_none()
+                && let Fit::Node(n) = room.fit(&a.ask)
             {
-                room.take(&n, ask);
+                room.take(&n, &a.ask);
             }
         }
         room
     }
 
+    /// Where the waiting create `ticket` stands (0: next). The order: the tenants other than
+    /// the pools' refills take turns by least share (held and assumed room, as a dominant
+    /// fraction of the nodes', over weight), each turn adding the create's ask to its tenant's
+    /// share; the refills follow, in order of arrival. Computed once per change, in
+    /// O(waiting · log tenants).
+    fn position(&mut self, ticket: u64) -> usize {
+        if self.order.is_none() {
+            self.order = Some(self.order());
+        }
+        self.order.as_ref().and_then(|o| o.get(&ticket).copied()).unwrap_or(0)
+    }
+
+    fn order(&self) -> HashMap<u64, usize> {
+        let total = self.room.total();
+        let mut usage: HashMap<Tenant, f64> = HashMap::new();
+        for (t, ask) in self.held.iter().chain(self.assumed.values().map(|a| (&a.tenant, &a.ask))) {
+            *usage.entry(t.clone()).or_default() += ask.dominant(&total);
+        }
+        // Each tenant's waiting creates in order of arrival, and its weight as the latest said.
+        let mut lines: BTreeMap<&Tenant, Line<'_>> = BTreeMap::new();
+        for (ticket, w) in &self.waiting {
+            let line = lines.entry(&w.tenant).or_default();
+            line.0 = w.weight;
+            line.1.push_back((*ticket, &w.ask));
+        }
+        let refills = lines.remove(&Tenant::Refill).map(|(_, l)| l).unwrap_or_default();
+        // A min-heap of the tenants by (share over weight, their first waiting ticket). Shares
+        // are finite and not negative, so their bits order as the numbers do.
+        let key = |t: &Tenant, usage: f64, weight: f64, first: u64| {
+            std::cmp::Reverse(((usage / weight).to_bits(), first, t.clone()))
+        };
+        let mut heap: BinaryHeap<_> = lines
+            .iter()
+            .map(|(t, (weight, line))| key(t, usage.get(*t).copied().unwrap_or(0.0), *weight, line[0].0))
+            .collect();
+        let mut order = HashMap::with_capacity(self.waiting.len());
+        while let Some(std::cmp::Reverse((_, _, tenant))) = heap.pop() {
+            let Some((weight, line)) = lines.get_mut(&tenant) else { continue };
+            let Some((ticket, ask)) = line.pop_front() else { continue };
+            order.insert(ticket, order.len());
+            let u = usage.entry(tenant.clone()).or_default();
+            *u += ask.dominant(&total);
+            if let Some(&(first, _)) = line.front() {
+                heap.push(key(&tenant, *u, *weight, first));
+            }
+        }
+        for (ticket, _) in refills {
+            order.insert(ticket, order.len());
+        }
+        order
+    }
+
+    /// Something the order depends on changed.
+    fn reorder(&mut self) {
+        self.order = None;
+    }
+
     /// Admitted creates made (or about to make) pods that fit no node now.
     #[cfg(test)]
     fn pending(&self) -> usize {
-        self.assumed.values().filter(|(node, _)| node.is_none()).count()
+        self.assumed.values().filter(|a| a.node.is_none()).count()
     }
 }
 
@@ -324,14 +517,17 @@ impl Admission {
         Admission { max_pending: max_pending.max(1), state: Mutex::default(), changed: Notify::new() }
     }
 
-    /// Replaces the room with what the watches show now. `bound` says whether a sandbox's pod
-    /// is now seen on a node (its ask is in the room then) or gone: its assumption is dropped.
-    pub fn observe(&self, room: Room, settled: impl Fn(&str) -> bool) {
+    /// Replaces the room and what each tenant holds with what the watches show now. `settled`
+    /// says whether a sandbox's pod is now seen on a node (its ask is in the room and in
+    /// `held` then) or gone: its assumption is dropped.
+    pub fn observe(&self, room: Room, held: Held, settled: impl Fn(&str) -> bool) {
         let mut s = self.lock();
         s.room = room;
+        s.held = held;
         s.observed = true;
         s.forbidden = None;
         s.assumed.retain(|id, _| !settled(id));
+        s.reorder();
         drop(s);
         self.changed.notify_waiters();
     }
@@ -351,19 +547,24 @@ impl Admission {
     /// The create of `id` ended without its pod being bound (failed, or deleted): its
     /// assumption goes.
     pub fn forget(&self, id: &str) {
-        if self.lock().assumed.remove(id).is_some() {
+        let mut s = self.lock();
+        if s.assumed.remove(id).is_some() {
+            s.reorder();
+            drop(s);
             self.changed.notify_waiters();
         }
     }
 
-    /// Waits until `ask` may be created: when it is first in line and fewer than `max_pending`
-    /// admitted pods are unbound (counted on the node that holds it, or pending where none
-    /// does). Tells `waiting` its place and what it waits for each time either changes. Refuses
-    /// at once what no eligible node could ever hold, and gives up at `deadline`.
+    /// Waits until `ask` may be created: when it is first in line (see the module's fair
+    /// shares) and fewer than `max_pending` admitted pods are unbound (counted on the node that
+    /// holds it, or pending where none does). Tells `waiting` its place and what it waits for
+    /// each time either changes. Refuses at once what no eligible node could ever hold, and
+    /// gives up at `deadline`.
     pub async fn admit(
         &self,
         id: &str,
         ask: Ask,
+        share: Share,
         deadline: Instant,
         mut waiting: impl FnMut(&Waiting),
     ) -> Result<(), AdmissionError> {
@@ -371,7 +572,13 @@ impl Admission {
             let mut s = self.lock();
             let t = s.next_ticket;
             s.next_ticket += 1;
-            s.queue.push_back(t);
+            s.waiting.insert(t, Waiter { tenant: share.tenant.clone(), weight: share.weight, ask });
+            s.reorder();
+            // Ahead of some who wait already (a tenant holding less): their places change.
+            if s.position(t) + 1 < s.waiting.len() {
+                drop(s);
+                self.changed.notify_waiters();
+            }
             t
         };
         let mut queued = Queued { admission: self, ticket };
@@ -386,8 +593,15 @@ impl Admission {
                 if let Some(why) = s.forbidden.clone() {
                     return Err(AdmissionError::Forbidden { why });
                 }
-                let position = s.queue.iter().position(|t| *t == ticket).unwrap_or(0);
-                let fit = if s.observed { s.room_now().fit(&ask) } else { Fit::Wait(Resource::Nodes) };
+                let position = s.position(ticket);
+                // Only the first in line needs the room as it is now; the others only whether
+                // they could ever fit.
+                let fit = match s.room.never(&ask) {
+                    Some(never) if s.observed => never,
+                    _ if !s.observed => Fit::Wait(Resource::Nodes),
+                    _ if position > 0 => Fit::Wait(Resource::Scheduler),
+                    _ => s.room_now().fit(&ask),
+                };
                 let full = !s.observed || s.assumed.len() >= self.max_pending;
                 match fit {
                     Fit::Never { largest, resource } => Err(AdmissionError::NeverFits {
@@ -396,7 +610,7 @@ impl Admission {
                         cpu: (ask.cpu_milli as f64 / 1000.0).to_string(),
                         memory: ask.memory,
                     }),
-                    // In order: behind a create that waits, whether this one fits or not.
+                    // In line: behind a create that waits, whether this one fits or not.
                     _ if position > 0 => {
                         Ok(Some(Waiting { position, resource: s.head_waits.unwrap_or(Resource::Scheduler) }))
                     }
@@ -409,12 +623,13 @@ impl Admission {
                         Ok(Some(Waiting { position, resource }))
                     }
                     Fit::Node(node) => {
-                        s.assumed.insert(id.to_string(), (Some(node), ask));
+                        s.assumed
+                            .insert(id.to_string(), Assumed { node: Some(node), ask, tenant: share.tenant.clone() });
                         Ok(None)
                     }
                     // No room now: a pending pod, within the bound, for an autoscaler to see.
                     Fit::Wait(_) => {
-                        s.assumed.insert(id.to_string(), (None, ask));
+                        s.assumed.insert(id.to_string(), Assumed { node: None, ask, tenant: share.tenant.clone() });
                         Ok(None)
                     }
                 }
@@ -445,7 +660,8 @@ impl Admission {
     }
 }
 
-/// A place in the queue, given up however the wait ends (admitted, refused, cancelled).
+/// A place among the waiting creates, given up however the wait ends (admitted, refused,
+/// cancelled).
 struct Queued<'a> {
     admission: &'a Admission,
     ticket: u64,
@@ -454,8 +670,8 @@ struct Queued<'a> {
 impl Queued<'_> {
     fn leave(&mut self) {
         let mut s = self.admission.lock();
-        if let Some(at) = s.queue.iter().position(|t| *t == self.ticket) {
-            s.queue.remove(at);
+        if s.waiting.remove(&self.ticket).is_some() {
+            s.reorder();
             drop(s);
             // The next in line may go now.
             self.admission.changed.notify_waiters();
@@ -471,8 +687,8 @@ impl Drop for Queued<'_> {
 
 /// Keeps `gate`'s room up to date until cancelled: one watch of every Node, one of every pod of
 /// the cluster not ended (the scheduler's view: other teams' pods take room too), each into a
-/// reflector store; after each batch of events the room is computed again and the creates
-/// whose pods are now seen on a node stop being assumed. Before both have listed once the room
+/// reflector store; after each batch of events the room and what each tenant holds are computed
+/// again, and the creates whose pods are now seen on a node stop being assumed. Before both have listed once the room
 /// is empty, so creates wait.
 pub async fn watch(
     client: kube::Client,
@@ -528,7 +744,8 @@ pub async fn watch(
             .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some()))
             .filter_map(|p| crate::pod::sandbox_id(&p.metadata))
             .collect();
-        gate.observe(room, |id| bound.contains(id));
+        let held = held(all_pods.iter().map(AsRef::as_ref), &config);
+        gate.observe(room, held, |id| bound.contains(id));
     }
 }
 
@@ -570,6 +787,11 @@ mod tests {
 
     fn config() -> KubeConfig {
         KubeConfig { namespace: "ns".into(), daemon_image: "d".into(), ..KubeConfig::default() }
+    }
+
+    /// A create of no job, weight 1.
+    fn any() -> Share {
+        Share::new(Tenant::NoJob, 1.0)
     }
 
     fn cpu(milli: u64) -> Ask {
@@ -647,13 +869,15 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let big = {
             let gate = gate.clone();
-            tokio::spawn(async move { gate.admit("big", cpu(64_000), deadline, |w| tx.send(w.clone()).unwrap()).await })
+            tokio::spawn(async move {
+                gate.admit("big", cpu(64_000), any(), deadline, |w| tx.send(w.clone()).unwrap()).await
+            })
         };
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(rx.try_recv().unwrap(), Waiting { position: 0, resource: Resource::Nodes });
         assert!(gate.lock().assumed.is_empty(), "admitted before the nodes were known");
         // Once the nodes are known, what can never fit is refused.
-        gate.observe(Room::observe([&node()], [], &config()), |_| false);
+        gate.observe(Room::observe([&node()], [], &config()), Held::new(), |_| false);
         let err = big.await.unwrap().unwrap_err();
         assert!(matches!(err, AdmissionError::NeverFits { .. }), "{err:?}");
     }
@@ -664,7 +888,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(600);
         let waiting = {
             let gate = gate.clone();
-            tokio::spawn(async move { gate.admit("early", cpu(100), deadline, |_| {}).await })
+            tokio::spawn(async move { gate.admit("early", cpu(100), any(), deadline, |_| {}).await })
         };
         tokio::time::sleep(Duration::from_millis(1)).await;
         let why = r#"pods is forbidden: User "system:serviceaccount:sandman-system:sandman-server" cannot list resource "pods""#;
@@ -673,13 +897,13 @@ mod tests {
         let err = waiting.await.unwrap().unwrap_err();
         assert!(matches!(&err, AdmissionError::Forbidden { why: w } if w == why), "{err:?}");
         assert!(err.to_string().contains("deploy/components/capacity-rbac"), "{err}");
-        let err = gate.admit("late", cpu(100), deadline, |_| {}).await.unwrap_err();
+        let err = gate.admit("late", cpu(100), any(), deadline, |_| {}).await.unwrap_err();
         assert!(matches!(err, AdmissionError::Forbidden { .. }), "{err:?}");
         assert!(Instant::now() < deadline, "it waited for the deadline");
         // Granted, and the room seen: creates go again, and a later 403 changes nothing.
-        gate.observe(Room::observe([&node()], [], &config()), |_| false);
+        gate.observe(Room::observe([&node()], [], &config()), Held::new(), |_| false);
         gate.forbidden(why.to_string());
-        gate.admit("after", cpu(100), deadline, |_| {}).await.unwrap();
+        gate.admit("after", cpu(100), any(), deadline, |_| {}).await.unwrap();
     }
 
     #[test]
@@ -700,8 +924,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_create_that_can_never_fit_is_refused_at_once_naming_the_largest_node() {
         let gate = Admission::new(4);
-        gate.observe(Room::observe([&node()], [], &config()), |_| false);
-        let err = gate.admit("big", cpu(64_000), Instant::now() + Duration::from_secs(600), |_| {}).await.unwrap_err();
+        gate.observe(Room::observe([&node()], [], &config()), Held::new(), |_| false);
+        let err =
+            gate.admit("big", cpu(64_000), any(), Instant::now() + Duration::from_secs(600), |_| {}).await.unwrap_err();
         assert!(matches!(err, AdmissionError::NeverFits { resource: Resource::Cpu, .. }), "{err:?}");
         assert!(err.to_string().contains("`node-1` (2 cpu"), "{err}");
     }
@@ -726,7 +951,7 @@ mod tests {
             pods.push(pod_on(id, "node-1"));
         }
         let bound: Vec<String> = pods.iter().filter_map(|p| p.metadata.name.clone()).collect();
-        gate.observe(Room::observe([&node()], pods.iter(), &config()), |id| bound.iter().any(|b| b == id));
+        gate.observe(Room::observe([&node()], pods.iter(), &config()), Held::new(), |id| bound.iter().any(|b| b == id));
         admitted
     }
 
@@ -739,7 +964,7 @@ mod tests {
     async fn a_burst_beyond_the_room_waits_in_order_and_goes_as_room_appears() {
         let gate = Arc::new(Admission::new(4));
         let mut pods = vec![pod_on("other-team", "node-1")];
-        gate.observe(Room::observe([&node()], &pods, &config()), |_| false);
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |_| false);
         let deadline = Instant::now() + Duration::from_secs(600);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut tasks = Vec::new();
@@ -748,7 +973,7 @@ mod tests {
             tasks.push(tokio::spawn(async move {
                 let id = format!("s{i:02}");
                 let mut seen = Vec::new();
-                let r = gate.admit(&id, cpu(100), deadline, |w| seen.push(w.clone())).await;
+                let r = gate.admit(&id, cpu(100), any(), deadline, |w| seen.push(w.clone())).await;
                 let _ = tx.send((id, r, seen));
             }));
             // Each in its turn, so that the order of arrival is known.
@@ -766,7 +991,7 @@ mod tests {
         let pending = settle(&gate, &mut pods, &mut rx, 0).await;
         assert_eq!(pending, ["s20", "s21", "s22"]);
         assert_eq!(gate.lock().pending(), 4);
-        assert_eq!(gate.lock().queue.len(), 17);
+        assert_eq!(gate.lock().waiting.len(), 17);
         assert!(settle(&gate, &mut pods, &mut rx, 0).await.is_empty(), "a create went with the bound reached");
 
         // Six sandboxes end; the scheduler binds the four pending pods there; two more go onto
@@ -789,26 +1014,28 @@ mod tests {
         for t in tasks {
             t.await.unwrap();
         }
-        assert!(gate.lock().queue.is_empty(), "a place in the queue outlived its wait");
+        assert!(gate.lock().waiting.is_empty(), "a place in the queue outlived its wait");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_waiter_learns_its_place_and_a_cancelled_wait_gives_it_up() {
         let gate = Arc::new(Admission::new(1));
         let pods: Vec<Pod> = (0..20).map(|i| pod_on(&format!("p{i}"), "node-1")).collect();
-        gate.observe(Room::observe([&node()], &pods, &config()), |_| false);
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |_| false);
         let deadline = Instant::now() + Duration::from_secs(600);
         // The node is full; one pending pod, the bound, goes for an autoscaler to see.
-        gate.admit("pending", cpu(100), deadline, |w| panic!("{w}")).await.unwrap();
+        gate.admit("pending", cpu(100), any(), deadline, |w| panic!("{w}")).await.unwrap();
         let first = {
             let gate = gate.clone();
-            tokio::spawn(async move { gate.admit("first", cpu(100), deadline, |_| {}).await })
+            tokio::spawn(async move { gate.admit("first", cpu(100), any(), deadline, |_| {}).await })
         };
         tokio::task::yield_now().await;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let second = {
             let gate = gate.clone();
-            tokio::spawn(async move { gate.admit("second", cpu(100), deadline, |w| tx.send(w.clone()).unwrap()).await })
+            tokio::spawn(async move {
+                gate.admit("second", cpu(100), any(), deadline, |w| tx.send(w.clone()).unwrap()).await
+            })
         };
         tokio::time::sleep(Duration::from_millis(1)).await;
         let w = rx.try_recv().unwrap();
@@ -821,6 +1048,224 @@ mod tests {
         assert_eq!(rx.try_recv().unwrap(), Waiting { position: 0, resource: Resource::Cpu });
         second.abort();
         let _ = second.await;
-        assert!(gate.lock().queue.is_empty());
+        assert!(gate.lock().waiting.is_empty());
+    }
+
+    fn job(name: &str, weight: f64) -> Share {
+        Share::new(Tenant::Job(name.into()), weight)
+    }
+
+    /// The order the waiting creates of `state` go in, as the tickets' ids.
+    fn order_of(state: &State, ids: &BTreeMap<u64, &str>) -> Vec<String> {
+        let order = state.order();
+        let mut by_place: Vec<(usize, u64)> = order.iter().map(|(t, p)| (*p, *t)).collect();
+        by_place.sort();
+        by_place.iter().map(|(_, t)| ids[t].to_string()).collect()
+    }
+
+    /// A state with the recorded node's room and `waiting` creates (id, share, ask) queued in
+    /// that order.
+    fn waiting_state<'a>(held: Held, waiting: &[(&'a str, Share, Ask)]) -> (State, BTreeMap<u64, &'a str>) {
+        let mut state =
+            State { room: Room::observe([&node()], [], &config()), held, observed: true, ..State::default() };
+        let mut ids = BTreeMap::new();
+        for (ticket, (id, share, ask)) in waiting.iter().enumerate() {
+            let ticket = ticket as u64;
+            state.waiting.insert(ticket, Waiter { tenant: share.tenant.clone(), weight: share.weight, ask: *ask });
+            ids.insert(ticket, *id);
+        }
+        (state, ids)
+    }
+
+    #[test]
+    fn what_a_tenant_holds_is_its_own_bound_live_pods_requests() {
+        let config = KubeConfig { namespace: "sandman-fixtures".into(), instance: "i".into(), ..config() };
+        let ours = |name: &str, labels: &[(&str, &str)]| {
+            let mut pod = pod_on(name, "node-1");
+            let l = pod.metadata.labels.as_mut().unwrap();
+            l.insert(LABEL_INSTANCE.into(), "i".into());
+            l.remove(LABEL_JOB);
+            l.extend(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            pod
+        };
+        let mut unbound = ours("unbound", &[(LABEL_JOB, "a")]);
+        unbound.spec.as_mut().unwrap().node_name = None;
+        let mut ended = ours("ended", &[(LABEL_JOB, "a")]);
+        ended.status.as_mut().unwrap().phase = Some("Failed".into());
+        let mut elsewhere = ours("other-namespace", &[(LABEL_JOB, "a")]);
+        elsewhere.metadata.namespace = Some("other".into());
+        let mut other_instance = ours("other-instance", &[(LABEL_JOB, "a")]);
+        other_instance.metadata.labels.as_mut().unwrap().insert(LABEL_INSTANCE.into(), "j".into());
+        let pods = [
+            ours("a1", &[(LABEL_JOB, "a")]),
+            ours("a2", &[(LABEL_JOB, "a")]),
+            ours("b1", &[(LABEL_JOB, "b")]),
+            ours("warm", &[(LABEL_POOL, "warm")]),
+            ours("loose", &[]),
+            unbound,
+            ended,
+            elsewhere,
+            other_instance,
+        ];
+        let one = Ask { cpu_milli: 100, memory: 64 << 20, pods: 1 };
+        let two = Ask { cpu_milli: 200, memory: 128 << 20, pods: 2 };
+        assert_eq!(
+            held(&pods, &config),
+            Held::from([
+                (Tenant::Job("a".into()), two),
+                (Tenant::Job("b".into()), one),
+                (Tenant::NoJob, one),
+                (Tenant::Refill, one),
+            ])
+        );
+    }
+
+    #[test]
+    fn a_creates_tenant_is_its_job_a_pool_refill_or_none_with_the_weight_the_server_sent() {
+        let mut spec = sandman_provider::conformance::spec("s", "busybox");
+        spec.server.weight = None;
+        spec.job = None;
+        assert_eq!(Share::of_spec(&spec), Share { tenant: Tenant::NoJob, weight: 1.0 });
+        spec.labels.insert(sandman_provider::POOL_LABEL.into(), "warm".into());
+        assert_eq!(Share::of_spec(&spec).tenant, Tenant::Refill);
+        spec.job = Some("team/eval run".into());
+        spec.server.weight = Some(3.0);
+        assert_eq!(Share::of_spec(&spec), Share { tenant: Tenant::Job(label_value("team/eval run")), weight: 3.0 });
+        // Out of bounds: brought within the server's.
+        assert_eq!(Share::new(Tenant::NoJob, 1e9).weight, 1000.0);
+        assert_eq!(Share::new(Tenant::NoJob, 0.0).weight, 0.001);
+        assert_eq!(Share::new(Tenant::NoJob, f64::NAN).weight, 1.0);
+    }
+
+    /// Job `a` holds the whole node and queued first; job `b` holds nothing: `b`'s creates go
+    /// first until the two hold alike, then they alternate (first come on a tie).
+    #[test]
+    fn the_tenant_holding_least_goes_first_not_the_first_to_come() {
+        let held = Held::from([(Tenant::Job("a".into()), cpu(500))]);
+        let mut waiting = Vec::new();
+        for i in 0..4 {
+            waiting.push((["a0", "a1", "a2", "a3"][i], job("a", 1.0), cpu(125)));
+        }
+        for i in 0..6 {
+            waiting.push((["b0", "b1", "b2", "b3", "b4", "b5"][i], job("b", 1.0), cpu(125)));
+        }
+        let (state, ids) = waiting_state(held, &waiting);
+        // a holds 500m of 2000m (1/4); each create is 1/16: b catches up after four.
+        assert_eq!(order_of(&state, &ids), ["b0", "b1", "b2", "b3", "a0", "b4", "a1", "b5", "a2", "a3"]);
+    }
+
+    /// Two jobs waiting with nothing held share by weight: 1 to 3.
+    #[test]
+    fn tenants_waiting_together_go_in_proportion_to_their_weights() {
+        let mut waiting = Vec::new();
+        let names: Vec<String> =
+            (0..8).map(|i| format!("light{i}")).chain((0..8).map(|i| format!("heavy{i}"))).collect();
+        for (i, name) in names.iter().enumerate() {
+            let share = if i < 8 { job("light", 1.0) } else { job("heavy", 3.0) };
+            waiting.push((name.as_str(), share, cpu(125)));
+        }
+        let (state, ids) = waiting_state(Held::new(), &waiting);
+        let order = order_of(&state, &ids);
+        let first_eight: Vec<&str> = order[..8].iter().map(|id| id.trim_end_matches(char::is_numeric)).collect();
+        assert_eq!(first_eight, ["light", "heavy", "heavy", "heavy", "light", "heavy", "heavy", "heavy"]);
+        // Within a tenant, first come first served.
+        let heavy: Vec<&String> = order.iter().filter(|id| id.starts_with("heavy")).collect();
+        assert_eq!(heavy, names[8..].iter().collect::<Vec<_>>());
+    }
+
+    /// A pool's refills queued first still go after every job's create that waits, and the
+    /// room a job's admitted creates take counts against it before their pods are seen bound.
+    #[test]
+    fn refills_go_last_and_admitted_creates_count_for_their_tenant() {
+        let waiting = [
+            ("r0", Share::new(Tenant::Refill, 1.0), cpu(125)),
+            ("r1", Share::new(Tenant::Refill, 1.0), cpu(125)),
+            ("a0", job("a", 1.0), cpu(125)),
+            ("b0", job("b", 1.0), cpu(125)),
+            ("a1", job("a", 1.0), cpu(125)),
+            ("b1", job("b", 1.0), cpu(125)),
+        ];
+        let (mut state, ids) = waiting_state(Held::new(), &waiting);
+        assert_eq!(order_of(&state, &ids), ["a0", "b0", "a1", "b1", "r0", "r1"]);
+        state.assumed.insert("a-x".into(), Assumed { node: None, ask: cpu(250), tenant: Tenant::Job("a".into()) });
+        assert_eq!(order_of(&state, &ids), ["b0", "b1", "a0", "a1", "r0", "r1"]);
+    }
+
+    /// Through the gate, one at a time (`max_pending` 1) on a full node: job `b`, arriving
+    /// after `a`'s burst, gets the room that frees until it holds as much as `a`.
+    #[tokio::test(start_paused = true)]
+    async fn room_that_frees_goes_to_the_job_holding_least() {
+        let gate = Arc::new(Admission::new(1));
+        let tagged = |name: &str, job: &str| {
+            let mut pod = pod_on(name, "node-1");
+            pod.metadata.labels.as_mut().unwrap().insert(LABEL_JOB.into(), job.into());
+            pod
+        };
+        // Job a holds the node (20 x 100m).
+        let mut pods: Vec<Pod> = (0..20).map(|i| tagged(&format!("old-a{i}"), "a")).collect();
+        let held_of = |pods: &[Pod]| {
+            let mut held = Held::new();
+            for p in pods {
+                let t = held.entry(Tenant::of_pod(p)).or_default();
+                *t = t.plus(&Ask::of_pod(p));
+            }
+            held
+        };
+        gate.observe(Room::observe([&node()], &pods, &config()), held_of(&pods), |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        // One create of no job goes as a pending pod (the bound): the others all wait.
+        gate.admit("x", cpu(100), any(), deadline, |w| panic!("{w}")).await.unwrap();
+        let mut last = "x";
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (id, who) in [("a0", "a"), ("a1", "a"), ("a2", "a"), ("b0", "b"), ("b1", "b"), ("b2", "b")] {
+            let (gate, tx) = (gate.clone(), tx.clone());
+            tokio::spawn(async move {
+                gate.admit(id, cpu(100), job(who, 1.0), deadline, |_| {}).await.unwrap();
+                tx.send(id).unwrap();
+            });
+            tokio::task::yield_now().await;
+        }
+        let mut admitted = Vec::new();
+        for round in 0..6 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert!(rx.try_recv().is_err(), "admitted past the bound in round {round}");
+            // One of a's old sandboxes ends, and the scheduler binds the last one admitted.
+            pods.remove(0);
+            pods.push(tagged(last, &last[..1]));
+            gate.observe(Room::observe([&node()], &pods, &config()), held_of(&pods), |s| s == last);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            last = rx.try_recv().unwrap_or_else(|_| panic!("nothing admitted in round {round}"));
+            admitted.push(last);
+        }
+        assert_eq!(admitted, ["b0", "b1", "b2", "a0", "a1", "a2"]);
+    }
+
+    /// A create that goes ahead of those waiting (its job holds less) moves them back, and they
+    /// are told their new places.
+    #[tokio::test(start_paused = true)]
+    async fn a_create_going_ahead_tells_those_behind_their_new_place() {
+        let gate = Arc::new(Admission::new(1));
+        let pods: Vec<Pod> = (0..20).map(|i| pod_on(&format!("p{i}"), "node-1")).collect();
+        let held = Held::from([(Tenant::Job("a".into()), cpu(2000))]);
+        gate.observe(Room::observe([&node()], &pods, &config()), held, |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        gate.admit("pending", cpu(100), any(), deadline, |w| panic!("{w}")).await.unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let a0 = {
+            let gate = gate.clone();
+            tokio::spawn(async move {
+                gate.admit("a0", cpu(100), job("a", 1.0), deadline, |w| tx.send(w.clone()).unwrap()).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(rx.try_recv().unwrap().position, 0);
+        let b0 = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("b0", cpu(100), job("b", 1.0), deadline, |_| {}).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(rx.try_recv().unwrap().position, 1, "a0 was not told that b0 went ahead");
+        a0.abort();
+        b0.abort();
     }
 }

@@ -201,7 +201,7 @@ impl KubeProvider {
         // each move would make lines without bound in the square of the queue's length.
         let mut told: Option<(Instant, capacity::Resource)> = None;
         let admitted = gate
-            .admit(&spec.id, Ask::of_pod(pod), deadline, |w| {
+            .admit(&spec.id, Ask::of_pod(pod), capacity::Share::of_spec(spec), deadline, |w| {
                 self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
                 let now = Instant::now();
                 let due = told.as_ref().is_none_or(|(at, what)| {

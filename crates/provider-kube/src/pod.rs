@@ -21,6 +21,8 @@ pub const MANAGED_BY: &str = "sandman";
 pub const LABEL_INSTANCE: &str = "sandman.dev/instance";
 pub const LABEL_SANDBOX: &str = "sandman.dev/sandbox";
 pub const LABEL_JOB: &str = "sandman.dev/job";
+/// On an unclaimed warm pool sandbox's pod: the pool (as a label value). A claim takes it off.
+pub const LABEL_POOL: &str = sandman_provider::POOL_LABEL;
 /// `egress` or `none`; the NetworkPolicy for `none` selects on it.
 pub const LABEL_NETWORK: &str = "sandman.dev/network";
 pub const LABEL_PROFILE: &str = "sandman.dev/profile";
@@ -357,9 +359,12 @@ pub fn daemon_injection(config: &KubeConfig) -> (Volume, Option<Container>) {
     }
 }
 
-/// The labels of the pod: ownership, the sandbox, its job, and how it is cut off.
+/// The labels of the pod: ownership, the sandbox, its job or warm pool, and how it is cut off.
 fn labels_of(spec: &SandboxSpec, config: &KubeConfig) -> BTreeMap<String, String> {
     let mut l = labels(spec, config);
+    if let (None, Some(pool)) = (&spec.job, spec.labels.get(LABEL_POOL)) {
+        l.insert(LABEL_POOL.into(), label_value(pool));
+    }
     l.insert(LABEL_NETWORK.into(), if no_network(spec) { "none" } else { "egress" }.into());
     l.insert(LABEL_PROFILE.into(), if spec.profile == Profile::Eval { "eval" } else { "default" }.into());
     l
@@ -653,14 +658,14 @@ fn without_token(claim: &Claim) -> Claim {
 /// `resource_version`. The version makes it a conditional update: the API server refuses it
 /// with `409 Conflict` when anything wrote the pod since (another server's claim first of all).
 /// It adds [`LABEL_CLAIMED`], sets the claimer's job label (removes the pool's, when the claimer
-/// has none), and stores the claim and the claimed spec as annotations, both without the token,
+/// has none), removes [`LABEL_POOL`] (the sandbox is the claimer's now), and stores the claim and the claimed spec as annotations, both without the token,
 /// exactly as [`build_pod`] stores a spec; the token stays where create put it.
 pub fn claim_patch(claim: &Claim, resource_version: &str) -> Result<serde_json::Value, ProviderError> {
     let job = claim.spec.job.as_deref().map(label_value);
     Ok(serde_json::json!({
         "metadata": {
             "resourceVersion": resource_version,
-            "labels": {LABEL_CLAIMED: "true", LABEL_JOB: job},
+            "labels": {LABEL_CLAIMED: "true", LABEL_JOB: job, LABEL_POOL: null},
             "annotations": {
                 ANNOTATION_CLAIM: claim_annotation(claim)?,
                 ANNOTATION_SPEC: spec_annotation(&claim.spec)?,

@@ -1497,3 +1497,153 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
     println!("capacity rollout: {episodes_told} progress lines of episodes waiting for capacity");
     registered.remove().await;
 }
+
+/// Fair shares on a real kubelet's node: job `a` asks for more 100m sandboxes than the node holds
+/// and keeps them; job `b` arrives later, while `a`'s surplus waits. Every one of `b`'s creates
+/// waits ahead of every one of `a`'s (`b` holds nothing, `a` the node), and as `a` releases
+/// sandboxes the room goes to `b` first: all of `b`'s leave the queue no later than any of `a`'s
+/// that waited when `b` came, and every create of both completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
+async fn a_job_arriving_while_another_holds_the_node_gets_the_room_that_frees_first() {
+    let kubeconfig = e2e_kubeconfig();
+    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
+        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
+    let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
+    let client = client(&kubeconfig, None).await;
+    let namespace = format!("sandman-e2e-fair-{}", unique());
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
+    // What one node holds of 100m sandboxes, and then some: `a` always has creates waiting.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let most_cpu = nodes
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(|n| n.status.as_ref()?.allocatable.as_ref()?.get("cpu").cloned())
+        .filter_map(|q| Quantity::Text(q.0).value().ok())
+        .fold(0.0, f64::max);
+    let a_count = (most_cpu * 10.0) as usize + 10;
+    let b_count = 6;
+    let config = KubeConfig {
+        namespace: namespace.clone(),
+        daemon_image,
+        manage_network_policy: false,
+        capacity: Some(CapacityConfig { max_pending: 2, wait_s: 600 }),
+        ..KubeConfig::default()
+    };
+    let p = Arc::new(KubeProvider::new(client.clone(), config).unwrap());
+    let sandbox = |job: &str, i: usize| {
+        let mut s = spec(&format!("{job}{i:02}"), &task_image);
+        s.job = Some(job.to_string());
+        s.resources = Resources { cpu: Some(Quantity::Text("100m".into())), ..Resources::default() };
+        s
+    };
+    let a: Vec<SandboxSpec> = (0..a_count).map(|i| sandbox("a", i)).collect();
+    let b: Vec<SandboxSpec> = (0..b_count).map(|i| sandbox("b", i)).collect();
+    // Each create, kept once ready: the ready ones answer their token.
+    let ready = Arc::new(Mutex::new(Vec::<(String, String, String)>::new()));
+    let start = |s: SandboxSpec| {
+        let (p, ready) = (p.clone(), ready.clone());
+        tokio::spawn(async move {
+            let endpoint = p.create(&s).await.map_err(|e| format!("{}: {e}", s.id))?;
+            let Endpoint::Tcp(addr) = endpoint else { return Err(format!("{}: not a TCP endpoint", s.id)) };
+            echo(&addr, &s.token).await?;
+            ready.lock().unwrap().push((s.id.clone(), addr, s.token.clone()));
+            Ok::<_, String>(())
+        })
+    };
+    // When each create left the queue, polled (a create that never waited left at once).
+    let left = Arc::new(Mutex::new(BTreeMap::<String, Instant>::new()));
+    let waited = Arc::new(Mutex::new(std::collections::BTreeSet::<String>::new()));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let poller = {
+        let (p, left, waited, stop) = (p.clone(), left.clone(), waited.clone(), stop.clone());
+        let ids: Vec<String> = a.iter().chain(&b).map(|s| s.id.clone()).collect();
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                for id in &ids {
+                    if p.waiting(id).is_some() {
+                        waited.lock().unwrap().insert(id.clone());
+                    } else if waited.lock().unwrap().contains(id) {
+                        left.lock().unwrap().entry(id.clone()).or_insert_with(Instant::now);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+
+    let mut tasks: Vec<_> = a.iter().cloned().map(start).collect();
+    // Until the node is full and `a`'s surplus waits.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        // (Before the watches have listed, every create waits for an eligible node.)
+        let waits: Vec<_> = a.iter().filter_map(|s| p.waiting(&s.id)).collect();
+        let waiting = waits.len();
+        let held = ready.lock().unwrap().len();
+        let for_room = waits.iter().all(|w| w.resource != sandman_provider_kube::capacity::Resource::Nodes);
+        if waiting >= 3 && for_room && held > 0 && held + waiting + 2 >= a_count {
+            break;
+        }
+        assert!(Instant::now() < deadline, "job a never filled the node: {held} ready, {waiting} waiting");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tasks.extend(b.iter().cloned().map(start));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while b.iter().any(|s| p.waiting(&s.id).is_none()) {
+        let places: Vec<_> = b.iter().map(|s| p.waiting(&s.id)).collect();
+        assert!(Instant::now() < deadline, "job b's creates did not all wait: {places:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Every one of b's waits ahead of every one of a's.
+    let places = |specs: &[SandboxSpec]| -> Vec<usize> {
+        specs.iter().filter_map(|s| p.waiting(&s.id)).map(|w| w.position).collect()
+    };
+    let (a_places, b_places) = (places(&a), places(&b));
+    let a_waiting: Vec<String> = a.iter().filter(|s| p.waiting(&s.id).is_some()).map(|s| s.id.clone()).collect();
+    assert!(
+        b_places.iter().max() < a_places.iter().min(),
+        "job b (holding nothing) waits behind job a (holding the node): b at {b_places:?}, a at {a_places:?}"
+    );
+
+    // a releases what it holds, one sandbox a second: the room goes to b first.
+    let deadline = Instant::now() + Duration::from_secs(400);
+    while !tasks.iter().all(|t| t.is_finished()) {
+        assert!(Instant::now() < deadline, "the creates did not all complete");
+        let next = {
+            let mut r = ready.lock().unwrap();
+            let at = r.iter().position(|(id, _, _)| id.starts_with('a'));
+            at.map(|at| r.remove(at))
+        };
+        if let Some((id, _, _)) = next {
+            p.delete(&id).await.unwrap_or_else(|e| panic!("delete {id}: {e}"));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    stop.cancel();
+    poller.await.unwrap();
+    let failed: Vec<String> =
+        futures_util::future::join_all(tasks).await.into_iter().filter_map(|r| r.unwrap().err()).collect();
+    assert!(failed.is_empty(), "creates failed: {failed:?}");
+    let left = left.lock().unwrap().clone();
+    let b_last = b.iter().map(|s| left[&s.id]).max().unwrap();
+    let a_first = a_waiting.iter().filter_map(|id| left.get(id)).min().copied().unwrap();
+    assert!(
+        b_last <= a_first,
+        "one of a's waiting creates left the queue {:?} before b's last",
+        b_last.saturating_duration_since(a_first)
+    );
+    println!(
+        "fair shares: job a {a_count} creates ({} waited when b came), job b {b_count}: b at places {b_places:?}, a from {:?}; b's last left the queue {:.1} s before a's first",
+        a_waiting.len(),
+        a_places.iter().min(),
+        a_first.saturating_duration_since(b_last).as_secs_f64()
+    );
+    let kept: Vec<(String, String, String)> = std::mem::take(&mut *ready.lock().unwrap());
+    for (id, _, _) in kept {
+        p.delete(&id).await.unwrap_or_else(|e| panic!("delete {id}: {e}"));
+    }
+    registered.remove().await;
+}

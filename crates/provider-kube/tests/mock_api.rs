@@ -1264,7 +1264,8 @@ async fn a_claim_reads_the_pod_then_patches_it_on_the_version_read_without_the_t
         serde_json::json!({"metadata": {
             // The version read: the API server refuses the patch if the pod changed since.
             "resourceVersion": "854",
-            "labels": {"sandman.dev/claimed": "true", "sandman.dev/job": job_label},
+            // The pool's label comes off: the sandbox, and the room it holds, are the claimer's.
+            "labels": {"sandman.dev/claimed": "true", "sandman.dev/job": job_label, "sandman.dev/pool": null},
             "annotations": {"sandman.dev/claim": annotations["sandman.dev/claim"].clone(),
                             "sandman.dev/spec": annotations["sandman.dev/spec"].clone()},
         }})

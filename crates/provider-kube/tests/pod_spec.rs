@@ -262,6 +262,24 @@ fn a_job_name_that_is_no_label_value_gets_a_stable_one() {
     assert_eq!(pod::spec_of(&pod).and_then(|s| s.job).as_deref(), Some("job a"));
 }
 
+/// Capacity-aware admission tells whose room a pod holds from its labels: an unclaimed pool
+/// sandbox's pod carries its pool (its Secret does not: a claim relabels only the pod).
+#[test]
+fn a_pool_sandboxs_pod_carries_its_pool_and_a_jobs_pod_its_job() {
+    let mut s = sandbox();
+    s.job = None;
+    s.labels.insert("sandman.dev/pool".into(), "warm pool".into());
+    let pod = build_pod(&s, &config()).unwrap();
+    let labels = pod.metadata.labels.as_ref().unwrap();
+    assert_eq!(labels.get("sandman.dev/pool"), Some(&pod::label_value("warm pool")));
+    assert!(!labels.contains_key("sandman.dev/job"));
+    assert_eq!(sandman_provider_kube::capacity::Tenant::of_pod(&pod), sandman_provider_kube::capacity::Tenant::Refill);
+    assert!(!build_secret(&s, &config(), "uid").metadata.labels.unwrap().contains_key("sandman.dev/pool"));
+    s.job = Some("job a".into());
+    let pod = build_pod(&s, &config()).unwrap();
+    assert!(!pod.metadata.labels.as_ref().unwrap().contains_key("sandman.dev/pool"));
+}
+
 #[test]
 fn what_no_pod_can_be_made_from_is_refused_clearly() {
     let refused = |s: SandboxSpec, config: &KubeConfig| match pod::check(&s, config) {

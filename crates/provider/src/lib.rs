@@ -43,7 +43,7 @@ pub struct SandboxSpec {
 }
 
 /// What the server keeps about a sandbox beyond what the provider uses.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ServerMeta {
     pub lease_s: u64,
     pub idle_timeout_s: Option<u64>,
@@ -52,7 +52,16 @@ pub struct ServerMeta {
     /// The create's default user for the sandbox's commands (the server passes it to each call).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// The job's weight when the create was asked for (unset: 1). A provider that makes creates
+    /// wait for room (the kubernetes provider's capacity-aware admission) shares the room
+    /// between the jobs waiting by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<f64>,
 }
+
+/// The label that marks a warm pool's sandboxes in [`SandboxSpec::labels`] (its value: the
+/// pool's name). A provider may give their creates (the pool's refills) the last place.
+pub const POOL_LABEL: &str = "sandman.dev/pool";
 
 /// The sandboxes a provider is making right now: `list` must not take a half-made one for a
 /// broken one, and a second create of an id being made is refused.

@@ -18,7 +18,7 @@ use crate::journal::Journal;
 use tokio::time::Instant;
 
 /// The label that marks a pool's sandboxes (in the provider's records too, for recovery).
-pub const POOL_LABEL: &str = "sandman.dev/pool";
+pub use sandman_provider::POOL_LABEL;
 /// Pools kept across restarts.
 pub const POOLS_FILE: &str = "pools.json";
 /// Claims kept across restarts.

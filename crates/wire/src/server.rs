@@ -436,7 +436,8 @@ pub struct JobSpec {
     /// Most creates per second.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub create_rate: Option<f64>,
-    /// Share of the create rate when jobs queue (default 1).
+    /// Share of the create rate when jobs queue (default 1), and of the nodes' room when creates
+    /// wait for it (the kubernetes provider's capacity-aware admission).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<f64>,
     /// Default lease of the job's sandboxes, renewed by one heartbeat for all.

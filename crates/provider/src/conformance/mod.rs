@@ -51,6 +51,7 @@ pub fn spec(id: &str, image: &str) -> SandboxSpec {
             ttl_s: Some(3600),
             idempotency_key: Some(format!("key-{id}")),
             user: None,
+            weight: Some(2.5),
         },
     }
 }

@@ -57,6 +57,11 @@ impl Jobs {
         self.lock().get(name).and_then(|e| e.spec.lease_s)
     }
 
+    /// The job's admission weight, when it set one.
+    pub(super) fn weight(&self, name: &str) -> Option<f64> {
+        self.lock().get(name).and_then(|e| e.spec.weight)
+    }
+
     /// The job's `max_sandboxes` quota, when it set one.
     pub(super) fn max_sandboxes(&self, name: &str) -> Option<u64> {
         self.lock().get(name).and_then(|e| e.spec.max_sandboxes)

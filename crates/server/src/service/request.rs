@@ -130,6 +130,7 @@ impl Service {
                 ttl_s: ttl.map(|t| t.as_secs()),
                 idempotency_key: req.idempotency_key.clone(),
                 user: req.user.clone(),
+                weight: req.job.as_ref().and_then(|j| self.jobs.weight(j)),
             },
         };
         Ok(Parsed { spec, lease: Duration::from_secs(lease_s), idle, ttl })

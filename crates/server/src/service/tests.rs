@@ -858,3 +858,26 @@ async fn a_stranger_at_the_address_of_a_provider_that_did_not_prove_fails_the_cr
     }
     assert_eq!(health_calls(&standins), [1]);
 }
+
+/// A provider that shares room between jobs (the kubernetes provider's capacity-aware
+/// admission) learns each create's job weight from its spec.
+#[tokio::test]
+async fn a_create_carries_its_jobs_weight_to_the_provider() {
+    use sandman_provider::Provider;
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let s = service(dir.path());
+    s.put_job("heavy", JobSpec { weight: Some(3.0), ..Default::default() }).unwrap_or_else(|e| panic!("{e}"));
+    s.put_job("plain", JobSpec::default()).unwrap_or_else(|e| panic!("{e}"));
+    let mut want = HashMap::new();
+    for (job, weight) in [(Some("heavy"), Some(3.0)), (Some("plain"), None), (None, None)] {
+        let sb = s.create(create_req(job, false)).await.unwrap_or_else(|e| panic!("{e}"));
+        want.insert(sb.id, weight);
+    }
+    // Made in the background (the create did not wait): until the provider holds all three.
+    while fake(&s).count() < want.len() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let records = fake(&s).list().await.unwrap_or_else(|e| panic!("{e}"));
+    let got: HashMap<String, Option<f64>> = records.into_iter().map(|r| (r.spec.id, r.spec.server.weight)).collect();
+    assert_eq!(got, want);
+}
