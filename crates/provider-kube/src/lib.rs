@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPort, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -237,6 +237,7 @@ impl KubeProvider {
         let client = kube::Client::try_default()
             .await
             .map_err(|e| ProviderError::Backend(format!("cannot reach the Kubernetes API server: {}", chain(&e))))?;
+        check_runtimes(&client, &config).await?;
         Self::new(client, config)
     }
 
@@ -872,5 +873,87 @@ pub fn network_none_policy(config: &KubeConfig) -> NetworkPolicy {
             }]),
             egress: Some(Vec::new()),
         }),
+    }
+}
+
+/// Whether a container runtime (a node's `containerRuntimeVersion`, `containerd://1.6.20`) mounts
+/// image volumes: containerd 2.1 and later, CRI-O 1.31 and later. Another runtime, or one that
+/// does not say, is given the benefit of the doubt.
+pub fn mounts_image_volumes(runtime: &str) -> bool {
+    let Some((name, version)) = runtime.split_once("://") else { return true };
+    let mut parts = version.trim_start_matches('v').split(['.', '-', '+']).map(|p| p.parse::<u32>().ok());
+    let (Some(Some(major)), Some(Some(minor))) = (parts.next(), parts.next()) else { return true };
+    match name {
+        "containerd" => (major, minor) >= (2, 1),
+        "cri-o" => (major, minor) >= (1, 31),
+        _ => true,
+    }
+}
+
+/// With `injection: image_volume`, refuses to start when no eligible node's runtime mounts image
+/// volumes (each create would fail at the kubelet with a bare `failed to mkdir`), naming the
+/// nodes and their runtimes; warns of the eligible nodes that cannot when some can. A node list
+/// the API server refuses is only warned of: the check is a courtesy, not a gate.
+pub async fn check_runtimes(client: &kube::Client, config: &KubeConfig) -> Result<(), ProviderError> {
+    if config.injection != Injection::ImageVolume {
+        return Ok(());
+    }
+    let nodes = match kube::Api::<Node>::all(client.clone()).list(&kube::api::ListParams::default()).await {
+        Ok(list) => list.items,
+        Err(e) => {
+            tracing::warn!(err = %chain(&e), "cannot list the nodes to check that their runtimes mount image volumes");
+            return Ok(());
+        }
+    };
+    let runtimes: Vec<(String, String)> = nodes
+        .iter()
+        .filter(|n| capacity::eligible(n, config))
+        .map(|n| {
+            let runtime =
+                n.status.as_ref().and_then(|s| s.node_info.as_ref()).map(|i| i.container_runtime_version.clone());
+            (n.metadata.name.clone().unwrap_or_default(), runtime.unwrap_or_default())
+        })
+        .collect();
+    let cannot: Vec<String> = runtimes
+        .iter()
+        .filter(|(_, runtime)| !mounts_image_volumes(runtime))
+        .map(|(node, runtime)| format!("{node} ({runtime})"))
+        .collect();
+    if cannot.is_empty() {
+        return Ok(());
+    }
+    if cannot.len() == runtimes.len() {
+        return Err(ProviderError::Unsupported(format!(
+            "`injection: image_volume` needs a container runtime that mounts image volumes (containerd 2.1+ or CRI-O 1.31+), and no eligible node has one: {}; use `injection: init_container` (the default) or `host_path`",
+            cannot.join(", ")
+        )));
+    }
+    tracing::warn!(
+        nodes = %cannot.join(", "),
+        "`injection: image_volume`: these eligible nodes' runtimes cannot mount image volumes (containerd 2.1+ or CRI-O 1.31+ can); a sandbox placed there fails to start"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mounts_image_volumes;
+
+    #[test]
+    fn runtimes_that_mount_image_volumes_are_told_by_name_and_version() {
+        for yes in [
+            "containerd://2.1.0",
+            "containerd://2.2.1-k3s1",
+            "cri-o://1.31.2",
+            "cri-o://v1.33.0",
+            "docker://28.0",
+            "",
+            "containerd://dev",
+        ] {
+            assert!(mounts_image_volumes(yes), "{yes}");
+        }
+        for no in ["containerd://1.6.20", "containerd://2.0.5", "cri-o://1.30.4", "containerd://1.7.27-1"] {
+            assert!(!mounts_image_volumes(no), "{no}");
+        }
     }
 }

@@ -1479,3 +1479,40 @@ async fn list_answers_the_claim_of_a_claimed_pod_and_releasing_the_claimers_job_
     let ev = next_event(&mut events).await;
     assert_eq!((ev.id.as_str(), ev.ended.reason), ("pool-2", Reason::OomKilled), "{ev:?}");
 }
+
+// ---- image-volume injection on runtimes that cannot mount image volumes ----
+
+/// `injection: image_volume` on nodes whose runtime cannot mount image volumes (the recorded
+/// kubelet's containerd 1.6.20) is refused at start, naming the nodes and what to use instead;
+/// with one node that can, it starts; other injections do not look.
+#[tokio::test]
+async fn image_volume_injection_is_refused_when_no_eligible_node_can_mount_image_volumes() {
+    let old = json("node-kubelet-ready.json");
+    let mut new = old.clone();
+    new["metadata"]["name"] = "node-2".into();
+    new["status"]["nodeInfo"]["containerRuntimeVersion"] = "containerd://2.1.4".into();
+    let on = |nodes: Vec<Value>| {
+        mock(move |req| {
+            if req.path == "/api/v1/nodes" {
+                return ok(serde_json::json!({"kind": "NodeList", "apiVersion": "v1",
+                    "metadata": {"resourceVersion": "1200"}, "items": nodes}));
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        })
+    };
+    let image_volume = KubeConfig { injection: sandman_provider_kube::Injection::ImageVolume, ..config() };
+
+    let (client, _mock) = on(vec![old.clone()]);
+    match sandman_provider_kube::check_runtimes(&client, &image_volume).await {
+        Err(ProviderError::Unsupported(m)) => {
+            assert!(m.contains("node-1 (containerd://1.6.20)"), "{m}");
+            assert!(m.contains("containerd 2.1+") && m.contains("init_container"), "{m}");
+        }
+        other => panic!("image_volume on containerd 1.6 was not refused: {other:?}"),
+    }
+    let (client, _mock) = on(vec![old.clone(), new]);
+    sandman_provider_kube::check_runtimes(&client, &image_volume).await.unwrap_or_else(|e| panic!("{e}"));
+    let (client, mock) = on(vec![old]);
+    sandman_provider_kube::check_runtimes(&client, &config()).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(mock.seen().is_empty(), "init-container injection listed the nodes");
+}
