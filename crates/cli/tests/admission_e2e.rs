@@ -37,8 +37,9 @@ async fn all_gone(server: &Server) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_from_three_jobs_is_held_to_the_rate_and_shared_by_weight() {
-    // A burst of 5 absorbs the admission task waking late on a loaded machine.
-    let (server, _dir) = server(&["--create-rate", "50", "--create-burst", "5"]);
+    // A burst of 5 absorbs the admission task waking late on a loaded machine; at 25 a second the
+    // creates all arrive long before the queue drains, however slowly the machine takes them.
+    let (server, _dir) = server(&["--create-rate", "25", "--create-burst", "5"]);
     let http = server.client();
     let jobs = [("w1", 1), ("w2", 2), ("w3", 3)];
     for (job, weight) in jobs {
@@ -65,7 +66,7 @@ async fn a_burst_from_three_jobs_is_held_to_the_rate_and_shared_by_weight() {
     }
     assert_eq!(ids.len(), 300);
     assert!(
-        eventually(Duration::from_secs(40), async || sandboxes(&http, "state=ready").await.len() == 300).await,
+        eventually(Duration::from_secs(60), async || sandboxes(&http, "state=ready").await.len() == 300).await,
         "not all 300 became ready"
     );
     // From the events: when each create was queued and when it was admitted. Fair share
@@ -98,12 +99,12 @@ async fn a_burst_from_three_jobs_is_held_to_the_rate_and_shared_by_weight() {
         let got = contended.iter().filter(|(_, _, j, _)| j == job).count() as f64;
         assert!((got - want).abs() / want < 0.10, "{job}: {got} of {n} contended admissions, its share is {want}");
     }
-    // Held to 50/s: never above it, beyond the burst of 5. (How close to it a machine gets, with
+    // Held to 25/s: never above it, beyond the burst of 5. (How close to it a machine gets, with
     // each admission starting a sandbox, is the pool benchmark's figure, not a test's: a busy
     // machine admits late, never early.)
     let span_ms = contended.last().unwrap().1 - contended[0].1;
-    let allowed = 50.0 * span_ms as f64 / 1000.0 + 5.0 + 1.0;
-    assert!(n <= allowed, "{n} admissions in {span_ms} ms: more than the rate of 50/s and the burst of 5 allow");
+    let allowed = 25.0 * span_ms as f64 / 1000.0 + 5.0 + 1.0;
+    assert!(n <= allowed, "{n} admissions in {span_ms} ms: more than the rate of 25/s and the burst of 5 allow");
     // Every create made exactly one sandbox.
     let listed: HashSet<String> =
         sandboxes(&http, "").await.iter().map(|s| s["id"].as_str().unwrap().to_string()).collect();
@@ -122,7 +123,7 @@ async fn a_burst_from_three_jobs_is_held_to_the_rate_and_shared_by_weight() {
         server.sandbox_dirs().len()
     );
     let metrics = String::from_utf8(http.get("/metrics").await.body.to_vec()).unwrap();
-    assert!(metrics.contains("sandman_create_rate_allowed_per_second 50.0"), "{metrics}");
+    assert!(metrics.contains("sandman_create_rate_allowed_per_second 25.0"), "{metrics}");
     assert!(metrics.contains("sandman_admission_queue_depth 0"), "{metrics}");
 }
 
@@ -180,16 +181,21 @@ async fn a_pool_claim_under_20_concurrent_creates_hands_out_distinct_sandboxes()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_job_deleted_mid_burst_releases_everything_it_had_and_was_queueing() {
-    let (server, _dir) = server(&["--create-rate", "20", "--create-burst", "1"]);
+    // 5 a second: the 60 creates, sent at once, queue for 12 s, however slowly they are taken.
+    let (server, _dir) = server(&["--create-rate", "5", "--create-burst", "1"]);
     let http = server.client();
-    for _ in 0..60 {
-        http.create(json!({"image": "host", "job": "doomed", "wait": false})).await;
-    }
-    for _ in 0..5 {
-        http.create(json!({"image": "host", "job": "kept", "wait": false})).await;
-    }
+    let send = |job: &'static str, n: usize| {
+        let http = http.clone();
+        futures_util::future::join_all((0..n).map(move |_| {
+            let http = http.clone();
+            async move { http.create(json!({"image": "host", "job": job, "wait": false})).await }
+        }))
+    };
+    send("doomed", 60).await;
+    send("kept", 5).await;
+    // Some of the job's creates admitted (made, or being made), the rest still queued.
     assert!(
-        eventually(Duration::from_secs(20), async || sandboxes(&http, "job=doomed&state=ready").await.len() >= 10)
+        eventually(Duration::from_secs(20), async || sandboxes(&http, "job=doomed&state=queued").await.len() <= 50)
             .await
     );
     let queued = sandboxes(&http, "job=doomed&state=queued").await.len();
