@@ -214,8 +214,12 @@ impl ProcessProvider {
                 for slot in layout::taken_slots(&sandboxes) {
                     slots.mark(slot);
                 }
-                let made = template::Template::start(&config.daemon_bin, &config.state_dir.join("isolation-template"))
-                    .map_err(|e| cannot(format!("cannot make the mount namespace sandboxes copy: {e}")))?;
+                let made = template::Template::start(
+                    &config.daemon_bin,
+                    &config.daemon_args,
+                    &config.state_dir.join("isolation-template"),
+                )
+                .map_err(|e| cannot(format!("cannot make the mount namespace sandboxes copy: {e}")))?;
                 check_isolation(&config, made.ns()).map_err(cannot)?;
                 template = Some(made);
                 tracing::info!(state = %config.state_dir.display(), "process provider: every sandbox is isolated (user namespace, private root, cgroups)");

@@ -7,6 +7,7 @@
 //! cost in proportion to the sandboxes held; a copy of the template switches to the sandbox's
 //! root with a move and a `chroot`, at a cost that does not grow. Start at [`Template::start`].
 
+use std::ffi::OsString;
 use std::io::{self, BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,11 +20,13 @@ pub struct Template {
 }
 
 impl Template {
-    /// Runs `daemon_bin isolation-template dir` (an empty directory, made if missing) and waits
-    /// until it says the namespace is made. An error carries what the daemon said.
-    pub fn start(daemon_bin: &Path, dir: &Path) -> io::Result<Template> {
+    /// Runs `daemon_bin daemon_args… isolation-template dir` (an empty directory, made if
+    /// missing) and waits until it says the namespace is made. An error carries what the daemon
+    /// said.
+    pub fn start(daemon_bin: &Path, daemon_args: &[OsString], dir: &Path) -> io::Result<Template> {
         std::fs::create_dir_all(dir)?;
         let mut child = Command::new(daemon_bin)
+            .args(daemon_args)
             .arg("isolation-template")
             .arg(dir)
             .env_clear()
