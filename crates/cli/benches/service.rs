@@ -251,7 +251,15 @@ fn tar_x(tar: &[u8], dir: &Path) {
 /// Only theirs: other servers on the machine may share the server's cgroup.
 fn leftovers(state: &Path, server_pid: u32, ids: &[String]) -> (usize, usize, usize, usize) {
     let needle = state.display().to_string();
-    let processes = e2e::processes_mentioning(&needle).into_iter().filter(|p| *p as u32 != server_pid).count();
+    // The server's own, not a sandbox's: it and the isolation template it holds while it runs.
+    let template = |pid: i32| {
+        std::fs::read(format!("/proc/{pid}/cmdline"))
+            .unwrap_or_default()
+            .split(|b| *b == 0)
+            .any(|a| a == b"isolation-template")
+    };
+    let processes =
+        e2e::processes_mentioning(&needle).into_iter().filter(|p| *p as u32 != server_pid && !template(*p)).count();
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mounts = mounts.lines().filter(|l| l.contains(&needle)).count();
     let mut cgroups = 0;

@@ -167,12 +167,13 @@ pub struct Extra {
 }
 
 /// The id slots the sandboxes under `sandboxes` hold (their `ids` files), for a provider that
-/// starts on a state directory with sandboxes in it.
+/// starts on a state directory with sandboxes in it: each slot a sandbox's range overlaps, also
+/// for a range another server's spacing made.
 pub fn taken_slots(sandboxes: &Path) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir(sandboxes) else { return Vec::new() };
     entries
         .flatten()
         .filter_map(|e| SandboxDir(RecordDir { root: e.path() }).read_ids())
-        .filter_map(crate::ids::slot_of)
+        .flat_map(crate::ids::slots_overlapping)
         .collect()
 }

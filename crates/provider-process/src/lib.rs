@@ -18,6 +18,7 @@ mod layout;
 mod procs;
 mod spawner;
 mod sys;
+mod template;
 mod watch;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -162,6 +163,9 @@ pub struct ProcessProvider {
     /// Where daemons are started from: a thread whose descriptor table does not grow with the
     /// sandboxes, so that a spawn costs the same at the first sandbox and the ten-thousandth.
     spawner: spawner::Spawner,
+    /// The mount namespace isolated sandboxes' are copies of (isolated only): held for the
+    /// provider's life, so that no daemon's start pays for a `pivot_root` (`template.rs`).
+    template: Option<template::Template>,
     /// The watcher tasks; cancelled on shutdown (the daemons keep running for the next server).
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -185,6 +189,7 @@ impl ProcessProvider {
         std::fs::create_dir_all(&sandboxes)
             .map_err(|e| ProviderError::io(format!("cannot create `{}`", sandboxes.display()), e))?;
         let mut slots = ids::Slots::default();
+        let mut template = None;
         let cgroups = match config.isolation {
             Isolation::None => {
                 tracing::warn!(
@@ -209,7 +214,14 @@ impl ProcessProvider {
                 for slot in layout::taken_slots(&sandboxes) {
                     slots.mark(slot);
                 }
-                check_isolation(&config).map_err(cannot)?;
+                let made = template::Template::start(
+                    &config.daemon_bin,
+                    &config.daemon_args,
+                    &config.state_dir.join("isolation-template"),
+                )
+                .map_err(|e| cannot(format!("cannot make the mount namespace sandboxes copy: {e}")))?;
+                check_isolation(&config, made.ns()).map_err(cannot)?;
+                template = Some(made);
                 tracing::info!(state = %config.state_dir.display(), "process provider: every sandbox is isolated (user namespace, private root, cgroups)");
                 Some(own)
             }
@@ -218,6 +230,7 @@ impl ProcessProvider {
             .map_err(|e| ProviderError::io("cannot start the thread that starts daemons (unshare(CLONE_FILES))", e))?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
         Ok(ProcessProvider {
+            template,
             spawner,
             config,
             sandboxes,
@@ -368,6 +381,9 @@ impl ProcessProvider {
             arg("--isolate-ids", ids.to_string().into());
             arg("--isolate-root", dir.rootfs().into());
             arg("--isolate-tmp", dir.tmp().into());
+            if let Some(template) = &self.template {
+                arg("--isolate-template", template.ns().into());
+            }
             if let Some(bytes) = bytes_of("disk", spec.resources.disk.as_ref())? {
                 arg("--isolate-layer-bytes", bytes.to_string().into());
             }
@@ -997,7 +1013,7 @@ fn not_running() -> Ended {
 
 /// Runs the daemon's isolation once, as a sandbox would get it, and reports why it failed: the
 /// provider starts only where sandboxes can be isolated. Blocking; at start.
-fn check_isolation(config: &ProcessConfig) -> Result<(), String> {
+fn check_isolation(config: &ProcessConfig, template: &Path) -> Result<(), String> {
     if let Some(fresh) = fresh_inside(&resolve(&config.state_dir)) {
         return Err(format!(
             "the state directory `{}` is under `{fresh}`, which every sandbox gets fresh, so its work directory there could not be reached; use a directory elsewhere (a tmpfs of its own, say)",
@@ -1019,6 +1035,8 @@ fn check_isolation(config: &ProcessConfig) -> Result<(), String> {
         .arg(ids::base_of(ids::CHECK_SLOT).to_string())
         .arg("--isolate-root")
         .arg(&root)
+        .arg("--isolate-template")
+        .arg(template)
         .arg("--isolate-tmp")
         .arg(&tmp)
         .arg("--workdir")

@@ -197,6 +197,44 @@ async fn isolated_sandbox_has_its_own_tmp_pid_1_and_namespaces() {
     p.delete(&s.id).await.unwrap();
 }
 
+/// The `--isolate-template` an isolated daemon was started with, from its command line.
+fn template_of(daemon_pid: &str) -> Option<String> {
+    let cmdline = std::fs::read(format!("/proc/{daemon_pid}/cmdline")).unwrap_or_default();
+    let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    args.iter().position(|a| a == "--isolate-template").and_then(|i| args.get(i + 1).cloned())
+}
+
+#[tokio::test]
+async fn isolated_sandboxes_copy_one_template_and_never_pivot_root() {
+    // Regression: each daemon copied the host's mount namespace and switched with `pivot_root`,
+    // which walks every thread on the machine (`chroot_fs_refs`): a create cost grew with the
+    // sandboxes held. Each copies the provider's one template instead.
+    require_root();
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Full);
+    let (a, b) = (spec("tmpl-a", HOST_IMAGE), spec("tmpl-b", HOST_IMAGE));
+    let (ea, _eb) = (ready(&p, &a).await, ready(&p, &b).await);
+    let pid_of = |s: &SandboxSpec| {
+        let pids = std::fs::read_to_string(state.path().join(format!("sandboxes/{}/daemon.pid", s.id))).unwrap();
+        pids.split_whitespace().next().unwrap().to_string()
+    };
+    let (ta, tb) = (template_of(&pid_of(&a)), template_of(&pid_of(&b)));
+    let template = ta.clone().unwrap_or_else(|| panic!("sandbox `{}` was started without --isolate-template", a.id));
+    assert_eq!(ta, tb, "two sandboxes, two templates");
+    let host_ns = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+    assert_ne!(std::fs::read_link(&template).unwrap(), host_ns, "the template is the host's namespace");
+    // The classic chroot escape (chroot below the cwd, then `..`) finds only the sandbox's root:
+    // every mount under it sits on the root of the one below, and the host's tree is detached.
+    let escape = "import os; open('/esc-marker', 'w').close(); os.mkdir('/esc'); os.chroot('/esc'); \
+                  [os.chdir('..') for _ in range(40)]; os.chroot('.'); \
+                  print(os.path.exists('/esc-marker'), os.path.exists('/host'))";
+    let ran = sh(&ea, &a.token, &format!("python3 -c \"{escape}\"")).await;
+    assert_eq!(ran["exit_code"], 0, "{ran}");
+    assert_eq!(out(&ran).trim(), "True False", "{ran}");
+    p.delete(&a.id).await.unwrap();
+    p.delete(&b.id).await.unwrap();
+}
+
 #[tokio::test]
 async fn network_none_leaves_only_loopback() {
     require_root();

@@ -70,6 +70,11 @@ struct Args {
     /// a container runtime withholds, no_new_privs, Landlock scopes.
     #[arg(long, requires_all = ["isolate_ids", "isolate_root"])]
     isolate: bool,
+    /// With --isolate: a mount namespace made by `sandmand isolation-template` (its
+    /// `/proc/<pid>/ns/mnt`) to copy, instead of the host's; the switch to the sandbox's root then
+    /// costs the same however many processes the machine runs.
+    #[arg(long, requires = "isolate", value_name = "FILE")]
+    isolate_template: Option<PathBuf>,
     /// With --isolate: the host uid and gid the sandbox's root is (65536 ids from there).
     #[arg(long, requires = "isolate", value_name = "ID")]
     isolate_ids: Option<u32>,
@@ -130,11 +135,31 @@ struct Args {
 enum Command {
     /// Copy this binary to DEST (for images without a shell or `cp`).
     Install { dest: PathBuf },
+    /// Make a mount namespace for isolated daemons to copy (`--isolate-template`), its root an
+    /// empty tmpfs mounted on DIR (an empty directory), and hold it until stdin closes: prints
+    /// `ready` once it is made. A provider runs one for all its sandboxes.
+    #[command(hide = true)]
+    IsolationTemplate { dir: PathBuf },
 }
 
 /// Runs the daemon with `argv` (the program name first) and answers its exit code.
 pub fn main_with(argv: Vec<OsString>) -> ExitCode {
     let args = Args::parse_from(argv);
+    if let Some(Command::IsolationTemplate { dir }) = &args.command {
+        return match isolate::make_template(dir) {
+            Ok(()) => {
+                use std::io::{Read, Write};
+                let mut out = std::io::stdout();
+                if writeln!(out, "ready").and_then(|()| out.flush()).is_err() {
+                    return ExitCode::from(2);
+                }
+                // Held until whoever started it closes stdin (or exits).
+                let _ = std::io::stdin().read_to_end(&mut Vec::new());
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(&e),
+        };
+    }
     if let Some(Command::Install { dest }) = &args.command {
         return match crate::install(dest) {
             Ok(()) => ExitCode::SUCCESS,
@@ -325,6 +350,7 @@ fn isolation_of(args: &Args) -> Isolation {
         layer_bytes: args.isolate_layer_bytes,
         hide: args.isolate_hide.clone(),
         keep: args.workdir.iter().chain(&args.isolate_keep).cloned().collect(),
+        template: args.isolate_template.clone(),
     }
 }
 

@@ -7,6 +7,13 @@
 //! switches to it, then joins a user namespace where it is root but the host sees an
 //! unprivileged id, and confines itself (capabilities, `no_new_privs`, Landlock scopes) before it
 //! serves. Start at [`enter`]; `docs/sandmand.md#isolation` has the picture.
+//!
+//! With a template ([`Isolation::template`], made once per server by [`make_template`]) the
+//! daemon's mount namespace is a copy of one whose root is an empty read-only tmpfs with the
+//! host's tree at [`TEMPLATE_HOST`], and it switches to the sandbox's root by moving it onto `/`
+//! and `chroot`, after detaching the host's tree: `pivot_root` walks every thread on the machine
+//! (`chroot_fs_refs`), so one per sandbox made each create cost in proportion to the sandboxes
+//! held. Without a template it makes its namespace from the host's and uses `pivot_root`.
 
 use std::io::{PipeReader, PipeWriter, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
@@ -38,6 +45,12 @@ const KEPT_CAPS: [u32; 14] = [
     ns::cap::SETFCAP,
 ];
 
+/// Where a template's mount namespace holds the host's tree.
+pub const TEMPLATE_HOST: &str = "/host";
+
+/// The empty directory of a template's root where a sandbox's root is moved before it becomes `/`.
+const TEMPLATE_NEW: &str = "/new";
+
 /// The device nodes a sandbox's `/dev` gets from the host (all harmless, world-usable).
 const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
 
@@ -63,6 +76,10 @@ pub struct Isolation {
     /// Host directories the sandbox keeps at the same path, writable (`--isolate-keep`): its
     /// work directory. Mounted after `hide`, so they may lie under a hidden one.
     pub keep: Vec<PathBuf>,
+    /// A mount namespace made by [`make_template`] (`--isolate-template`, its `/proc/<pid>/ns/mnt`):
+    /// the sandbox's namespace is a copy of it, and the switch to its root costs the same however
+    /// many processes the machine runs. `None`: a copy of the host's, and `pivot_root`.
+    pub template: Option<PathBuf>,
 }
 
 /// Why isolation could not be set up. The daemon does not start without it.
@@ -98,6 +115,12 @@ pub enum IsolateError {
     },
     #[error("cannot switch to the sandbox's root")]
     PivotRoot(#[source] std::io::Error),
+    #[error("cannot enter the isolation template `{}`", path.display())]
+    Template {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot join the sandbox's user namespace")]
     JoinUser(#[source] std::io::Error),
     #[error("cannot become root of the sandbox's user namespace")]
@@ -142,7 +165,20 @@ pub fn enter(iso: &Isolation) -> Result<Role, IsolateError> {
         return Err(IsolateError::Ids(iso.ids));
     }
     let userns = user_namespace(iso.ids)?;
-    let mut flags = sys::NS_MOUNT | sys::NS_PID | ns::NS_CGROUP;
+    // Opened here, where the host's paths are, and joined by the child only: the waiter stays in
+    // the host's mount namespace (it writes the exit file there).
+    let template = match &iso.template {
+        Some(path) => Some(
+            std::fs::File::open(path)
+                .map(OwnedFd::from)
+                .map_err(|source| IsolateError::Template { path: path.clone(), source })?,
+        ),
+        None => None,
+    };
+    let mut flags = sys::NS_PID | ns::NS_CGROUP;
+    if template.is_none() {
+        flags |= sys::NS_MOUNT;
+    }
     if iso.net {
         flags |= sys::NS_NET;
     }
@@ -152,12 +188,12 @@ pub fn enter(iso: &Isolation) -> Result<Role, IsolateError> {
     let (reader, writer) = std::io::pipe().map_err(IsolateError::Namespaces)?;
     match ns::clone_into(flags).map_err(IsolateError::Namespaces)? {
         Some(child) => {
-            drop(reader);
+            drop((reader, template));
             Ok(Role::Waiter(Waiter { child, _lifeline: writer }))
         }
         None => {
             drop(writer);
-            become_init(iso, reader, userns)?;
+            become_init(iso, reader, userns, template)?;
             Ok(Role::Daemon)
         }
     }
@@ -205,18 +241,38 @@ fn user_namespace(ids: u32) -> Result<OwnedFd, IsolateError> {
 
 /// The child's half: die with the waiter, assemble the root, switch to it, become the
 /// sandbox's root and confine itself.
-fn become_init(iso: &Isolation, lifeline: PipeReader, userns: OwnedFd) -> Result<(), IsolateError> {
+fn become_init(
+    iso: &Isolation,
+    lifeline: PipeReader,
+    userns: OwnedFd,
+    template: Option<OwnedFd>,
+) -> Result<(), IsolateError> {
     sys::mask_signals(&WAITED, false).map_err(IsolateError::Signals)?;
     sys::set_parent_death_signal(sys::SIGKILL).map_err(IsolateError::DeathSignal)?;
     // The waiter may have died between the fork and the line above, when no signal was set.
     if sys::is_hung_up(lifeline.as_fd()).map_err(IsolateError::DeathSignal)? {
         return Err(IsolateError::ParentGone);
     }
-    let merged = assemble(iso)?;
+    let host = match (template, &iso.template) {
+        (Some(fd), Some(path)) => {
+            let fail = |source| IsolateError::Template { path: path.clone(), source };
+            // Joining leaves this process at the template's root; the copy is the sandbox's own.
+            ns::setns(fd.as_fd(), sys::NS_MOUNT).map_err(fail)?;
+            drop(fd);
+            sys::unshare(sys::NS_MOUNT).map_err(fail)?;
+            Path::new(TEMPLATE_HOST)
+        }
+        _ => Path::new("/"),
+    };
+    let merged = assemble(iso, host)?;
     if iso.net {
         sys::loopback_up().map_err(IsolateError::Loopback)?;
     }
-    switch_root(&merged)?;
+    if iso.template.is_some() {
+        move_root(&merged)?;
+    } else {
+        switch_root(&merged)?;
+    }
     ns::setns(userns.as_fd(), ns::NS_USER).map_err(IsolateError::JoinUser)?;
     drop(userns);
     // Owned by the sandbox's user namespace, so that its root may name its host and use its IPC.
@@ -233,7 +289,9 @@ fn become_init(iso: &Isolation, lifeline: PipeReader, userns: OwnedFd) -> Result
 
 /// Builds the sandbox's root under `iso.root` and answers where it is: a tmpfs holding the
 /// writable layer, an overlay of it over the host's root, and the sandbox's own mounts in it.
-fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
+/// `host` is where this mount namespace shows the host's tree (`/`, or [`TEMPLATE_HOST`]).
+fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
+    let on_host = |p: &Path| host.join(p.strip_prefix("/").unwrap_or(p));
     let mount = |what, source: Option<&Path>, target: &Path, fstype: Option<&str>, flags, data: Option<&str>| {
         ns::mount(source, target, fstype, flags, data).map_err(|source| IsolateError::Mount {
             what,
@@ -248,7 +306,7 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
     let no_exec = no_dev | ns::MS_NOEXEC;
     mount("make the mounts private", None, Path::new("/"), None, ns::MS_REC | ns::MS_PRIVATE, None)?;
 
-    let root = &iso.root;
+    let root = &on_host(&iso.root);
     let size = iso.layer_bytes.map(|b| format!(",size={b}")).unwrap_or_default();
     mount(
         "mount the writable layer",
@@ -271,12 +329,12 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
         &merged,
         Some("overlay"),
         0,
-        Some("lowerdir=/,upperdir=upper,workdir=work"),
+        Some(&format!("lowerdir={},upperdir=upper,workdir=work", host.display())),
     )?;
     let at = |p: &str| merged.join(p.trim_start_matches('/'));
 
     if let Some(tmp) = &iso.tmp {
-        mount("bind the sandbox's /tmp", Some(tmp), &at("/tmp"), None, ns::MS_BIND, None)?;
+        mount("bind the sandbox's /tmp", Some(&on_host(tmp)), &at("/tmp"), None, ns::MS_BIND, None)?;
     }
     // Sockets and state of the host's services live in /run and /var/tmp: the sandbox gets
     // empty ones of its own.
@@ -323,7 +381,7 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
     for path in &iso.keep {
         let target = merged.join(path.strip_prefix("/").unwrap_or(path));
         prep("make a kept directory's mount point", &target, std::fs::create_dir_all(&target))?;
-        mount("bind a kept directory", Some(path), &target, None, ns::MS_BIND, None)?;
+        mount("bind a kept directory", Some(&on_host(path)), &target, None, ns::MS_BIND, None)?;
     }
     for target in hidden {
         // A bind remount changes the flags of that one mount.
@@ -333,7 +391,7 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
 
     mount("mount /proc", Some(Path::new("proc")), &at("/proc"), Some("proc"), no_exec, None)?;
     mount("mount /sys", Some(Path::new("sysfs")), &at("/sys"), Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
-    mount_cgroups(&at("/sys/fs/cgroup"))?;
+    mount_cgroups(&at("/sys/fs/cgroup"), &on_host(Path::new("/sys/fs/cgroup")), &on_host(Path::new("/proc")))?;
 
     let dev = at("/dev");
     mount(
@@ -347,7 +405,7 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
     for name in DEVICES {
         let node = dev.join(name);
         prep("make a device's mount point", &node, std::fs::File::create(&node).map(drop))?;
-        mount("bind a device", Some(&Path::new("/dev").join(name)), &node, None, ns::MS_BIND, None)?;
+        mount("bind a device", Some(&on_host(Path::new("/dev")).join(name)), &node, None, ns::MS_BIND, None)?;
     }
     for (link, to) in [
         ("fd", "/proc/self/fd"),
@@ -383,12 +441,13 @@ fn assemble(iso: &Isolation) -> Result<PathBuf, IsolateError> {
     Ok(merged)
 }
 
-/// Mounts, read-only under `at`, each cgroup hierarchy the host mounts under `/sys/fs/cgroup`.
-/// The child is in a cgroup namespace of its own, so each shows the sandbox's cgroup as its
-/// root: what the daemon's observer reads for `GET /v1/conditions`.
-fn mount_cgroups(at: &Path) -> Result<(), IsolateError> {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let hierarchies = cgroup_mounts(&mountinfo);
+/// Mounts, read-only under `at`, each cgroup hierarchy the host mounts under `/sys/fs/cgroup`
+/// (`base` in this mount namespace, whose `/proc` is at `proc`). The child is in a cgroup namespace of its own, so each
+/// shows the sandbox's cgroup as its root: what the daemon's observer reads for
+/// `GET /v1/conditions`.
+fn mount_cgroups(at: &Path, base: &Path, proc: &Path) -> Result<(), IsolateError> {
+    let mountinfo = std::fs::read_to_string(proc.join("self/mountinfo")).unwrap_or_default();
+    let hierarchies = cgroup_mounts(&mountinfo, base);
     if hierarchies.is_empty() {
         return Ok(());
     }
@@ -427,14 +486,14 @@ struct CgroupMount {
     options: Option<String>,
 }
 
-/// The cgroup hierarchies in `/proc/self/mountinfo`, once each.
-fn cgroup_mounts(mountinfo: &str) -> Vec<CgroupMount> {
+/// The cgroup hierarchies in `/proc/self/mountinfo` mounted under `base`, once each.
+fn cgroup_mounts(mountinfo: &str, base: &Path) -> Vec<CgroupMount> {
     let mut out: Vec<CgroupMount> = Vec::new();
     for line in mountinfo.lines() {
         // `id parent maj:min root mountpoint options [optional...] - fstype source superoptions`
         let Some((left, right)) = line.split_once(" - ") else { continue };
         let Some(point) = left.split(' ').nth(4) else { continue };
-        let Ok(rel) = Path::new(point).strip_prefix("/sys/fs/cgroup") else { continue };
+        let Ok(rel) = Path::new(point).strip_prefix(base) else { continue };
         let mut right = right.split(' ');
         let (Some(fstype), _, Some(superopts)) = (right.next(), right.next(), right.next()) else { continue };
         let (fstype, options) = match fstype {
@@ -458,6 +517,50 @@ fn switch_root(merged: &Path) -> Result<(), IsolateError> {
     ns::pivot_root(Path::new("."), Path::new(".")).map_err(IsolateError::PivotRoot)?;
     ns::umount_detach(Path::new(".")).map_err(IsolateError::PivotRoot)?;
     std::env::set_current_dir("/").map_err(IsolateError::PivotRoot)
+}
+
+/// [`switch_root`] in a copy of a template: moves `merged` (and every mount under it) to the
+/// template's empty directory, detaches the host's tree, moves the sandbox's root onto `/` and
+/// makes it this process's root. Every mount below it is mounted on the root of the one below,
+/// so `..` cannot climb out of it (not even after a `chroot` elsewhere), and there is nothing to
+/// climb to: the template's root is an empty read-only tmpfs and the host's tree is gone.
+fn move_root(merged: &Path) -> Result<(), IsolateError> {
+    let new = Path::new(TEMPLATE_NEW);
+    ns::mount(Some(merged), new, None, ns::MS_MOVE, None).map_err(IsolateError::PivotRoot)?;
+    std::env::set_current_dir("/").map_err(IsolateError::PivotRoot)?;
+    ns::umount_detach(Path::new(TEMPLATE_HOST)).map_err(IsolateError::PivotRoot)?;
+    std::env::set_current_dir(new).map_err(IsolateError::PivotRoot)?;
+    ns::mount(Some(Path::new(".")), Path::new("/"), None, ns::MS_MOVE, None).map_err(IsolateError::PivotRoot)?;
+    ns::chroot(Path::new(".")).map_err(IsolateError::PivotRoot)?;
+    std::env::set_current_dir("/").map_err(IsolateError::PivotRoot)
+}
+
+/// Makes this process's mount namespace a template for sandboxes' (`sandmand
+/// --make-isolation-template DIR`, run once per server, which keeps the process alive and hands
+/// each daemon its `/proc/<pid>/ns/mnt`): a namespace of its own whose root is an empty tmpfs
+/// mounted on `dir` (an empty directory), read-only, with the host's tree at [`TEMPLATE_HOST`]
+/// and an empty [`TEMPLATE_NEW`]. Its one `pivot_root` is the only one the server's sandboxes
+/// cost. Must be called while the process is single-threaded.
+pub fn make_template(dir: &Path) -> Result<(), IsolateError> {
+    let mount = |what, source: Option<&Path>, target: &Path, fstype: Option<&str>, flags, data: Option<&str>| {
+        ns::mount(source, target, fstype, flags, data).map_err(|source| IsolateError::Mount {
+            what,
+            path: target.to_path_buf(),
+            source,
+        })
+    };
+    sys::unshare(sys::NS_MOUNT).map_err(IsolateError::Namespaces)?;
+    mount("make the mounts private", None, Path::new("/"), None, ns::MS_REC | ns::MS_PRIVATE, None)?;
+    let opts = ns::MS_NOSUID | ns::MS_NODEV | ns::MS_NOEXEC;
+    mount("mount the template's root", Some(Path::new("tmpfs")), dir, Some("tmpfs"), opts, Some("mode=0755,size=16k"))?;
+    for sub in [TEMPLATE_HOST, TEMPLATE_NEW] {
+        let path = dir.join(sub.trim_start_matches('/'));
+        std::fs::create_dir(&path).map_err(|source| IsolateError::Mount { what: "make a directory", path, source })?;
+    }
+    ns::pivot_root(dir, &dir.join(TEMPLATE_HOST.trim_start_matches('/'))).map_err(IsolateError::PivotRoot)?;
+    std::env::set_current_dir("/").map_err(IsolateError::PivotRoot)?;
+    let ro = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | opts;
+    mount("make the template's root read-only", None, Path::new("/"), None, ro, None)
 }
 
 /// The last steps, as the sandbox's root: nothing started from here may gain privileges,
@@ -549,13 +652,18 @@ mod tests {
 33 30 0:29 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 34 30 0:30 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,xattr,name=systemd
 40 25 0:40 / /proc rw - proc proc rw";
-        let m = cgroup_mounts(info);
+        let m = cgroup_mounts(info, Path::new("/sys/fs/cgroup"));
         assert_eq!(m.len(), 4, "{m:?}");
         assert_eq!(m[0], CgroupMount { rel: "cpu".into(), fstype: "cgroup", options: Some("cpu".into()) });
         assert_eq!(m[2], CgroupMount { rel: "unified".into(), fstype: "cgroup2", options: None });
         assert_eq!(m[3].options.as_deref(), Some("xattr,name=systemd"));
-        let v2 = cgroup_mounts("28 1 0:25 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate");
+        let v2 =
+            cgroup_mounts("28 1 0:25 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate", Path::new("/sys/fs/cgroup"));
         assert_eq!(v2, vec![CgroupMount { rel: "".into(), fstype: "cgroup2", options: None }]);
+        // In a copy of a template, the host's hierarchies are under its `/host`.
+        let copied = "31 30 0:27 / /host/sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu";
+        let m = cgroup_mounts(copied, Path::new("/host/sys/fs/cgroup"));
+        assert_eq!(m, vec![CgroupMount { rel: "cpu".into(), fstype: "cgroup", options: Some("cpu".into()) }]);
     }
 
     #[test]

@@ -81,6 +81,13 @@ pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
+/// Makes `path` this process's root directory.
+pub fn chroot(path: &Path) -> io::Result<()> {
+    let path = c_path(path)?;
+    // SAFETY: `path` is a live NUL-terminated string.
+    check(unsafe { libc::chroot(path.as_ptr()) })
+}
+
 /// Detaches the mount at `target` and everything under it.
 pub fn umount_detach(target: &Path) -> io::Result<()> {
     let target = c_path(target)?;
@@ -215,6 +222,7 @@ pub fn lchown(path: &Path, uid: u32, gid: u32) -> io::Result<()> {
 }
 
 pub const MS_RDONLY: libc::c_ulong = libc::MS_RDONLY;
+pub const MS_MOVE: libc::c_ulong = libc::MS_MOVE;
 pub const MS_NOSUID: libc::c_ulong = libc::MS_NOSUID;
 pub const MS_NODEV: libc::c_ulong = libc::MS_NODEV;
 pub const MS_NOEXEC: libc::c_ulong = libc::MS_NOEXEC;
