@@ -697,17 +697,28 @@ pub async fn watch(
     cancel: CancellationToken,
 ) {
     use futures_util::{FutureExt, StreamExt};
+    use kube::ResourceExt;
     use kube::runtime::{WatchStreamExt, reflector, watcher};
 
     let (nodes, node_writer) = reflector::store::<Node>();
     let (pods, pod_writer) = reflector::store::<Pod>();
+    // The stores keep only what the room is computed from: no managed fields, no node's image
+    // list, no pod's annotations or status beyond its phase (the pod store holds every pod of
+    // the cluster).
     let node_events = watcher(kube::Api::<Node>::all(client.clone()), watcher::Config::default())
         .default_backoff()
+        .modify(|node| {
+            node.managed_fields_mut().clear();
+            if let Some(status) = node.status.as_mut() {
+                status.images = None;
+            }
+        })
         .reflect(node_writer)
         .map(|e| e.err().map(|e| (e.to_string(), forbidden(&e))));
     let live = watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed");
     let pod_events = watcher(kube::Api::<Pod>::all(client), live)
         .default_backoff()
+        .modify(slim)
         .reflect(pod_writer)
         .map(|e| e.err().map(|e| (e.to_string(), forbidden(&e))));
     let mut events = std::pin::pin!(futures_util::stream::select(node_events, pod_events));
@@ -746,6 +757,17 @@ pub async fn watch(
             .collect();
         let held = held(all_pods.iter().map(AsRef::as_ref), &config);
         gate.observe(room, held, |id| bound.contains(id));
+    }
+}
+
+/// What the room needs of a pod: its labels, node, requests and phase.
+fn slim(pod: &mut Pod) {
+    use kube::ResourceExt;
+
+    pod.managed_fields_mut().clear();
+    pod.annotations_mut().clear();
+    if let Some(status) = pod.status.as_mut() {
+        *status = k8s_openapi::api::core::v1::PodStatus { phase: status.phase.take(), ..Default::default() };
     }
 }
 
@@ -1267,5 +1289,32 @@ mod tests {
         assert_eq!(rx.try_recv().unwrap().position, 1, "a0 was not told that b0 went ahead");
         a0.abort();
         b0.abort();
+    }
+
+    /// The capacity watch keeps every pod of the cluster slimmed to what the room needs: the
+    /// room and what each tenant holds come out the same, without annotations, managed fields
+    /// or status beyond the phase.
+    #[test]
+    fn a_slimmed_pod_counts_as_the_whole_one() {
+        let config = KubeConfig { namespace: "sandman-fixtures".into(), instance: "i".into(), ..config() };
+        let mut whole = pod_on("p", "node-1");
+        whole.metadata.labels.as_mut().unwrap().insert(LABEL_INSTANCE.into(), "i".into());
+        let mut ended = whole.clone();
+        ended.metadata.name = Some("ended".into());
+        ended.status.as_mut().unwrap().phase = Some("Failed".into());
+        let whole = [whole, ended];
+        let mut slimmed = whole.clone();
+        for pod in &mut slimmed {
+            slim(pod);
+            assert!(pod.metadata.managed_fields.as_ref().is_none_or(|m| m.is_empty()));
+            assert!(pod.metadata.annotations.as_ref().is_none_or(|a| a.is_empty()));
+            assert_eq!(pod.status.as_ref().and_then(|s| s.conditions.as_ref()), None);
+        }
+        assert!(
+            serde_json::to_string(&slimmed[0]).unwrap().len() * 2 < serde_json::to_string(&whole[0]).unwrap().len()
+        );
+        assert_eq!(Room::observe([&node()], &slimmed, &config), Room::observe([&node()], &whole, &config));
+        assert_eq!(held(&slimmed, &config), held(&whole, &config));
+        assert_eq!(held(&slimmed, &config).len(), 1);
     }
 }

@@ -1516,3 +1516,40 @@ async fn image_volume_injection_is_refused_when_no_eligible_node_can_mount_image
     sandman_provider_kube::check_runtimes(&client, &config()).await.unwrap_or_else(|e| panic!("{e}"));
     assert!(mock.seen().is_empty(), "init-container injection listed the nodes");
 }
+
+/// The shared watch's store keeps each sandbox pod without its managed fields (about 40% of a
+/// running pod's JSON), and with everything the provider reads: its spec annotation first.
+#[tokio::test]
+async fn the_watch_store_keeps_pods_without_their_managed_fields() {
+    let mut pod = json("pod-running-ready.json");
+    assert!(pod["metadata"]["managedFields"].as_array().is_some_and(|m| !m.is_empty()), "the fixture has them");
+    let spec = spec(&id_of(&pod), "busybox:1");
+    pod["metadata"]["annotations"] = serde_json::json!({"sandman.dev/spec": serde_json::to_string(&spec).unwrap()});
+    let id = id_of(&pod);
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let _open = watches.lock().unwrap().push();
+    let (client, _mock) = mock({
+        let (watches, pod) = (watches.clone(), pod.clone());
+        move |req| {
+            if is(req, "GET", "/pods") && req.is_watch() {
+                return watches.lock().unwrap().next();
+            }
+            if is(req, "GET", "/pods") {
+                return ok(pod_list("882", vec![pod.clone()]));
+            }
+            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
+        }
+    });
+    let p = provider(client);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let watched = loop {
+        if let Some(w) = p.watched_pod(&id) {
+            break w;
+        }
+        assert!(Instant::now() < deadline, "the pod never reached the store");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(watched.metadata.managed_fields.as_deref().unwrap_or_default(), []);
+    assert_eq!(sandman_provider_kube::pod::spec_of(&watched).map(|s| s.id), Some(id));
+    assert_eq!(watched.status.as_ref().and_then(|s| s.pod_ip.clone()).as_deref(), pod["status"]["podIP"].as_str());
+}
