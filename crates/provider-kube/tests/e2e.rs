@@ -75,6 +75,13 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// The tests on a real kubelet: the sandmand image its nodes can pull, and the task image.
+fn kubelet_images() -> (String, String) {
+    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
+        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
+    (daemon_image, env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string()))
+}
+
 fn e2e_kubeconfig() -> PathBuf {
     let path = std::env::var_os("SANDMAN_E2E_KUBECONFIG")
         .unwrap_or_else(|| panic!("set SANDMAN_E2E_KUBECONFIG to the kubeconfig of a test API server"));
@@ -1288,9 +1295,7 @@ impl PortForward {
 #[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE) and kubectl"]
 async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports() {
     let kubeconfig = e2e_kubeconfig();
-    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
-        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
-    let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
+    let (daemon_image, task_image) = kubelet_images();
     let pids: u64 = env_or("SANDMAN_E2E_POD_PIDS_LIMIT", 1024);
     let client = client(&kubeconfig, None).await;
     sweep_leftovers(&client).await;
@@ -1387,9 +1392,7 @@ async fn echo(addr: &str, token: &str) -> Result<(), String> {
 #[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
 async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
     let kubeconfig = e2e_kubeconfig();
-    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
-        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
-    let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
+    let (daemon_image, task_image) = kubelet_images();
     let episodes: usize = env_or("SANDMAN_E2E_EPISODES", 200);
     let at_once: usize = env_or("SANDMAN_E2E_EPISODES_AT_ONCE", 60);
     let max_pending = 4;
@@ -1507,9 +1510,7 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
 #[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
 async fn a_job_arriving_while_another_holds_the_node_gets_the_room_that_frees_first() {
     let kubeconfig = e2e_kubeconfig();
-    let daemon_image = std::env::var("SANDMAN_E2E_DAEMON_IMAGE")
-        .unwrap_or_else(|_| panic!("set SANDMAN_E2E_DAEMON_IMAGE to a sandmand image the cluster's nodes can pull"));
-    let task_image: String = env_or("SANDMAN_E2E_TASK_IMAGE", "busybox:1.36".to_string());
+    let (daemon_image, task_image) = kubelet_images();
     let client = client(&kubeconfig, None).await;
     let namespace = format!("sandman-e2e-fair-{}", unique());
     let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
