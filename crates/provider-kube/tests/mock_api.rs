@@ -1523,23 +1523,13 @@ async fn image_volume_injection_is_refused_when_no_eligible_node_can_mount_image
 async fn the_watch_store_keeps_pods_without_their_managed_fields() {
     let mut pod = json("pod-running-ready.json");
     assert!(pod["metadata"]["managedFields"].as_array().is_some_and(|m| !m.is_empty()), "the fixture has them");
-    let spec = spec(&id_of(&pod), "busybox:1");
-    pod["metadata"]["annotations"] = serde_json::json!({"sandman.dev/spec": serde_json::to_string(&spec).unwrap()});
     let id = id_of(&pod);
+    let spec = spec(&id, "busybox:1");
+    pod["metadata"]["annotations"] = serde_json::json!({"sandman.dev/spec": serde_json::to_string(&spec).unwrap()});
     let watches = Arc::new(Mutex::new(Watches::default()));
-    let _open = watches.lock().unwrap().push();
-    let (client, _mock) = mock({
-        let (watches, pod) = (watches.clone(), pod.clone());
-        move |req| {
-            if is(req, "GET", "/pods") && req.is_watch() {
-                return watches.lock().unwrap().next();
-            }
-            if is(req, "GET", "/pods") {
-                return ok(pod_list("882", vec![pod.clone()]));
-            }
-            Reply::Json(StatusCode::NOT_FOUND, json("error-404-get-missing-pod.json"))
-        }
-    });
+    let feed = watches.lock().unwrap().push();
+    let (client, _mock) = scripted(watches);
+    feed.send(bytes::Bytes::from(format!("{}\n", serde_json::json!({"type": "ADDED", "object": pod})))).await.unwrap();
     let p = provider(client);
     let deadline = Instant::now() + Duration::from_secs(10);
     let watched = loop {
