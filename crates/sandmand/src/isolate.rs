@@ -68,7 +68,7 @@ pub struct Isolation {
     /// Bind-mounted onto `/tmp` (`--isolate-tmp`), so the sandbox's `/tmp` is its own.
     pub tmp: Option<PathBuf>,
     /// The most the sandbox may write outside its work directory and `/tmp` (the writable
-    /// layer, in memory), in bytes; the kernel's default (half the memory) when `None`.
+    /// layer, in memory, which also holds its `/run`, `/var/tmp` and `/dev/shm`), in bytes; the kernel's default (half the memory) when `None`.
     pub layer_bytes: Option<u64>,
     /// Host paths the sandbox must not see (`--isolate-hide`): a directory becomes an empty,
     /// read-only one, a file an empty one. The state directory, the server's binary.
@@ -336,25 +336,33 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
     if let Some(tmp) = &iso.tmp {
         mount("bind the sandbox's /tmp", Some(&on_host(tmp)), &at("/tmp"), None, ns::MS_BIND, None)?;
     }
+    // Every other directory of the sandbox's own is a directory of the layer, bind-mounted: one
+    // tmpfs per sandbox, because each superblock is one more the kernel's reclaim walks (every
+    // sandbox's, on every allocation that reclaims), and a bind mount makes none. They share the
+    // layer's size.
+    let own_dir = |name: &str, uid: u32, mode: u32| {
+        let dir = root.join(name);
+        prep("make the layer's directories", &dir, std::fs::create_dir(&dir))?;
+        prep("make the layer's directories", &dir, ns::lchown(&dir, uid, uid))?;
+        prep(
+            "make the layer's directories",
+            &dir,
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)),
+        )?;
+        Ok::<_, IsolateError>(dir)
+    };
+    let bind_own = |what, dir: &Path, target: &Path| mount(what, Some(dir), target, None, ns::MS_BIND, None);
     // Sockets and state of the host's services live in /run and /var/tmp: the sandbox gets
     // empty ones of its own.
-    let own = format!("mode=0755,uid={0},gid={0},size=64m", iso.ids);
-    mount("mount an empty /run", Some(Path::new("tmpfs")), &at("/run"), Some("tmpfs"), no_dev, Some(&own))?;
+    bind_own("give the sandbox an empty /run", &own_dir("run", iso.ids, 0o755)?, &at("/run"))?;
     if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
-        let sticky = "mode=1777,size=64m";
-        mount(
-            "mount an empty /var/tmp",
-            Some(Path::new("tmpfs")),
-            &at("/var/tmp"),
-            Some("tmpfs"),
-            no_dev,
-            Some(sticky),
-        )?;
+        bind_own("give the sandbox an empty /var/tmp", &own_dir("var-tmp", iso.ids, 0o1777)?, &at("/var/tmp"))?;
     }
-    // What a hidden file becomes: an empty file, read-only, the host root's.
+    // What a hidden file or directory becomes: an empty one, read-only, the host root's.
     let empty = root.join("empty");
     prep("make an empty file", &empty, std::fs::File::create(&empty).map(drop))?;
     prep("make an empty file", &empty, std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o444)))?;
+    let empty_dir = own_dir("empty-dir", 0, 0o555)?;
     let mut hidden = Vec::new();
     for path in &iso.hide {
         let target = merged.join(path.strip_prefix("/").unwrap_or(path));
@@ -362,18 +370,11 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
             // Not in the lower layer (another file system, or nothing there): already unseen.
             Err(_) => continue,
             Ok(m) if m.is_dir() => {
-                mount(
-                    "hide a directory",
-                    Some(Path::new("tmpfs")),
-                    &target,
-                    Some("tmpfs"),
-                    no_exec,
-                    Some("mode=0755,size=1m"),
-                )?;
+                bind_own("hide a directory", &empty_dir, &target)?;
                 hidden.push(target);
             }
             Ok(_) => {
-                mount("hide a file", Some(&empty), &target, None, ns::MS_BIND, None)?;
+                bind_own("hide a file", &empty, &target)?;
                 hidden.push(target);
             }
         }
@@ -383,25 +384,19 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
         prep("make a kept directory's mount point", &target, std::fs::create_dir_all(&target))?;
         mount("bind a kept directory", Some(&on_host(path)), &target, None, ns::MS_BIND, None)?;
     }
+    // A bind remount changes the flags of that one mount.
+    let read_only = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
     for target in hidden {
-        // A bind remount changes the flags of that one mount.
-        let ro = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
-        mount("make a hidden path read-only", None, &target, None, ro, None)?;
+        mount("make a hidden path read-only", None, &target, None, read_only, None)?;
     }
 
     mount("mount /proc", Some(Path::new("proc")), &at("/proc"), Some("proc"), no_exec, None)?;
     mount("mount /sys", Some(Path::new("sysfs")), &at("/sys"), Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
-    mount_cgroups(&at("/sys/fs/cgroup"), &on_host(Path::new("/sys/fs/cgroup")), &on_host(Path::new("/proc")))?;
+    let (cgroups, host_cgroups) = (at("/sys/fs/cgroup"), on_host(Path::new("/sys/fs/cgroup")));
+    mount_cgroups(&cgroups, &host_cgroups, &on_host(Path::new("/proc")), root)?;
 
     let dev = at("/dev");
-    mount(
-        "mount /dev",
-        Some(Path::new("tmpfs")),
-        &dev,
-        Some("tmpfs"),
-        ns::MS_NOSUID | ns::MS_NOEXEC,
-        Some("mode=0755,size=64k"),
-    )?;
+    bind_own("give the sandbox a /dev", &own_dir("dev", 0, 0o755)?, &dev)?;
     for name in DEVICES {
         let node = dev.join(name);
         prep("make a device's mount point", &node, std::fs::File::create(&node).map(drop))?;
@@ -429,23 +424,19 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
         ns::MS_NOSUID | ns::MS_NOEXEC,
         Some(&pts_opts),
     )?;
-    mount("mount /dev/shm", Some(Path::new("tmpfs")), &shm, Some("tmpfs"), no_dev, Some("mode=1777,size=64m"))?;
-    mount(
-        "make /dev read-only",
-        None,
-        &dev,
-        None,
-        ns::MS_REMOUNT | ns::MS_RDONLY | ns::MS_NOSUID | ns::MS_NOEXEC,
-        None,
-    )?;
+    bind_own("give the sandbox a /dev/shm", &own_dir("shm", iso.ids, 0o1777)?, &shm)?;
+    // Each device is a mount of its own, so `nodev` here stops only nodes made later (none can
+    // be: it is read-only).
+    mount("make /dev read-only", None, &dev, None, read_only, None)?;
     Ok(merged)
 }
 
 /// Mounts, read-only under `at`, each cgroup hierarchy the host mounts under `/sys/fs/cgroup`
-/// (`base` in this mount namespace, whose `/proc` is at `proc`). The child is in a cgroup namespace of its own, so each
+/// (`base` in this mount namespace, whose `/proc` is at `proc`); their mount points are made in a
+/// directory of the sandbox's `layer`. The child is in a cgroup namespace of its own, so each
 /// shows the sandbox's cgroup as its root: what the daemon's observer reads for
 /// `GET /v1/conditions`.
-fn mount_cgroups(at: &Path, base: &Path, proc: &Path) -> Result<(), IsolateError> {
+fn mount_cgroups(at: &Path, base: &Path, proc: &Path, layer: &Path) -> Result<(), IsolateError> {
     let mountinfo = std::fs::read_to_string(proc.join("self/mountinfo")).unwrap_or_default();
     let hierarchies = cgroup_mounts(&mountinfo, base);
     if hierarchies.is_empty() {
@@ -453,14 +444,14 @@ fn mount_cgroups(at: &Path, base: &Path, proc: &Path) -> Result<(), IsolateError
     }
     let fail = |what, source| IsolateError::Mount { what, path: at.to_path_buf(), source };
     let ro = ns::MS_RDONLY | ns::MS_NOSUID | ns::MS_NODEV | ns::MS_NOEXEC;
-    ns::mount(
-        Some(Path::new("tmpfs")),
-        at,
-        Some("tmpfs"),
-        ns::MS_NOSUID | ns::MS_NODEV | ns::MS_NOEXEC,
-        Some("mode=0755,size=16k"),
-    )
-    .map_err(|e| fail("mount a tmpfs for the cgroups", e))?;
+    // The unified hierarchy alone (cgroup v2) is mounted on `at` itself; hierarchies below it
+    // (v1, or the hybrid's `unified`) need a directory of their own for their mount points.
+    let one_at_base = hierarchies.iter().any(|h| h.rel.as_os_str().is_empty());
+    if !one_at_base {
+        let points = layer.join("cgroup");
+        std::fs::create_dir(&points).map_err(|e| fail("make the cgroups' mount points", e))?;
+        ns::mount(Some(&points), at, None, ns::MS_BIND, None).map_err(|e| fail("bind the cgroups' mount points", e))?;
+    }
     for h in &hierarchies {
         let target = if h.rel.as_os_str().is_empty() { at.to_path_buf() } else { at.join(&h.rel) };
         if target != at {
@@ -469,9 +460,9 @@ fn mount_cgroups(at: &Path, base: &Path, proc: &Path) -> Result<(), IsolateError
         ns::mount(Some(Path::new("cgroup")), &target, Some(h.fstype), ro, h.options.as_deref())
             .map_err(|e| fail("mount a cgroup hierarchy", e))?;
     }
-    if !hierarchies.iter().any(|h| h.rel.as_os_str().is_empty()) {
-        ns::mount(None, at, None, ns::MS_REMOUNT | ro, None)
-            .map_err(|e| fail("make the cgroups' tmpfs read-only", e))?;
+    if !one_at_base {
+        ns::mount(None, at, None, ns::MS_REMOUNT | ns::MS_BIND | ro, None)
+            .map_err(|e| fail("make the cgroups' mount points read-only", e))?;
     }
     Ok(())
 }

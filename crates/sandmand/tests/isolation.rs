@@ -164,6 +164,34 @@ async fn hidden_paths_are_empty_and_kept_ones_are_shared() {
 }
 
 #[tokio::test]
+async fn the_sandbox_has_one_tmpfs_and_its_own_directories_share_it() {
+    // 1 MiB of layer for everything the sandbox writes outside its work directory and /tmp.
+    let (d, _dirs) = isolated(&["--isolate-layer-bytes", "1048576"]).await;
+    // The kernel's reclaim visits every superblock: a sandbox makes one tmpfs, and its other
+    // directories are bind mounts of it (one device number in mountinfo's third field).
+    let mountinfo = stdout(&sh(&d, "cat /proc/self/mountinfo").await);
+    let tmpfs: std::collections::BTreeSet<&str> = mountinfo
+        .lines()
+        .filter(|l| l.split_once(" - ").is_some_and(|(_, r)| r.starts_with("tmpfs ")))
+        .filter_map(|l| l.split(' ').nth(2))
+        .collect();
+    assert_eq!(tmpfs.len(), 1, "tmpfs superblocks {tmpfs:?} in {mountinfo}");
+    let out = sh(
+        &d,
+        "echo a > /run/a && echo b > /var/tmp/b && echo c > /dev/shm/c && cat /run/a /var/tmp/b /dev/shm/c;          touch /dev/made 2>/dev/null; echo dev=$?; stat -c '%n %a %u' /run /var/tmp /dev/shm;          head -c 2000000 /dev/zero > /dev/shm/big 2>/dev/null; echo big=$?; rm -f /dev/shm/big;          echo x > /dev/null && head -c 4 /dev/zero | wc -c",
+    )
+    .await;
+    let text = stdout(&out);
+    assert!(text.starts_with("a\nb\nc\n"), "{out}");
+    assert!(text.contains("dev=1\n"), "/dev is writable: {out}");
+    for line in ["/run 755 0", "/var/tmp 1777 0", "/dev/shm 1777 0"] {
+        assert!(text.contains(line), "{line} missing: {out}");
+    }
+    assert!(text.contains("big=1\n"), "/dev/shm is not held to the layer's size: {out}");
+    assert!(text.trim_end().ends_with('4'), "devices do not work: {out}");
+}
+
+#[tokio::test]
 async fn commands_are_confined_no_new_privileges_and_no_admin_capabilities() {
     let (d, _dirs) = isolated(&[]).await;
     let out = sh(&d, "grep -E '^(NoNewPrivs|CapBnd|CapEff)' /proc/self/status").await;
