@@ -165,7 +165,8 @@ pub struct ProcessProvider {
     spawner: spawner::Spawner,
     /// The mount namespace isolated sandboxes' are copies of (isolated only): held for the
     /// provider's life, so that no daemon's start pays for a `pivot_root` (`template.rs`).
-    template: Option<template::Template>,
+    /// Locked briefly (made again, rarely, under it), never across an await.
+    template: Option<Mutex<template::Template>>,
     /// The watcher tasks; cancelled on shutdown (the daemons keep running for the next server).
     tasks: TaskTracker,
     cancel: CancellationToken,
@@ -221,7 +222,7 @@ impl ProcessProvider {
                 )
                 .map_err(|e| cannot(format!("cannot make the mount namespace sandboxes copy: {e}")))?;
                 check_isolation(&config, made.ns()).map_err(cannot)?;
-                template = Some(made);
+                template = Some(Mutex::new(made));
                 tracing::info!(state = %config.state_dir.display(), "process provider: every sandbox is isolated (user namespace, private root, cgroups)");
                 Some(own)
             }
@@ -382,7 +383,11 @@ impl ProcessProvider {
             arg("--isolate-root", dir.rootfs().into());
             arg("--isolate-tmp", dir.tmp().into());
             if let Some(template) = &self.template {
-                arg("--isolate-template", template.ns().into());
+                let mut template = template.lock().unwrap_or_else(PoisonError::into_inner);
+                let ns = template.current().map_err(|e| {
+                    ProviderError::io("cannot make again the mount namespace sandboxes copy (its process died)", e)
+                })?;
+                arg("--isolate-template", ns.into());
             }
             if let Some(bytes) = bytes_of("disk", spec.resources.disk.as_ref())? {
                 arg("--isolate-layer-bytes", bytes.to_string().into());

@@ -6,6 +6,8 @@
 //! thread on the machine (the kernel's `chroot_fs_refs`), so one per sandbox made each create
 //! cost in proportion to the sandboxes held; a copy of the template switches to the sandbox's
 //! root with a move and a `chroot`, at a cost that does not grow. Start at [`Template::start`].
+//! Should that process die (killed by hand, or by the OOM killer), the next create makes a new
+//! one ([`Template::current`]): sandboxes already made keep their copies.
 
 use std::ffi::OsString;
 use std::io::{self, BufRead, Read};
@@ -17,6 +19,10 @@ use std::process::{Child, Command, Stdio};
 pub struct Template {
     child: Child,
     ns: PathBuf,
+    /// How it was started, to start it again.
+    daemon_bin: PathBuf,
+    daemon_args: Vec<OsString>,
+    dir: PathBuf,
 }
 
 impl Template {
@@ -24,6 +30,12 @@ impl Template {
     /// missing) and waits until it says the namespace is made. An error carries what the daemon
     /// said.
     pub fn start(daemon_bin: &Path, daemon_args: &[OsString], dir: &Path) -> io::Result<Template> {
+        let child = Self::spawn(daemon_bin, daemon_args, dir)?;
+        let ns = PathBuf::from(format!("/proc/{}/ns/mnt", child.id()));
+        Ok(Template { child, ns, daemon_bin: daemon_bin.into(), daemon_args: daemon_args.into(), dir: dir.into() })
+    }
+
+    fn spawn(daemon_bin: &Path, daemon_args: &[OsString], dir: &Path) -> io::Result<Child> {
         std::fs::create_dir_all(dir)?;
         let mut child = Command::new(daemon_bin)
             .args(daemon_args)
@@ -50,13 +62,23 @@ impl Template {
         }
         // It writes nothing more; its stdin stays open (held in `child`) for as long as it must live.
         drop(child.stderr.take());
-        let ns = PathBuf::from(format!("/proc/{}/ns/mnt", child.id()));
-        Ok(Template { child, ns })
+        Ok(child)
     }
 
     /// The namespace's file, for `--isolate-template`.
     pub fn ns(&self) -> &Path {
         &self.ns
+    }
+
+    /// The namespace's file, after making the template again if its process has died (reaping
+    /// it: a zombie's namespace cannot be opened). One `waitpid(WNOHANG)` while it lives.
+    pub fn current(&mut self) -> io::Result<&Path> {
+        if let Some(status) = self.child.try_wait()? {
+            tracing::warn!(%status, ns = %self.ns.display(), "the isolation template's process died: making it again");
+            self.child = Self::spawn(&self.daemon_bin, &self.daemon_args, &self.dir)?;
+            self.ns = PathBuf::from(format!("/proc/{}/ns/mnt", self.child.id()));
+        }
+        Ok(&self.ns)
     }
 }
 

@@ -236,6 +236,37 @@ async fn isolated_sandboxes_copy_one_template_and_never_pivot_root() {
 }
 
 #[tokio::test]
+async fn a_template_whose_process_died_is_made_again_at_the_next_create() {
+    // Regression: the template's process dying (killed, or by the OOM killer) left its namespace
+    // unopenable, and every create failed until the server restarted.
+    require_root();
+    let state = state_dir();
+    let p = provider(state.path(), Isolation::Full);
+    let (a, b) = (spec("tmpl-dead-a", HOST_IMAGE), spec("tmpl-dead-b", HOST_IMAGE));
+    let ea = ready(&p, &a).await;
+    let pid_of = |s: &SandboxSpec| {
+        let pids = std::fs::read_to_string(state.path().join(format!("sandboxes/{}/daemon.pid", s.id))).unwrap();
+        pids.split_whitespace().next().unwrap().to_string()
+    };
+    let old = template_of(&pid_of(&a)).unwrap();
+    let holder: i32 = old.trim_start_matches("/proc/").split('/').next().unwrap().parse().unwrap();
+    Command::new("kill").args(["-KILL", &holder.to_string()]).status().unwrap();
+    // Gone, but not reaped: its namespace cannot be opened any more.
+    let died = eventually(Duration::from_secs(10), || std::fs::metadata(&old).is_err()).await;
+    assert!(died, "{old} still opens after its process was killed");
+    let eb = ready(&p, &b).await;
+    let new = template_of(&pid_of(&b)).unwrap();
+    assert_ne!(new, old, "the second sandbox was handed the dead template");
+    assert!(std::fs::metadata(&new).is_ok(), "{new} cannot be opened");
+    for (e, s) in [(&ea, &a), (&eb, &b)] {
+        let ran = sh(e, &s.token, "echo alive").await;
+        assert_eq!(out(&ran).trim(), "alive", "{ran}");
+    }
+    p.delete(&a.id).await.unwrap();
+    p.delete(&b.id).await.unwrap();
+}
+
+#[tokio::test]
 async fn network_none_leaves_only_loopback() {
     require_root();
     let state = state_dir();
