@@ -11,8 +11,8 @@
 //! - density: `SANDMAN_BENCH_SANDBOXES` sandboxes (default 2000) held by one server at once,
 //!   each answering an exec; their PSS, the server's bytes and open files per sandbox, the CPU a
 //!   create costs the server and the sandbox's own processes (and so the most creates a second
-//!   the machine's cores allow), create, list and release rates (first half vs second half, to show nothing grows worse than
-//!   linearly), and a check that nothing is left after the release (process, mount, cgroup,
+//!   the machine's cores allow), create, list and release rates and the sandbox's CPU per create
+//!   (first half vs second half, to show nothing grows worse than linearly), and a check that nothing is left after the release (process, mount, cgroup,
 //!   directory).
 //!
 //! `cargo bench -p sandman-cli --bench service` after `./scripts/build-daemon` (it runs the static
@@ -609,13 +609,20 @@ async fn bench() {
     // What a create costs the machine: the server's share, and the sandbox's own processes' (its
     // daemon's start, and when isolated its waiter's), read before any of them runs a command.
     let server_cpu = cpu_ns(server_pid).saturating_sub(server_cpu_before) as f64 / 1e6 / created.len().max(1) as f64;
-    let sandbox_cpu = created
+    // Per sandbox, in the order their creates completed: the halves' means show whether a create
+    // costs more with more sandboxes held, in CPU time, which the machine's other work skews less
+    // than it does rates.
+    let per_sandbox_cpu: Vec<u64> = created
         .iter()
-        .filter_map(|id| inner_daemon(&state, id))
-        .map(|pid| cpu_ns(pid) + children_of(pid).into_iter().map(cpu_ns).sum::<u64>())
-        .sum::<u64>() as f64
-        / 1e6
-        / created.len().max(1) as f64;
+        .map(|id| {
+            inner_daemon(&state, id)
+                .map_or(0, |pid| cpu_ns(pid) + children_of(pid).into_iter().map(cpu_ns).sum::<u64>())
+        })
+        .collect();
+    let mean_ms = |v: &[u64]| v.iter().sum::<u64>() as f64 / 1e6 / v.len().max(1) as f64;
+    let sandbox_cpu = mean_ms(&per_sandbox_cpu);
+    let (cpu_first, cpu_second) = per_sandbox_cpu.split_at(per_sandbox_cpu.len() / 2);
+    let sandbox_cpu_halves = (mean_ms(cpu_first), mean_ms(cpu_second));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let ceiling = cores * 1e3 / (server_cpu + sandbox_cpu);
     let t = Instant::now();
@@ -653,6 +660,10 @@ async fn bench() {
     println!("  create rate: first half {:.0}/s, second half {:.0}/s", create_halves.0, create_halves.1);
     println!(
         "  CPU per create: server {server_cpu:.2} ms, the sandbox's processes {sandbox_cpu:.2} ms: at most {ceiling:.0}/s on {cores} cores"
+    );
+    println!(
+        "  the sandbox's processes' CPU per create: first half {:.2} ms, second half {:.2} ms",
+        sandbox_cpu_halves.0, sandbox_cpu_halves.1
     );
     let mib = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0) as f64 / 1024.0;
     let pss_mean = daemon_pss.iter().sum::<u64>() as f64 / daemon_pss.len().max(1) as f64 / 1024.0;
@@ -731,6 +742,13 @@ async fn bench() {
         value: format!("{:.0}/s", create_halves.1),
         floor: format!("{:.0}/s", create_halves.0),
         ratio: Some(create_halves.1 / create_halves.0),
+        target: None,
+    });
+    summary.push(Row {
+        what: "sandbox CPU per create, second half / first",
+        value: format!("{:.2} ms", sandbox_cpu_halves.1),
+        floor: format!("{:.2} ms", sandbox_cpu_halves.0),
+        ratio: Some(sandbox_cpu_halves.1 / sandbox_cpu_halves.0),
         target: None,
     });
     summary.push(Row {
