@@ -20,8 +20,11 @@ use tokio::time::Instant;
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bytes of randomness in a challenge (sent as hex).
 const CHALLENGE_BYTES: usize = 16;
-/// The first pause between calls while nothing answers; it doubles up to [`MAX_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(5);
+/// The first pause between calls while nothing answers; it doubles up to [`MAX_PAUSE`]. Short:
+/// a process provider's daemon binds its socket a millisecond or two after it is spawned, and
+/// every create waits out whatever part of this pause is left after that (a failed call to a
+/// socket not there yet costs microseconds).
+const FIRST_PAUSE: Duration = Duration::from_millis(1);
 const MAX_PAUSE: Duration = Duration::from_millis(100);
 
 /// Why the daemon at a sandbox's address was not taken for the sandbox's own.
