@@ -25,7 +25,6 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPort, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::runtime::reflector::{self, ObjectRef, Store};
 use sandman_provider::{
     Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider,
     ProviderError, ProviderEvent, Record, SandboxSpec,
@@ -75,7 +74,8 @@ pub enum IdentityCheck {
 /// bounded by the sandboxes alive and being made or released, never by how many there have been.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Footprint {
-    /// Pods in the shared watch's store.
+    /// Sandbox pods the shared watch sees now (the provider keeps a few fields of each, not
+    /// the pod).
     pub watched_pods: usize,
     /// Sandboxes the watch's tracker follows (being made, alive, or being deleted).
     pub tracked: usize,
@@ -98,9 +98,8 @@ pub struct KubeProvider {
     api: Arc<KubeApi>,
     /// The namespace's pods, for the watches of `prepare` (the shared watch has its own).
     pods: kube::Api<Pod>,
+    /// Every sandbox pod's state, as the shared watch last saw it.
     tracker: Arc<Tracker>,
-    /// Every sandbox pod, as the shared watch last saw it.
-    store: Store<Pod>,
     /// Handed to the server once.
     events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
     /// Set once the NetworkPolicy for `network: none` has been applied.
@@ -132,19 +131,11 @@ impl KubeProvider {
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
         let (progress_tx, progress_rx) = mpsc::channel(PROGRESS_CAPACITY);
         let tracker = Arc::new(Tracker::default());
-        let (store, writer) = reflector::store();
         let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &config.namespace);
         let tasks = TaskTracker::new();
         let cancel = CancellationToken::new();
         tasks.spawn_on(
-            watch::run(
-                pods.clone(),
-                pod::selector(&config.instance),
-                writer,
-                tracker.clone(),
-                events_tx,
-                cancel.clone(),
-            ),
+            watch::run(pods.clone(), pod::selector(&config.instance), tracker.clone(), events_tx, cancel.clone()),
             &runtime,
         );
         let admission = config.capacity.as_ref().map(|c| Arc::new(Admission::new(c.max_pending)));
@@ -171,7 +162,6 @@ impl KubeProvider {
             pods,
             config,
             tracker,
-            store,
             events_rx: Mutex::new(Some(events_rx)),
             policy: OnceCell::new(),
             tasks,
@@ -247,7 +237,7 @@ impl KubeProvider {
 
     /// Waits until the shared watch has listed the pods once.
     pub async fn wait_synced(&self) {
-        let _ = self.store.wait_until_ready().await;
+        self.tracker.wait_synced().await;
     }
 
     /// Stops the watch (the pods keep running, for the next server) and waits for it to end.
@@ -306,15 +296,22 @@ impl KubeProvider {
     /// What this provider holds now, to watch it stay flat over a long run.
     pub fn footprint(&self) -> Footprint {
         Footprint {
-            watched_pods: self.store.state().len(),
+            watched_pods: self.tracker.present(),
             tracked: self.tracker.tracked(),
             pending_secrets: self.tokens.as_ref().map_or(0, |t| t.pending()),
         }
     }
 
-    /// The sandbox's pod as the shared watch last saw it.
-    pub fn watched_pod(&self, id: &str) -> Option<Arc<Pod>> {
-        self.store.get(&ObjectRef::new(&pod_name(id)).within(&self.config.namespace))
+    /// The sandbox's pod state as the shared watch last saw it, with where the pod was when it
+    /// was not running (`Pending, container `task` ContainerCreating`).
+    pub fn watched(&self, id: &str) -> Option<(PodState, Option<String>)> {
+        self.tracker.state(id)
+    }
+
+    /// Slots the provider's map of sandboxes has room for now: it gives a burst's room back
+    /// once the burst's sandboxes are gone.
+    pub fn tracker_capacity(&self) -> usize {
+        self.tracker.capacity()
     }
 
     /// Applies the NetworkPolicy for `network: none` once (the first such create).
@@ -445,10 +442,8 @@ impl KubeProvider {
                 PodState::Pending => unschedulable_since = None,
             }
             if now >= deadline {
-                let seen = self
-                    .watched_pod(id)
-                    .map(|p| status::describe(&p))
-                    .unwrap_or_else(|| "not seen by the watch".into());
+                let seen =
+                    self.watched(id).and_then(|(_, seen)| seen).unwrap_or_else(|| "not seen by the watch".into());
                 return Err(ProviderError::Failed {
                     reason: Reason::ReadyTimeout,
                     message: format!("the pod was not running after {} s ({seen})", self.config.create_timeout_s),

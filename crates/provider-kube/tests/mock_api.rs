@@ -16,6 +16,7 @@ use http::StatusCode;
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
 use sandman_provider_kube::pod::build_pod;
+use sandman_provider_kube::status::PodState;
 use sandman_provider_kube::{Footprint, IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_testkit::standin::StandIn;
 use sandman_wire::server::Reason;
@@ -632,8 +633,8 @@ async fn a_dropped_watch_resumes_from_the_last_version_without_relisting() {
         .collect();
     assert_eq!(&rvs[..2], ["882", "899"], "the watch did not resume from the last version it saw");
     assert_eq!(seen.iter().filter(|r| is(r, "GET", "/pods") && !r.is_watch()).count(), 1, "a dropped watch relisted");
-    // The reflector saw it all too: the pod is gone from the store.
-    assert!(p.watched_pod("sbx-0003").is_none());
+    // The tracker saw it all too: nothing of the pod is left.
+    assert!(p.watched("sbx-0003").is_none());
 }
 
 #[tokio::test]
@@ -1517,12 +1518,12 @@ async fn image_volume_injection_is_refused_when_no_eligible_node_can_mount_image
     assert!(mock.seen().is_empty(), "init-container injection listed the nodes");
 }
 
-/// The shared watch's store keeps each sandbox pod without its managed fields (about 40% of a
-/// running pod's JSON), and with everything the provider reads: its spec annotation first.
+/// The shared watch keeps no pod: what the provider knows of a sandbox pod is its state (read
+/// from the recorded pod, its managed fields and spec annotation left behind), and nothing of
+/// it once the pod is gone.
 #[tokio::test]
-async fn the_watch_store_keeps_pods_without_their_managed_fields() {
+async fn the_watch_keeps_each_pods_state_not_the_pod() {
     let mut pod = json("pod-running-ready.json");
-    assert!(pod["metadata"]["managedFields"].as_array().is_some_and(|m| !m.is_empty()), "the fixture has them");
     let id = id_of(&pod);
     let spec = spec(&id, "busybox:1");
     pod["metadata"]["annotations"] = serde_json::json!({"sandman.dev/spec": serde_json::to_string(&spec).unwrap()});
@@ -1532,14 +1533,23 @@ async fn the_watch_store_keeps_pods_without_their_managed_fields() {
     feed.send(bytes::Bytes::from(format!("{}\n", serde_json::json!({"type": "ADDED", "object": pod})))).await.unwrap();
     let p = provider(client);
     let deadline = Instant::now() + Duration::from_secs(10);
-    let watched = loop {
-        if let Some(w) = p.watched_pod(&id) {
+    let (state, seen) = loop {
+        if let Some(w) = p.watched(&id) {
             break w;
         }
-        assert!(Instant::now() < deadline, "the pod never reached the store");
+        assert!(Instant::now() < deadline, "the pod was never seen");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    assert_eq!(watched.metadata.managed_fields.as_deref().unwrap_or_default(), []);
-    assert_eq!(sandman_provider_kube::pod::spec_of(&watched).map(|s| s.id), Some(id));
-    assert_eq!(watched.status.as_ref().and_then(|s| s.pod_ip.clone()).as_deref(), pod["status"]["podIP"].as_str());
+    let ip = pod["status"]["podIP"].as_str().unwrap().to_string();
+    assert_eq!(state, PodState::Ready { ip });
+    assert_eq!(seen, None, "a running pod needs no description");
+    assert_eq!(p.footprint(), Footprint { watched_pods: 1, tracked: 1, pending_secrets: 0 });
+    feed.send(bytes::Bytes::from(format!("{}\n", serde_json::json!({"type": "DELETED", "object": pod}))))
+        .await
+        .unwrap();
+    while p.footprint() != Footprint::default() {
+        assert!(Instant::now() < deadline, "the provider still holds {:?}", p.footprint());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(p.watched(&id).is_none());
 }
