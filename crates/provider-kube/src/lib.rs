@@ -183,7 +183,7 @@ impl KubeProvider {
     /// Passes the create through capacity-aware admission, when configured: waits for room,
     /// reporting where it waits; a request that can never fit, or a wait past `wait_s`, fails
     /// it with `unschedulable`. Answers the admission, which a failed create gives back.
-    async fn admit<'a>(&'a self, spec: &'a SandboxSpec, pod: &Pod) -> Result<Option<Admitted<'a>>, ProviderError> {
+    async fn admit<'a>(&'a self, spec: &'a SandboxSpec, ask: Ask) -> Result<Option<Admitted<'a>>, ProviderError> {
         let (Some(gate), Some(cap)) = (&self.admission, &self.config.capacity) else { return Ok(None) };
         let deadline = Instant::now() + Duration::from_secs(cap.wait_s);
         // Told (logged, and sent as progress) when what it waits for changes, else at most every
@@ -191,7 +191,7 @@ impl KubeProvider {
         // each move would make lines without bound in the square of the queue's length.
         let mut told: Option<(Instant, capacity::Resource)> = None;
         let admitted = gate
-            .admit(&spec.id, Ask::of_pod(pod), capacity::Share::of_spec(spec), deadline, |w| {
+            .admit(&spec.id, ask, capacity::Share::of_spec(spec), deadline, |w| {
                 self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
                 let now = Instant::now();
                 let due = told.as_ref().is_none_or(|(at, what)| {
@@ -256,24 +256,23 @@ impl KubeProvider {
     pub async fn delete_job(&self, job: &str) -> Result<Vec<String>, ProviderError> {
         self.tracker.mark_job_deleting(&label_value(job));
         let selector = pod::job_selector(&self.config.instance, job);
-        let ids_of = |metas: Vec<ObjectMeta>| -> Vec<String> {
-            metas.iter().filter_map(|m| pod::sandbox_id(m).map(str::to_string)).collect()
+        let ids_of = |metas: Vec<api::PodMeta>| -> Vec<String> {
+            metas.into_iter().filter_map(|mut m| m.labels.remove(pod::LABEL_SANDBOX)).collect()
         };
         let listed = self.api.list_pod_metadata(&selector).await?;
-        let mut ids: std::collections::BTreeSet<String> =
-            ids_of(listed.into_iter().map(|p| p.metadata).collect()).into_iter().collect();
+        let mut ids: std::collections::BTreeSet<String> = ids_of(listed).into_iter().collect();
         let mut left = usize::MAX;
         let mut stalled = 0;
         loop {
             match self.api.delete_pods(&selector, self.config.termination_grace_s).await {
                 Ok(pods) => {
-                    ids.extend(ids_of(pods.into_iter().map(|p| p.metadata).collect()));
+                    ids.extend(ids_of(pods));
                     break;
                 }
                 Err(e) if e.code() == Some(504) => {
                     let pods = self.api.list_pod_metadata(&selector).await?;
-                    let now = pods.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).count();
-                    ids.extend(ids_of(pods.into_iter().map(|p| p.metadata).collect()));
+                    let now = pods.iter().filter(|p| p.deletion_timestamp.is_none()).count();
+                    ids.extend(ids_of(pods));
                     stalled = if now < left { 0 } else { stalled + 1 };
                     if stalled >= RELEASE_STALLED_TRIES {
                         return Err(e.into());
@@ -562,12 +561,17 @@ impl Provider for KubeProvider {
     /// Creates the pod (and its token Secret), then waits, on the shared watch, until it runs
     /// with an IP; a pull error, an unschedulable pod, an OOM kill or a daemon that cannot start
     /// fail the create as soon as the pod's status shows them.
+    ///
+    /// A create holds neither its pod nor the API server's answer while it waits (for room, for
+    /// its token's Secret, for its write's slot, for the pod to run): in a burst thousands wait
+    /// at once, and each pod is kilobytes once built. The pod is built to be checked and
+    /// measured, then again to be sent, as JSON, and only the answer's uid is kept.
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
-        let mut pod = pod::build_pod(spec, &self.config)?;
+        let ask = Ask::of_pod(&pod::build_pod(spec, &self.config)?);
         if pod::no_network(spec) {
             self.ensure_policy().await?;
         }
-        let mut admitted = self.admit(spec, &pod).await?;
+        let mut admitted = self.admit(spec, ask).await?;
         let deadline = Instant::now() + Duration::from_secs(self.config.create_timeout_s);
         let name = pod_name(&spec.id);
         let mut rx = self.tracker.begin_create(&spec.id, spec.job.as_deref().map(label_value));
@@ -575,19 +579,19 @@ impl Provider for KubeProvider {
         // With shared token Secrets the token is in one before the pod is made, so that the
         // kubelet never waits for it.
         let held = match &self.tokens {
-            Some(tokens) => {
-                let held = tokens.deposit(&spec.id, &spec.token).await?;
-                pod::set_token_secret(&mut pod, &held.secret);
-                Some(held)
-            }
+            Some(tokens) => Some(tokens.deposit(&spec.id, &spec.token).await?),
             None => None,
         };
-        let created = match self.api.create_pod(&pod).await {
-            Ok(pod) => {
+        let mut pod = pod::build_pod(spec, &self.config)?;
+        if let Some(held) = &held {
+            pod::set_token_secret(&mut pod, &held.secret);
+        }
+        let uid = match self.api.create_pod(pod).await {
+            Ok(uid) => {
                 if let Some(held) = held {
-                    held.made(&name, pod.metadata.uid.as_deref().unwrap_or_default());
+                    held.made(&name, &uid);
                 }
-                pod
+                uid
             }
             Err(e) if e.code() == Some(409) => {
                 drop(held);
@@ -595,12 +599,11 @@ impl Provider for KubeProvider {
                 if self.tokens.is_some() {
                     self.check_shared_token(spec, &existing).await?;
                 }
-                existing
+                existing.metadata.uid.unwrap_or_default()
             }
             Err(e) => return Err(e.into()),
         };
         if self.config.token == TokenDelivery::Secret {
-            let uid = created.metadata.uid.clone().unwrap_or_default();
             if let Err(e) = self.put_secret(spec, &uid).await {
                 // Without its token the daemon never starts: take the pod back at once.
                 self.tracker.mark_deleting(&spec.id);

@@ -763,8 +763,13 @@ async fn a_release_all_that_outlasts_the_api_servers_timeout_is_called_again_and
     let ids = p.delete_job("job x").await.unwrap();
     assert_eq!(ids, (0..5).map(|i| format!("job-x-{i}")).collect::<Vec<_>>(), "every released pod named");
     assert!(cluster.lock().unwrap().pods.is_empty(), "pods left");
-    let collections = mock.writes()[writes_before..].iter().filter(|w| w.method == "DELETE").count();
-    assert_eq!(collections, 5);
+    let collections: Vec<common::Seen> =
+        mock.writes()[writes_before..].iter().filter(|w| w.method == "DELETE").cloned().collect();
+    assert_eq!(collections.len(), 5);
+    // Each answered with the deleted pods' metadata only, not thousands of whole pods.
+    for c in &collections {
+        assert!(c.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadataList")), "{:?}", c.accept);
+    }
     // The pods were read first (their metadata only), and again after the call that failed.
     let reads: Vec<common::Seen> = mock
         .seen()
