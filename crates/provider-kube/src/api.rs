@@ -168,15 +168,17 @@ impl KubeApi {
         }
     }
 
-    /// Creates a pod; answers the uid the API server gave it. The pod is sent as JSON and not
-    /// kept while the write waits for its slot, and of the answer (the whole pod, its managed
-    /// fields too) only the uid is read.
-    pub async fn create_pod(&self, pod: Pod) -> Result<String, KubeError> {
+    /// Creates a pod; answers the uid the API server gave it. The request is made before the
+    /// future is, so that the pod is not kept while the write waits for its slot (a parsed pod
+    /// is kilobytes, and in a burst thousands of writes wait), and of the answer (the whole pod,
+    /// its managed fields too) only the uid is read.
+    pub fn create_pod(&self, pod: &Pod) -> impl Future<Output = Result<String, KubeError>> + Send + '_ {
         let what = format!("create pod `{}`", pod.metadata.name.as_deref().unwrap_or_default());
-        let req = build(&what, self.pods.create(&post_params(), to_json(&what, &pod)?))?;
-        drop(pod);
-        let created: MetadataOnly = decode(&what, self.call(&what, req, true).await?)?;
-        Ok(created.metadata.uid.unwrap_or_default())
+        let req = to_json(&what, pod).and_then(|body| build(&what, self.pods.create(&post_params(), body)));
+        async move {
+            let created: MetadataOnly = decode(&what, self.call(&what, req?, true).await?)?;
+            Ok(created.metadata.uid.unwrap_or_default())
+        }
     }
 
     pub async fn create_secret(&self, secret: &Secret) -> Result<(), KubeError> {

@@ -571,7 +571,10 @@ impl Provider for KubeProvider {
         if pod::no_network(spec) {
             self.ensure_policy().await?;
         }
-        let mut admitted = self.admit(spec, ask).await?;
+        // The steps a create passes through once (or only when something went wrong) are boxed,
+        // so that the create's future is the size of the step it is at: in a burst thousands
+        // wait at once, each in one step.
+        let mut admitted = Box::pin(self.admit(spec, ask)).await?;
         let deadline = Instant::now() + Duration::from_secs(self.config.create_timeout_s);
         let name = pod_name(&spec.id);
         let mut rx = self.tracker.begin_create(&spec.id, spec.job.as_deref().map(label_value));
@@ -586,7 +589,9 @@ impl Provider for KubeProvider {
         if let Some(held) = &held {
             pod::set_token_secret(&mut pod, &held.secret);
         }
-        let uid = match self.api.create_pod(pod).await {
+        let sent = self.api.create_pod(&pod);
+        drop(pod);
+        let uid = match sent.await {
             Ok(uid) => {
                 if let Some(held) = held {
                     held.made(&name, &uid);
@@ -595,19 +600,19 @@ impl Provider for KubeProvider {
             }
             Err(e) if e.code() == Some(409) => {
                 drop(held);
-                let existing = self.existing(spec, &name).await?;
+                let existing = Box::pin(self.existing(spec, &name)).await?;
                 if self.tokens.is_some() {
-                    self.check_shared_token(spec, &existing).await?;
+                    Box::pin(self.check_shared_token(spec, &existing)).await?;
                 }
                 existing.metadata.uid.unwrap_or_default()
             }
             Err(e) => return Err(e.into()),
         };
         if self.config.token == TokenDelivery::Secret {
-            if let Err(e) = self.put_secret(spec, &uid).await {
+            if let Err(e) = Box::pin(self.put_secret(spec, &uid)).await {
                 // Without its token the daemon never starts: take the pod back at once.
                 self.tracker.mark_deleting(&spec.id);
-                if let Err(del) = self.api.delete_pod(&name, 0).await {
+                if let Err(del) = Box::pin(self.api.delete_pod(&name, 0)).await {
                     tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete a pod whose secret failed");
                 }
                 return Err(e);
@@ -616,7 +621,7 @@ impl Provider for KubeProvider {
         let running = match self.wait_running(&spec.id, &mut rx, deadline).await {
             Ok(ip) => {
                 let addr = daemon_addr(&ip, self.config.daemon_port);
-                self.verify_daemon(spec, &addr, &mut rx, deadline).await.map(|()| addr)
+                Box::pin(self.verify_daemon(spec, &addr, &mut rx, deadline)).await.map(|()| addr)
             }
             Err(e) => Err(e),
         };
@@ -631,7 +636,7 @@ impl Provider for KubeProvider {
             Err(e) => {
                 // A pod that will never serve is removed now; its reason is in the error.
                 self.tracker.mark_deleting(&spec.id);
-                if let Err(del) = self.api.delete_pod(&name, self.config.termination_grace_s).await {
+                if let Err(del) = Box::pin(self.api.delete_pod(&name, self.config.termination_grace_s)).await {
                     tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete the pod of a failed create");
                 }
                 Err(e)

@@ -241,7 +241,7 @@ pub async fn run(
     let mut targets: HashMap<String, Target> = HashMap::new();
     let made = futures_util::future::join_all(nodes.iter().enumerate().map(|(i, node)| {
         let pod = build_pull_pod(image, node, &format!("sandman-prepare-{run}-{i}"), &run, config);
-        async move { (node, pod.metadata.name.clone().unwrap_or_default(), api.create_pod(pod).await) }
+        async move { (node, pod.metadata.name.clone().unwrap_or_default(), api.create_pod(&pod).await) }
     }))
     .await;
     let mut first_error = None;

@@ -15,6 +15,8 @@ use common::{Cluster, MISSING_IMAGE, NAMESPACE, Reply, Watches, as_ours, client_
 use http::StatusCode;
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
+use sandman_provider_kube::api::KubeApi;
+use sandman_provider_kube::pace::Pacer;
 use sandman_provider_kube::pod::build_pod;
 use sandman_provider_kube::status::PodState;
 use sandman_provider_kube::{Footprint, IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
@@ -1557,4 +1559,20 @@ async fn the_watch_keeps_each_pods_state_not_the_pod() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(p.watched(&id).is_none());
+}
+
+/// A pod write keeps nothing of the pod while it waits for its slot of the pacer (in a burst,
+/// thousands wait at once, and a parsed pod is kilobytes): its future borrows nothing of the
+/// pod, which this test drops before awaiting it (it would not compile otherwise), and of the
+/// answer it reads the uid.
+#[tokio::test]
+async fn a_pod_write_keeps_nothing_of_the_pod_while_it_waits() {
+    let cluster = Cluster::shared();
+    let (client, _mock) = client_on(&cluster);
+    let api = KubeApi::new(client, NAMESPACE, Pacer::new(1000.0, 1), 4);
+    let pod = build_pod(&spec("sbx-write", "busybox:1"), &config()).unwrap();
+    let sent = api.create_pod(&pod);
+    drop(pod);
+    assert_eq!(sent.await.unwrap(), "uid-sandman-sbx-write");
+    assert!(cluster.lock().unwrap().pods.contains_key("sandman-sbx-write"));
 }
