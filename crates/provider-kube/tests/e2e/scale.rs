@@ -411,6 +411,22 @@ async fn a_hold_of_the_papers_11858_sandboxes_answers_and_release_all_leaves_not
     let held_heap = heap();
     trim_heap();
     let held_trimmed_kib = procs(&world.node_pids(), false).ours_kib;
+    // Printed now, so that a release-all that fails still leaves the figures of the hold.
+    let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / n as f64;
+    println!(
+        "held: provider RSS {} ({} before), heap in use {} ({} without this test's records, {} before), \
+         kept free {}; RSS after malloc_trim {}; per sandbox: heap {:.1} KiB, RSS {:.1} KiB, trimmed {:.1} KiB",
+        mib(held.ours_kib),
+        mib(before.ours_kib),
+        mib(held.ours_heap.in_use_kib),
+        mib(held_heap.in_use_kib),
+        mib(before.ours_heap.in_use_kib),
+        mib(held.ours_heap.kept_free_kib),
+        mib(held_trimmed_kib),
+        per(held_heap.in_use_kib, before.ours_heap.in_use_kib),
+        per(held.ours_kib, before.ours_kib),
+        per(held_trimmed_kib, before.ours_kib),
+    );
 
     // Release-all, then nothing may be left: pods, token Secrets, the provider's state, daemons.
     let release_started = Instant::now();
@@ -461,7 +477,6 @@ async fn a_hold_of_the_papers_11858_sandboxes_answers_and_release_all_leaves_not
     row("pods", counts_before.0.to_string(), counts_held.0.to_string(), counts_after.0.to_string());
     row("token Secrets", counts_before.1.to_string(), counts_held.1.to_string(), counts_after.1.to_string());
     row("pod watches (API)", opt(watches_before), opt(watches_held), opt(watches_after));
-    let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / n as f64;
     println!(
         "per sandbox held      API server {:.1} KiB, etcd {:.1} KiB, provider {:.1} KiB, daemon {:.0} KiB (PSS)",
         per(held.api_kib, before.api_kib),
