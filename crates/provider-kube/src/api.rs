@@ -97,6 +97,10 @@ struct MetadataOnly {
     metadata: ObjectMeta,
 }
 
+/// `Accept` for an object's metadata only (`PartialObjectMetadata`), which the API server also
+/// answers a create with.
+const METADATA: &str = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1";
+
 /// `Accept` for a list of metadata only (`PartialObjectMetadataList`), which the API server also
 /// answers a `deletecollection` with.
 const METADATA_LIST: &str = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1";
@@ -170,11 +174,17 @@ impl KubeApi {
 
     /// Creates a pod; answers the uid the API server gave it. The request is made before the
     /// future is, so that the pod is not kept while the write waits for its slot (a parsed pod
-    /// is kilobytes, and in a burst thousands of writes wait), and of the answer (the whole pod,
-    /// its managed fields too) only the uid is read.
+    /// is kilobytes, and in a burst thousands of writes wait), and the answer is asked for as
+    /// metadata only, of which the uid is read.
     pub fn create_pod(&self, pod: &Pod) -> impl Future<Output = Result<String, KubeError>> + Send + '_ {
         let what = format!("create pod `{}`", pod.metadata.name.as_deref().unwrap_or_default());
-        let req = to_json(&what, pod).and_then(|body| build(&what, self.pods.create(&post_params(), body)));
+        let req =
+            to_json(&what, pod).and_then(|body| build(&what, self.pods.create(&post_params(), body))).map(|mut req| {
+                // The answer as metadata only: the API server encodes the pod's metadata, not the
+                // pod (a burst's every create), and an error is a Status as ever.
+                req.headers_mut().insert(http::header::ACCEPT, http::HeaderValue::from_static(METADATA));
+                req
+            });
         async move {
             let created: MetadataOnly = decode(&what, self.call(&what, req?, true).await?)?;
             Ok(created.metadata.uid.unwrap_or_default())

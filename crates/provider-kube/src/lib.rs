@@ -608,15 +608,15 @@ impl Provider for KubeProvider {
             }
             Err(e) => return Err(e.into()),
         };
-        if self.config.token == TokenDelivery::Secret {
-            if let Err(e) = Box::pin(self.put_secret(spec, &uid)).await {
-                // Without its token the daemon never starts: take the pod back at once.
-                self.tracker.mark_deleting(&spec.id);
-                if let Err(del) = Box::pin(self.api.delete_pod(&name, 0)).await {
-                    tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete a pod whose secret failed");
-                }
-                return Err(e);
+        if self.config.token == TokenDelivery::Secret
+            && let Err(e) = Box::pin(self.put_secret(spec, &uid)).await
+        {
+            // Without its token the daemon never starts: take the pod back at once.
+            self.tracker.mark_deleting(&spec.id);
+            if let Err(del) = Box::pin(self.api.delete_pod(&name, 0)).await {
+                tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete a pod whose secret failed");
             }
+            return Err(e);
         }
         let running = match self.wait_running(&spec.id, &mut rx, deadline).await {
             Ok(ip) => {

@@ -1563,16 +1563,19 @@ async fn the_watch_keeps_each_pods_state_not_the_pod() {
 
 /// A pod write keeps nothing of the pod while it waits for its slot of the pacer (in a burst,
 /// thousands wait at once, and a parsed pod is kilobytes): its future borrows nothing of the
-/// pod, which this test drops before awaiting it (it would not compile otherwise), and of the
-/// answer it reads the uid.
+/// pod, which this test drops before awaiting it (it would not compile otherwise), and it asks
+/// for the answer as metadata only (the API server need not encode the pod), of which it reads
+/// the uid.
 #[tokio::test]
 async fn a_pod_write_keeps_nothing_of_the_pod_while_it_waits() {
     let cluster = Cluster::shared();
-    let (client, _mock) = client_on(&cluster);
+    let (client, mock) = client_on(&cluster);
     let api = KubeApi::new(client, NAMESPACE, Pacer::new(1000.0, 1), 4);
     let pod = build_pod(&spec("sbx-write", "busybox:1"), &config()).unwrap();
     let sent = api.create_pod(&pod);
     drop(pod);
     assert_eq!(sent.await.unwrap(), "uid-sandman-sbx-write");
     assert!(cluster.lock().unwrap().pods.contains_key("sandman-sbx-write"));
+    let post = mock.writes().into_iter().find(|w| w.method == "POST").unwrap();
+    assert!(post.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadata;")), "{:?}", post.accept);
 }

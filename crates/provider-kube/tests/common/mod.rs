@@ -212,6 +212,15 @@ fn seen_of(parts: &http::request::Parts, body: Bytes) -> Seen {
     }
 }
 
+/// An object as the API server answers it to an `Accept` of `as=PartialObjectMetadata` (a
+/// create): its metadata alone.
+fn object_metadata_if_asked(req: &Seen, mut obj: Value) -> Value {
+    if !req.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadata;")) {
+        return obj;
+    }
+    serde_json::json!({"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"].take()})
+}
+
 /// A list as the API server answers it to an `Accept` of `as=PartialObjectMetadataList` (a
 /// list, or a `deletecollection`): each item's metadata alone.
 fn metadata_if_asked(req: &Seen, mut list: Value) -> Value {
@@ -518,7 +527,7 @@ impl Cluster {
                 if shared.is_some() && !self.external_kubelet {
                     self.run(&name);
                 }
-                Reply::Json(StatusCode::CREATED, pod)
+                Reply::Json(StatusCode::CREATED, object_metadata_if_asked(req, pod))
             }
             ("POST", ["secrets"]) => {
                 let posted = req.json();
