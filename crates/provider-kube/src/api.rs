@@ -7,10 +7,11 @@ use bytes::Bytes;
 use http::StatusCode;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, PropagationPolicy};
 use kube::client::Body;
-use kube::core::{ObjectList, PartialObjectMeta, Request};
+use kube::core::Request;
 use sandman_provider::ProviderError;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -89,6 +90,47 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     out
 }
 
+/// An object's metadata alone: decoding an answer into it skips the rest without keeping it.
+#[derive(Debug, serde::Deserialize)]
+struct MetadataOnly {
+    #[serde(default)]
+    metadata: ObjectMeta,
+}
+
+/// `Accept` for an object's metadata only (`PartialObjectMetadata`), which the API server also
+/// answers a create with.
+const METADATA: &str = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1";
+
+/// `Accept` for a list of metadata only (`PartialObjectMetadataList`), which the API server also
+/// answers a `deletecollection` with.
+const METADATA_LIST: &str = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1";
+
+/// One page of a list, read without buffering it whole first (as a flattened `ObjectList` is):
+/// fields of the list or of its items that are not asked for are skipped as they are read.
+#[derive(Debug, serde::Deserialize)]
+struct Page<T> {
+    #[serde(default)]
+    metadata: kube::core::ListMeta,
+    items: Option<Vec<T>>,
+}
+
+/// What a release-all reads of each pod: the labels that name its sandbox, and whether it is
+/// being deleted already; not its managed fields or anything else.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodMeta {
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+}
+
+/// An item of a metadata list.
+#[derive(Debug, Clone, serde::Deserialize)]
+struct Named {
+    #[serde(default)]
+    metadata: PodMeta,
+}
+
 /// An answer, read whole.
 #[derive(Debug)]
 struct Answer {
@@ -130,10 +172,23 @@ impl KubeApi {
         }
     }
 
-    pub async fn create_pod(&self, pod: &Pod) -> Result<Pod, KubeError> {
+    /// Creates a pod; answers the uid the API server gave it. The request is made before the
+    /// future is, so that the pod is not kept while the write waits for its slot (a parsed pod
+    /// is kilobytes, and in a burst thousands of writes wait), and the answer is asked for as
+    /// metadata only, of which the uid is read.
+    pub fn create_pod(&self, pod: &Pod) -> impl Future<Output = Result<String, KubeError>> + Send + '_ {
         let what = format!("create pod `{}`", pod.metadata.name.as_deref().unwrap_or_default());
-        let req = build(&what, self.pods.create(&post_params(), to_json(&what, pod)?))?;
-        decode(&what, self.call(&what, req, true).await?)
+        let req =
+            to_json(&what, pod).and_then(|body| build(&what, self.pods.create(&post_params(), body))).map(|mut req| {
+                // The answer as metadata only: the API server encodes the pod's metadata, not the
+                // pod (a burst's every create), and an error is a Status as ever.
+                req.headers_mut().insert(http::header::ACCEPT, http::HeaderValue::from_static(METADATA));
+                req
+            });
+        async move {
+            let created: MetadataOnly = decode(&what, self.call(&what, req?, true).await?)?;
+            Ok(created.metadata.uid.unwrap_or_default())
+        }
     }
 
     pub async fn create_secret(&self, secret: &Secret) -> Result<(), KubeError> {
@@ -178,27 +233,32 @@ impl KubeApi {
         Ok(found.is_some())
     }
 
-    /// Deletes every pod matching `selector` in one call; answers the pods as they were. A call
-    /// that outlasts the API server's request timeout (60 s by default: about 2,000 pods on a
-    /// busy 2-core machine) is `504`, having deleted only the pods it reached, and names none.
-    pub async fn delete_pods(&self, selector: &str, grace_s: u32) -> Result<Vec<Pod>, KubeError> {
+    /// Deletes every pod matching `selector` in one call; answers the metadata of the pods
+    /// deleted ([`PodMeta`]). The answer is asked for as metadata only (the API server encodes
+    /// each pod's metadata, not the pod: a release-all of thousands answers megabytes, not
+    /// hundreds), and read so. A call that outlasts the API server's request timeout (60 s by
+    /// default: about 2,000 pods on a busy 2-core machine) is `504`, having deleted only the pods
+    /// it reached, and names none.
+    pub async fn delete_pods(&self, selector: &str, grace_s: u32) -> Result<Vec<PodMeta>, KubeError> {
         let what = format!("delete the pods `{selector}`");
-        let req = build(
+        let mut req = build(
             &what,
             self.pods.delete_collection(&delete_params(grace_s), &ListParams::default().labels(selector)),
         )?;
-        let list: ObjectList<Pod> = decode(&what, self.call(&what, req, true).await?)?;
-        Ok(list.items)
+        req.headers_mut().insert(http::header::ACCEPT, http::HeaderValue::from_static(METADATA_LIST));
+        let list: Page<Named> = decode(&what, self.call(&what, req, true).await?)?;
+        Ok(list.items.unwrap_or_default().into_iter().map(|n| n.metadata).collect())
     }
 
     pub async fn list_pods(&self, selector: &str) -> Result<Vec<Pod>, KubeError> {
         self.list("pods", selector, |p| self.pods.list(p)).await
     }
 
-    /// The metadata of the pods matching `selector`: a fraction of the pods' bytes, on both
-    /// sides, when a release-all of thousands needs only their names.
-    pub async fn list_pod_metadata(&self, selector: &str) -> Result<Vec<PartialObjectMeta<Pod>>, KubeError> {
-        self.list("pods", selector, |p| self.pods.list_metadata(p)).await
+    /// The metadata of the pods matching `selector` ([`PodMeta`]): a fraction of the pods'
+    /// bytes, on both sides, when a release-all of thousands needs only their names.
+    pub async fn list_pod_metadata(&self, selector: &str) -> Result<Vec<PodMeta>, KubeError> {
+        let named: Vec<Named> = self.list("pods", selector, |p| self.pods.list_metadata(p)).await?;
+        Ok(named.into_iter().map(|n| n.metadata).collect())
     }
 
     /// The nodes matching `selector` (every node when it is empty).
@@ -249,14 +309,14 @@ impl KubeApi {
                     params = params.continue_token(t);
                 }
                 let req = build(&what, page(&params))?;
-                let page: ObjectList<T> = match decode(&what, self.call(&what, req, false).await?) {
+                let page: Page<T> = match decode(&what, self.call(&what, req, false).await?) {
                     Err(KubeError::Refused { code: 410, .. }) if token.is_some() && restarts < 3 => {
                         restarts += 1;
                         continue 'again;
                     }
                     other => other?,
                 };
-                items.extend(page.items);
+                items.extend(page.items.unwrap_or_default());
                 token = page.metadata.continue_.filter(|t| !t.is_empty());
                 if token.is_none() {
                     return Ok(items);

@@ -25,7 +25,6 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPort, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::runtime::reflector::{self, ObjectRef, Store};
 use sandman_provider::{
     Claim, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider,
     ProviderError, ProviderEvent, Record, SandboxSpec,
@@ -75,7 +74,8 @@ pub enum IdentityCheck {
 /// bounded by the sandboxes alive and being made or released, never by how many there have been.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Footprint {
-    /// Pods in the shared watch's store.
+    /// Sandbox pods the shared watch sees now (the provider keeps a few fields of each, not
+    /// the pod).
     pub watched_pods: usize,
     /// Sandboxes the watch's tracker follows (being made, alive, or being deleted).
     pub tracked: usize,
@@ -98,9 +98,8 @@ pub struct KubeProvider {
     api: Arc<KubeApi>,
     /// The namespace's pods, for the watches of `prepare` (the shared watch has its own).
     pods: kube::Api<Pod>,
+    /// Every sandbox pod's state, as the shared watch last saw it.
     tracker: Arc<Tracker>,
-    /// Every sandbox pod, as the shared watch last saw it.
-    store: Store<Pod>,
     /// Handed to the server once.
     events_rx: Mutex<Option<mpsc::Receiver<ProviderEvent>>>,
     /// Set once the NetworkPolicy for `network: none` has been applied.
@@ -132,19 +131,11 @@ impl KubeProvider {
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
         let (progress_tx, progress_rx) = mpsc::channel(PROGRESS_CAPACITY);
         let tracker = Arc::new(Tracker::default());
-        let (store, writer) = reflector::store();
         let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &config.namespace);
         let tasks = TaskTracker::new();
         let cancel = CancellationToken::new();
         tasks.spawn_on(
-            watch::run(
-                pods.clone(),
-                pod::selector(&config.instance),
-                writer,
-                tracker.clone(),
-                events_tx,
-                cancel.clone(),
-            ),
+            watch::run(pods.clone(), pod::selector(&config.instance), tracker.clone(), events_tx, cancel.clone()),
             &runtime,
         );
         let admission = config.capacity.as_ref().map(|c| Arc::new(Admission::new(c.max_pending)));
@@ -171,7 +162,6 @@ impl KubeProvider {
             pods,
             config,
             tracker,
-            store,
             events_rx: Mutex::new(Some(events_rx)),
             policy: OnceCell::new(),
             tasks,
@@ -193,7 +183,7 @@ impl KubeProvider {
     /// Passes the create through capacity-aware admission, when configured: waits for room,
     /// reporting where it waits; a request that can never fit, or a wait past `wait_s`, fails
     /// it with `unschedulable`. Answers the admission, which a failed create gives back.
-    async fn admit<'a>(&'a self, spec: &'a SandboxSpec, pod: &Pod) -> Result<Option<Admitted<'a>>, ProviderError> {
+    async fn admit<'a>(&'a self, spec: &'a SandboxSpec, ask: Ask) -> Result<Option<Admitted<'a>>, ProviderError> {
         let (Some(gate), Some(cap)) = (&self.admission, &self.config.capacity) else { return Ok(None) };
         let deadline = Instant::now() + Duration::from_secs(cap.wait_s);
         // Told (logged, and sent as progress) when what it waits for changes, else at most every
@@ -201,7 +191,7 @@ impl KubeProvider {
         // each move would make lines without bound in the square of the queue's length.
         let mut told: Option<(Instant, capacity::Resource)> = None;
         let admitted = gate
-            .admit(&spec.id, Ask::of_pod(pod), capacity::Share::of_spec(spec), deadline, |w| {
+            .admit(&spec.id, ask, capacity::Share::of_spec(spec), deadline, |w| {
                 self.waiting.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), w.clone());
                 let now = Instant::now();
                 let due = told.as_ref().is_none_or(|(at, what)| {
@@ -247,7 +237,7 @@ impl KubeProvider {
 
     /// Waits until the shared watch has listed the pods once.
     pub async fn wait_synced(&self) {
-        let _ = self.store.wait_until_ready().await;
+        self.tracker.wait_synced().await;
     }
 
     /// Stops the watch (the pods keep running, for the next server) and waits for it to end.
@@ -266,24 +256,23 @@ impl KubeProvider {
     pub async fn delete_job(&self, job: &str) -> Result<Vec<String>, ProviderError> {
         self.tracker.mark_job_deleting(&label_value(job));
         let selector = pod::job_selector(&self.config.instance, job);
-        let ids_of = |metas: Vec<ObjectMeta>| -> Vec<String> {
-            metas.iter().filter_map(|m| pod::sandbox_id(m).map(str::to_string)).collect()
+        let ids_of = |metas: Vec<api::PodMeta>| -> Vec<String> {
+            metas.into_iter().filter_map(|mut m| m.labels.remove(pod::LABEL_SANDBOX)).collect()
         };
         let listed = self.api.list_pod_metadata(&selector).await?;
-        let mut ids: std::collections::BTreeSet<String> =
-            ids_of(listed.into_iter().map(|p| p.metadata).collect()).into_iter().collect();
+        let mut ids: std::collections::BTreeSet<String> = ids_of(listed).into_iter().collect();
         let mut left = usize::MAX;
         let mut stalled = 0;
         loop {
             match self.api.delete_pods(&selector, self.config.termination_grace_s).await {
                 Ok(pods) => {
-                    ids.extend(ids_of(pods.into_iter().map(|p| p.metadata).collect()));
+                    ids.extend(ids_of(pods));
                     break;
                 }
                 Err(e) if e.code() == Some(504) => {
                     let pods = self.api.list_pod_metadata(&selector).await?;
-                    let now = pods.iter().filter(|p| p.metadata.deletion_timestamp.is_none()).count();
-                    ids.extend(ids_of(pods.into_iter().map(|p| p.metadata).collect()));
+                    let now = pods.iter().filter(|p| p.deletion_timestamp.is_none()).count();
+                    ids.extend(ids_of(pods));
                     stalled = if now < left { 0 } else { stalled + 1 };
                     if stalled >= RELEASE_STALLED_TRIES {
                         return Err(e.into());
@@ -306,15 +295,22 @@ impl KubeProvider {
     /// What this provider holds now, to watch it stay flat over a long run.
     pub fn footprint(&self) -> Footprint {
         Footprint {
-            watched_pods: self.store.state().len(),
+            watched_pods: self.tracker.present(),
             tracked: self.tracker.tracked(),
             pending_secrets: self.tokens.as_ref().map_or(0, |t| t.pending()),
         }
     }
 
-    /// The sandbox's pod as the shared watch last saw it.
-    pub fn watched_pod(&self, id: &str) -> Option<Arc<Pod>> {
-        self.store.get(&ObjectRef::new(&pod_name(id)).within(&self.config.namespace))
+    /// The sandbox's pod state as the shared watch last saw it, with where the pod was when it
+    /// was not running (`Pending, container `task` ContainerCreating`).
+    pub fn watched(&self, id: &str) -> Option<(PodState, Option<String>)> {
+        self.tracker.state(id)
+    }
+
+    /// Slots the provider's map of sandboxes has room for now: it gives a burst's room back
+    /// once the burst's sandboxes are gone.
+    pub fn tracker_capacity(&self) -> usize {
+        self.tracker.capacity()
     }
 
     /// Applies the NetworkPolicy for `network: none` once (the first such create).
@@ -445,10 +441,8 @@ impl KubeProvider {
                 PodState::Pending => unschedulable_since = None,
             }
             if now >= deadline {
-                let seen = self
-                    .watched_pod(id)
-                    .map(|p| status::describe(&p))
-                    .unwrap_or_else(|| "not seen by the watch".into());
+                let seen =
+                    self.watched(id).and_then(|(_, seen)| seen).unwrap_or_else(|| "not seen by the watch".into());
                 return Err(ProviderError::Failed {
                     reason: Reason::ReadyTimeout,
                     message: format!("the pod was not running after {} s ({seen})", self.config.create_timeout_s),
@@ -567,12 +561,20 @@ impl Provider for KubeProvider {
     /// Creates the pod (and its token Secret), then waits, on the shared watch, until it runs
     /// with an IP; a pull error, an unschedulable pod, an OOM kill or a daemon that cannot start
     /// fail the create as soon as the pod's status shows them.
+    ///
+    /// A create holds neither its pod nor the API server's answer while it waits (for room, for
+    /// its token's Secret, for its write's slot, for the pod to run): in a burst thousands wait
+    /// at once, and each pod is kilobytes once built. The pod is built to be checked and
+    /// measured, then again to be sent, as JSON, and only the answer's uid is kept.
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
-        let mut pod = pod::build_pod(spec, &self.config)?;
+        let ask = Ask::of_pod(&pod::build_pod(spec, &self.config)?);
         if pod::no_network(spec) {
             self.ensure_policy().await?;
         }
-        let mut admitted = self.admit(spec, &pod).await?;
+        // The steps a create passes through once (or only when something went wrong) are boxed,
+        // so that the create's future is the size of the step it is at: in a burst thousands
+        // wait at once, each in one step.
+        let mut admitted = Box::pin(self.admit(spec, ask)).await?;
         let deadline = Instant::now() + Duration::from_secs(self.config.create_timeout_s);
         let name = pod_name(&spec.id);
         let mut rx = self.tracker.begin_create(&spec.id, spec.job.as_deref().map(label_value));
@@ -580,45 +582,46 @@ impl Provider for KubeProvider {
         // With shared token Secrets the token is in one before the pod is made, so that the
         // kubelet never waits for it.
         let held = match &self.tokens {
-            Some(tokens) => {
-                let held = tokens.deposit(&spec.id, &spec.token).await?;
-                pod::set_token_secret(&mut pod, &held.secret);
-                Some(held)
-            }
+            Some(tokens) => Some(tokens.deposit(&spec.id, &spec.token).await?),
             None => None,
         };
-        let created = match self.api.create_pod(&pod).await {
-            Ok(pod) => {
+        let mut pod = pod::build_pod(spec, &self.config)?;
+        if let Some(held) = &held {
+            pod::set_token_secret(&mut pod, &held.secret);
+        }
+        let sent = self.api.create_pod(&pod);
+        drop(pod);
+        let uid = match sent.await {
+            Ok(uid) => {
                 if let Some(held) = held {
-                    held.made(&name, pod.metadata.uid.as_deref().unwrap_or_default());
+                    held.made(&name, &uid);
                 }
-                pod
+                uid
             }
             Err(e) if e.code() == Some(409) => {
                 drop(held);
-                let existing = self.existing(spec, &name).await?;
+                let existing = Box::pin(self.existing(spec, &name)).await?;
                 if self.tokens.is_some() {
-                    self.check_shared_token(spec, &existing).await?;
+                    Box::pin(self.check_shared_token(spec, &existing)).await?;
                 }
-                existing
+                existing.metadata.uid.unwrap_or_default()
             }
             Err(e) => return Err(e.into()),
         };
-        if self.config.token == TokenDelivery::Secret {
-            let uid = created.metadata.uid.clone().unwrap_or_default();
-            if let Err(e) = self.put_secret(spec, &uid).await {
-                // Without its token the daemon never starts: take the pod back at once.
-                self.tracker.mark_deleting(&spec.id);
-                if let Err(del) = self.api.delete_pod(&name, 0).await {
-                    tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete a pod whose secret failed");
-                }
-                return Err(e);
+        if self.config.token == TokenDelivery::Secret
+            && let Err(e) = Box::pin(self.put_secret(spec, &uid)).await
+        {
+            // Without its token the daemon never starts: take the pod back at once.
+            self.tracker.mark_deleting(&spec.id);
+            if let Err(del) = Box::pin(self.api.delete_pod(&name, 0)).await {
+                tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete a pod whose secret failed");
             }
+            return Err(e);
         }
         let running = match self.wait_running(&spec.id, &mut rx, deadline).await {
             Ok(ip) => {
                 let addr = daemon_addr(&ip, self.config.daemon_port);
-                self.verify_daemon(spec, &addr, &mut rx, deadline).await.map(|()| addr)
+                Box::pin(self.verify_daemon(spec, &addr, &mut rx, deadline)).await.map(|()| addr)
             }
             Err(e) => Err(e),
         };
@@ -633,7 +636,7 @@ impl Provider for KubeProvider {
             Err(e) => {
                 // A pod that will never serve is removed now; its reason is in the error.
                 self.tracker.mark_deleting(&spec.id);
-                if let Err(del) = self.api.delete_pod(&name, self.config.termination_grace_s).await {
+                if let Err(del) = Box::pin(self.api.delete_pod(&name, self.config.termination_grace_s)).await {
                     tracing::warn!(sandbox = %spec.id, err = %chain(&del), "cannot delete the pod of a failed create");
                 }
                 Err(e)

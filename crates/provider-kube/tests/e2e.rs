@@ -667,6 +667,10 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
         })
         .collect();
 
+    if bench {
+        // Each phase says when it starts, so that a profile taken meanwhile can be cut by phase.
+        println!("burst: {n} creates start");
+    }
     let cpu_before = cpu_seconds();
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -1009,6 +1013,7 @@ async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> RawRate
         apis.push(Api::<Pod>::namespaced(world.client(None).await, &world.namespace));
     }
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    println!("raw pod creates: {count} bare pods by {clients} clients start");
     let cpu_before = cpu_seconds();
     let started = Instant::now();
     let made = futures_util::future::join_all(apis.iter().map(|pods| {

@@ -15,7 +15,10 @@ use common::{Cluster, MISSING_IMAGE, NAMESPACE, Reply, Watches, as_ours, client_
 use http::StatusCode;
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
+use sandman_provider_kube::api::KubeApi;
+use sandman_provider_kube::pace::Pacer;
 use sandman_provider_kube::pod::build_pod;
+use sandman_provider_kube::status::PodState;
 use sandman_provider_kube::{Footprint, IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_testkit::standin::StandIn;
 use sandman_wire::server::Reason;
@@ -632,8 +635,8 @@ async fn a_dropped_watch_resumes_from_the_last_version_without_relisting() {
         .collect();
     assert_eq!(&rvs[..2], ["882", "899"], "the watch did not resume from the last version it saw");
     assert_eq!(seen.iter().filter(|r| is(r, "GET", "/pods") && !r.is_watch()).count(), 1, "a dropped watch relisted");
-    // The reflector saw it all too: the pod is gone from the store.
-    assert!(p.watched_pod("sbx-0003").is_none());
+    // The tracker saw it all too: nothing of the pod is left.
+    assert!(p.watched("sbx-0003").is_none());
 }
 
 #[tokio::test]
@@ -762,8 +765,13 @@ async fn a_release_all_that_outlasts_the_api_servers_timeout_is_called_again_and
     let ids = p.delete_job("job x").await.unwrap();
     assert_eq!(ids, (0..5).map(|i| format!("job-x-{i}")).collect::<Vec<_>>(), "every released pod named");
     assert!(cluster.lock().unwrap().pods.is_empty(), "pods left");
-    let collections = mock.writes()[writes_before..].iter().filter(|w| w.method == "DELETE").count();
-    assert_eq!(collections, 5);
+    let collections: Vec<common::Seen> =
+        mock.writes()[writes_before..].iter().filter(|w| w.method == "DELETE").cloned().collect();
+    assert_eq!(collections.len(), 5);
+    // Each answered with the deleted pods' metadata only, not thousands of whole pods.
+    for c in &collections {
+        assert!(c.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadataList")), "{:?}", c.accept);
+    }
     // The pods were read first (their metadata only), and again after the call that failed.
     let reads: Vec<common::Seen> = mock
         .seen()
@@ -1517,12 +1525,12 @@ async fn image_volume_injection_is_refused_when_no_eligible_node_can_mount_image
     assert!(mock.seen().is_empty(), "init-container injection listed the nodes");
 }
 
-/// The shared watch's store keeps each sandbox pod without its managed fields (about 40% of a
-/// running pod's JSON), and with everything the provider reads: its spec annotation first.
+/// The shared watch keeps no pod: what the provider knows of a sandbox pod is its state (read
+/// from the recorded pod, its managed fields and spec annotation left behind), and nothing of
+/// it once the pod is gone.
 #[tokio::test]
-async fn the_watch_store_keeps_pods_without_their_managed_fields() {
+async fn the_watch_keeps_each_pods_state_not_the_pod() {
     let mut pod = json("pod-running-ready.json");
-    assert!(pod["metadata"]["managedFields"].as_array().is_some_and(|m| !m.is_empty()), "the fixture has them");
     let id = id_of(&pod);
     let spec = spec(&id, "busybox:1");
     pod["metadata"]["annotations"] = serde_json::json!({"sandman.dev/spec": serde_json::to_string(&spec).unwrap()});
@@ -1532,14 +1540,42 @@ async fn the_watch_store_keeps_pods_without_their_managed_fields() {
     feed.send(bytes::Bytes::from(format!("{}\n", serde_json::json!({"type": "ADDED", "object": pod})))).await.unwrap();
     let p = provider(client);
     let deadline = Instant::now() + Duration::from_secs(10);
-    let watched = loop {
-        if let Some(w) = p.watched_pod(&id) {
+    let (state, seen) = loop {
+        if let Some(w) = p.watched(&id) {
             break w;
         }
-        assert!(Instant::now() < deadline, "the pod never reached the store");
+        assert!(Instant::now() < deadline, "the pod was never seen");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    assert_eq!(watched.metadata.managed_fields.as_deref().unwrap_or_default(), []);
-    assert_eq!(sandman_provider_kube::pod::spec_of(&watched).map(|s| s.id), Some(id));
-    assert_eq!(watched.status.as_ref().and_then(|s| s.pod_ip.clone()).as_deref(), pod["status"]["podIP"].as_str());
+    let ip = pod["status"]["podIP"].as_str().unwrap().to_string();
+    assert_eq!(state, PodState::Ready { ip });
+    assert_eq!(seen, None, "a running pod needs no description");
+    assert_eq!(p.footprint(), Footprint { watched_pods: 1, tracked: 1, pending_secrets: 0 });
+    feed.send(bytes::Bytes::from(format!("{}\n", serde_json::json!({"type": "DELETED", "object": pod}))))
+        .await
+        .unwrap();
+    while p.footprint() != Footprint::default() {
+        assert!(Instant::now() < deadline, "the provider still holds {:?}", p.footprint());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(p.watched(&id).is_none());
+}
+
+/// A pod write keeps nothing of the pod while it waits for its slot of the pacer (in a burst,
+/// thousands wait at once, and a parsed pod is kilobytes): its future borrows nothing of the
+/// pod, which this test drops before awaiting it (it would not compile otherwise), and it asks
+/// for the answer as metadata only (the API server need not encode the pod), of which it reads
+/// the uid.
+#[tokio::test]
+async fn a_pod_write_keeps_nothing_of_the_pod_while_it_waits() {
+    let cluster = Cluster::shared();
+    let (client, mock) = client_on(&cluster);
+    let api = KubeApi::new(client, NAMESPACE, Pacer::new(1000.0, 1), 4);
+    let pod = build_pod(&spec("sbx-write", "busybox:1"), &config()).unwrap();
+    let sent = api.create_pod(&pod);
+    drop(pod);
+    assert_eq!(sent.await.unwrap(), "uid-sandman-sbx-write");
+    assert!(cluster.lock().unwrap().pods.contains_key("sandman-sbx-write"));
+    let post = mock.writes().into_iter().find(|w| w.method == "POST").unwrap();
+    assert!(post.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadata;")), "{:?}", post.accept);
 }

@@ -64,6 +64,8 @@ pub struct Seen {
     pub query: BTreeMap<String, String>,
     /// The request's `Content-Type` (a patch's kind: merge, strategic, apply).
     pub content_type: Option<String>,
+    /// The request's `Accept` (metadata only: `as=PartialObjectMetadataList`).
+    pub accept: Option<String>,
     pub body: Bytes,
     pub at: Instant,
 }
@@ -196,15 +198,47 @@ fn seen_of(parts: &http::request::Parts, body: Bytes) -> Seen {
                 .collect()
         })
         .unwrap_or_default();
-    let content_type = parts.headers.get(http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let header = |name| parts.headers.get(name).and_then(|v: &http::HeaderValue| v.to_str().ok()).map(str::to_string);
+    let content_type = header(http::header::CONTENT_TYPE);
+    let accept = header(http::header::ACCEPT);
     Seen {
         method: parts.method.to_string(),
         path: parts.uri.path().to_string(),
         query,
         content_type,
+        accept,
         body,
         at: Instant::now(),
     }
+}
+
+/// An object as the API server answers it to an `Accept` of `as=PartialObjectMetadata` (a
+/// create): its metadata alone.
+fn object_metadata_if_asked(req: &Seen, mut obj: Value) -> Value {
+    if !req.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadata;")) {
+        return obj;
+    }
+    serde_json::json!({"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"].take()})
+}
+
+/// A list as the API server answers it to an `Accept` of `as=PartialObjectMetadataList` (a
+/// list, or a `deletecollection`): each item's metadata alone.
+fn metadata_if_asked(req: &Seen, mut list: Value) -> Value {
+    if !req.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadataList")) {
+        return list;
+    }
+    list["kind"] = "PartialObjectMetadataList".into();
+    list["apiVersion"] = "meta.k8s.io/v1".into();
+    if let Some(items) = list["items"].as_array_mut() {
+        for item in items {
+            *item = serde_json::json!({
+                "kind": "PartialObjectMetadata",
+                "apiVersion": "meta.k8s.io/v1",
+                "metadata": item["metadata"].take(),
+            });
+        }
+    }
+    list
 }
 
 fn percent_decode(s: &str) -> String {
@@ -462,7 +496,7 @@ impl Cluster {
                 self.watchers.push((selector.clone(), tx));
                 Reply::Stream(rx)
             }
-            ("GET", ["pods"]) => ok(self.list("PodList", selected(&self.pods))),
+            ("GET", ["pods"]) => ok(metadata_if_asked(req, self.list("PodList", selected(&self.pods)))),
             ("GET", ["secrets"]) => ok(self.list("SecretList", selected(&self.secrets))),
             ("POST", ["pods"]) => {
                 if self.throttle_next > 0 {
@@ -493,7 +527,7 @@ impl Cluster {
                 if shared.is_some() && !self.external_kubelet {
                     self.run(&name);
                 }
-                Reply::Json(StatusCode::CREATED, pod)
+                Reply::Json(StatusCode::CREATED, object_metadata_if_asked(req, pod))
             }
             ("POST", ["secrets"]) => {
                 let posted = req.json();
@@ -587,7 +621,7 @@ impl Cluster {
                 for p in matched {
                     self.delete_pod(p["metadata"]["name"].as_str().unwrap(), grace);
                 }
-                ok(out)
+                ok(metadata_if_asked(req, out))
             }
             _ => not_found(&req.path),
         }

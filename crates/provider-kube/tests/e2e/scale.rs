@@ -103,6 +103,39 @@ fn check_machine(n: usize, nodes: u32) {
 
 // ---- what this machine's /proc shows ----
 
+/// This process's heap as glibc's allocator sees it (every arena, `mallinfo2`): KiB handed out
+/// and not freed (in use), and KiB freed but kept by the allocator rather than given back to the
+/// kernel, which the resident size still counts.
+#[derive(Debug, Clone, Copy, Default)]
+struct Heap {
+    in_use_kib: u64,
+    kept_free_kib: u64,
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn heap() -> Heap {
+    // SAFETY: mallinfo2 only reads the allocator's counters (under each arena's lock).
+    let m = unsafe { libc::mallinfo2() };
+    Heap { in_use_kib: ((m.uordblks + m.hblkhd) / 1024) as u64, kept_free_kib: (m.fordblks / 1024) as u64 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn heap() -> Heap {
+    Heap::default()
+}
+
+/// Asks glibc's allocator to give the free pages it keeps back to the kernel (`malloc_trim`),
+/// so that the resident size after it tells memory still in use from memory only kept.
+#[allow(unsafe_code)]
+fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes each arena's lock and releases only free memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// The processes a run stands on, as `/proc` shows them at one moment.
 #[derive(Debug, Clone, Default)]
 struct Procs {
@@ -111,6 +144,8 @@ struct Procs {
     etcd_kib: u64,
     nodes_kib: u64,
     ours_kib: u64,
+    /// This test's heap (the provider's, and the test's own records).
+    ours_heap: Heap,
     /// This test's open descriptors, and how many of them are connections to the API server.
     ours_fds: usize,
     ours_api_connections: usize,
@@ -134,6 +169,7 @@ fn procs(node_pids: &[u32], with_pss: bool) -> Procs {
         let dir = entry.path();
         if pid == me {
             out.ours_kib = rss(&dir);
+            out.ours_heap = heap();
         } else if node_pids.contains(&pid) {
             out.nodes_kib += rss(&dir);
         } else if comm == "sandmand" && node_pids.contains(&ppid) {
@@ -368,6 +404,29 @@ async fn a_hold_of_the_papers_11858_sandboxes_answers_and_release_all_leaves_not
     assert_eq!(held.daemons, n, "daemons running while {n} sandboxes are held");
     assert_eq!(counts_held.0, n, "sandbox pods while {n} are held");
     assert_eq!(fp_held.tracked, n, "sandboxes the provider follows while {n} are held");
+    // The heap without this test's own records of the sandboxes (their specs and endpoints),
+    // then the resident size once the allocator has given back what it only keeps: what the
+    // provider holds per sandbox, apart from what the burst left free in the heap.
+    drop(ready);
+    let held_heap = heap();
+    trim_heap();
+    let held_trimmed_kib = procs(&world.node_pids(), false).ours_kib;
+    // Printed now, so that a release-all that fails still leaves the figures of the hold.
+    let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / n as f64;
+    println!(
+        "held: provider RSS {} ({} before), heap in use {} ({} without this test's records, {} before), \
+         kept free {}; RSS after malloc_trim {}; per sandbox: heap {:.1} KiB, RSS {:.1} KiB, trimmed {:.1} KiB",
+        mib(held.ours_kib),
+        mib(before.ours_kib),
+        mib(held.ours_heap.in_use_kib),
+        mib(held_heap.in_use_kib),
+        mib(before.ours_heap.in_use_kib),
+        mib(held.ours_heap.kept_free_kib),
+        mib(held_trimmed_kib),
+        per(held_heap.in_use_kib, before.ours_heap.in_use_kib),
+        per(held.ours_kib, before.ours_kib),
+        per(held_trimmed_kib, before.ours_kib),
+    );
 
     // Release-all, then nothing may be left: pods, token Secrets, the provider's state, daemons.
     let release_started = Instant::now();
@@ -379,6 +438,8 @@ async fn a_hold_of_the_papers_11858_sandboxes_answers_and_release_all_leaves_not
     let (left, drained) = until_nothing(Duration::from_secs(600), || leftovers(&world, &p)).await;
     assert!(left.is_empty(), "left {:.0} s after release-all: {left}", drained.as_secs_f64());
     let after = procs(&world.node_pids(), false);
+    trim_heap();
+    let after_trimmed_kib = procs(&world.node_pids(), false).ours_kib;
     let counts_after = counts(&world).await;
     let (watches_after, db_after) = api_metrics(&world.client).await;
 
@@ -395,6 +456,20 @@ async fn a_hold_of_the_papers_11858_sandboxes_answers_and_release_all_leaves_not
     row("etcd (RSS)", mib(before.etcd_kib), mib(held.etcd_kib), mib(after.etcd_kib));
     row("etcd database", db(db_before), db(db_held), db(db_after));
     row("provider, this test", mib(before.ours_kib), mib(held.ours_kib), mib(after.ours_kib));
+    row(
+        "  heap in use",
+        mib(before.ours_heap.in_use_kib),
+        mib(held.ours_heap.in_use_kib),
+        mib(after.ours_heap.in_use_kib),
+    );
+    row(
+        "  heap kept free",
+        mib(before.ours_heap.kept_free_kib),
+        mib(held.ours_heap.kept_free_kib),
+        mib(after.ours_heap.kept_free_kib),
+    );
+    row("  heap without records", "-".into(), mib(held_heap.in_use_kib), "-".into());
+    row("  RSS after malloc_trim", "-".into(), mib(held_trimmed_kib), mib(after_trimmed_kib));
     row("provider descriptors", before.ours_fds.to_string(), held.ours_fds.to_string(), after.ours_fds.to_string());
     row("fake nodes (RSS)", mib(before.nodes_kib), mib(held.nodes_kib), mib(after.nodes_kib));
     row("daemons", before.daemons.to_string(), held.daemons.to_string(), after.daemons.to_string());
@@ -404,10 +479,21 @@ async fn a_hold_of_the_papers_11858_sandboxes_answers_and_release_all_leaves_not
     row("pod watches (API)", opt(watches_before), opt(watches_held), opt(watches_after));
     println!(
         "per sandbox held      API server {:.1} KiB, etcd {:.1} KiB, provider {:.1} KiB, daemon {:.0} KiB (PSS)",
-        held.api_kib.saturating_sub(before.api_kib) as f64 / n as f64,
-        held.etcd_kib.saturating_sub(before.etcd_kib) as f64 / n as f64,
-        held.ours_kib.saturating_sub(before.ours_kib) as f64 / n as f64,
+        per(held.api_kib, before.api_kib),
+        per(held.etcd_kib, before.etcd_kib),
+        per(held.ours_kib, before.ours_kib),
         held.daemons_pss_kib as f64 / n as f64
+    );
+    println!(
+        "provider per sandbox  heap in use held {:.1} KiB ({:.1} KiB of it this test's records), after {:.2} KiB; \
+         RSS held {:.1} KiB, trimmed {:.1} KiB; after {:.1} KiB, trimmed {:.1} KiB",
+        per(held.ours_heap.in_use_kib, before.ours_heap.in_use_kib),
+        per(held.ours_heap.in_use_kib, held_heap.in_use_kib),
+        per(after.ours_heap.in_use_kib, before.ours_heap.in_use_kib),
+        per(held.ours_kib, before.ours_kib),
+        per(held_trimmed_kib, before.ours_kib),
+        per(after.ours_kib, before.ours_kib),
+        per(after_trimmed_kib, before.ours_kib)
     );
 
     world.tear_down().await;
