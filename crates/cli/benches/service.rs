@@ -12,8 +12,8 @@
 //!   each answering an exec; their PSS, the server's bytes and open files per sandbox, the CPU a
 //!   create costs the server and the sandbox's own processes (and so the most creates a second
 //!   the machine's cores allow), create, list and release rates and the sandbox's CPU per create
-//!   (first half vs second half, to show nothing grows worse than linearly), and a check that nothing is left after the release (process, mount, cgroup,
-//!   directory).
+//!   (first half vs second half, to show nothing grows worse than linearly), and a check that
+//!   nothing is left after the release (process, mount, cgroup, directory).
 //!
 //! `cargo bench -p sandman-cli --bench service` after `./scripts/build-daemon` (it runs the static
 //! daemon; `SANDMAND_STATIC` overrides). `SANDMAN_BENCH_DIR` is where the servers' state

@@ -68,7 +68,8 @@ pub struct Isolation {
     /// Bind-mounted onto `/tmp` (`--isolate-tmp`), so the sandbox's `/tmp` is its own.
     pub tmp: Option<PathBuf>,
     /// The most the sandbox may write outside its work directory and `/tmp` (the writable
-    /// layer, in memory, which also holds its `/run`, `/var/tmp` and `/dev/shm`), in bytes; the kernel's default (half the memory) when `None`.
+    /// layer, in memory, which also holds its `/run`, `/var/tmp` and `/dev/shm`), in bytes; the
+    /// kernel's default (half the memory) when `None`.
     pub layer_bytes: Option<u64>,
     /// Host paths the sandbox must not see (`--isolate-hide`): a directory becomes an empty,
     /// read-only one, a file an empty one. The state directory, the server's binary.
