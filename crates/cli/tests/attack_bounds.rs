@@ -206,20 +206,34 @@ async fn healthz_answers_while_the_server_sheds() {
     let server = Server::start_in(&dir.path().join("state"), &["--max-concurrent-requests", "2"]);
     let http = server.client();
     let id = http.create(json!({"image": "host"})).await["id"].as_str().unwrap().to_string();
-    // Two long calls hold both slots.
+    // Two long calls hold both slots. They are seen running from the host before the server is
+    // asked anything else: a call sent while only one of them had arrived would take the second
+    // slot itself and have that exec shed instead.
+    let marker = "6.0172";
     let mut busy = Vec::new();
     for _ in 0..2 {
         let (http, id) = (http.clone(), id.clone());
         busy.push(tokio::spawn(async move {
-            http.post(&format!("/v1/sandboxes/{id}/exec"), json!({"argv": ["/bin/sleep", "5"]})).await.status
+            let r = http.post(&format!("/v1/sandboxes/{id}/exec"), json!({"argv": ["/bin/sleep", marker]})).await;
+            (r.status, String::from_utf8_lossy(&r.body).into_owned())
         }));
     }
-    let shed = eventually(Duration::from_secs(5), async || http.get("/v1/sandboxes").await.status == 503).await;
-    assert!(shed, "the server never shed a call");
+    let running = eventually(Duration::from_secs(30), async || {
+        e2e::processes_mentioning(&format!("sleep {marker}")).len() == 2 || busy.iter().any(|b| b.is_finished())
+    })
+    .await;
+    if let Some(i) = busy.iter().position(|b| b.is_finished()) {
+        let (status, body) = busy.remove(i).await.unwrap();
+        panic!("a long call ended before both were running: {status} {body}");
+    }
+    assert!(running, "the two long calls were not both running within 30 s");
+    let shed = http.get("/v1/sandboxes").await;
+    assert_eq!(shed.status, 503, "a call beside two holding both slots: {}", String::from_utf8_lossy(&shed.body));
     let health = http.get("/healthz").await;
     assert_eq!(health.status, 200, "{}", String::from_utf8_lossy(&health.body));
     for b in busy {
-        assert_eq!(b.await.unwrap(), 200);
+        let (status, body) = b.await.unwrap();
+        assert_eq!(status, 200, "{body}");
     }
     http.release(&id).await.ok();
 }
