@@ -2,7 +2,8 @@
 //! targets, each with its ratio to its floor, then a summary table.
 //!
 //! - the exec round trip through server and daemon vs the daemon alone vs a direct spawn; a
-//!   1 KiB file write through the server vs that exec and vs a call the server answers itself;
+//!   1 KiB file write through the server vs that exec and vs a call the server answers itself
+//!   (and the same write to the daemon alone, which shows the server's share);
 //! - a 1,000-file tar uploaded through the server vs `tar -x` run directly;
 //! - one daemon's throughput with 8 concurrent clients vs 8 threads spawning directly, and its
 //!   idle RSS;
@@ -328,6 +329,7 @@ async fn bench() {
     let get_path = format!("/v1/sandboxes/{id}");
     let write_path = format!("/v1/sandboxes/{id}/files?path=%2Ftmp%2Fbench%2Fw.txt");
     let fsync_path = format!("{write_path}&fsync=true");
+    let daemon_write_path = "/v1/files?path=%2Ftmp%2Fbench%2Fd.txt";
     let kib = bytes::Bytes::from(vec![b'x'; 1024]);
     let octets = "application/octet-stream";
     for _ in 0..100 {
@@ -339,7 +341,7 @@ async fn bench() {
     let fsync_rounds =
         if via_server.try_send("PUT", &fsync_path, kib.clone(), Some(octets)).await == 200 { 10 } else { 0 };
     let (mut s, mut d, mut direct) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut get, mut write, mut write_fsync) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut get, mut write, mut write_fsync, mut daemon_write) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     while s.len() < rounds {
         for _ in 0..50 {
             let t = Instant::now();
@@ -366,13 +368,18 @@ async fn bench() {
             via_server.put(&write_path, kib.clone(), octets).await;
             write.push(t.elapsed());
         }
+        for _ in 0..50 {
+            let t = Instant::now();
+            via_daemon.put(daemon_write_path, kib.clone(), octets).await;
+            daemon_write.push(t.elapsed());
+        }
         for _ in 0..fsync_rounds {
             let t = Instant::now();
             via_server.put(&fsync_path, kib.clone(), octets).await;
             write_fsync.push(t.elapsed());
         }
     }
-    for v in [&mut s, &mut d, &mut direct, &mut get, &mut write, &mut write_fsync] {
+    for v in [&mut s, &mut d, &mut direct, &mut get, &mut write, &mut write_fsync, &mut daemon_write] {
         v.sort();
     }
     let row = |name: &str, v: &[Duration]| {
@@ -386,6 +393,7 @@ async fn bench() {
     row("GET /v1/sandboxes/{id} (the server alone)", &get);
     row("PUT 1 KiB file through the server", &write);
     row("PUT 1 KiB file, fsync=true", &write_fsync);
+    row("PUT 1 KiB file: daemon alone (unix socket)", &daemon_write);
     println!(
         "  server overhead over the daemon alone       {:>7.0}%   {:>7.0}%   (target < 30%)",
         (us(pct(&s, 0.5)) / us(pct(&d, 0.5)) - 1.0) * 100.0,

@@ -133,6 +133,17 @@ pub fn syncfs(file: &std::fs::File) -> io::Result<()> {
     Ok(())
 }
 
+/// Allocates the first `len` bytes of `file`'s blocks (`fallocate(2)`, mode 0: the size grows
+/// to `len` where it was smaller).
+pub fn allocate(file: &std::fs::File, len: u64) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: fallocate takes a file descriptor, which `file` keeps open for the call.
+    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Fills `buf` from the kernel's random source (no `/dev/urandom` needed in the image).
 pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     let mut filled = 0;
@@ -784,6 +795,19 @@ mod tests {
         assert_eq!(signal_by_name("TERM"), Some(15));
         assert_eq!(signal_by_name("sigkill"), Some(9));
         assert_eq!(signal_by_name("BOGUS"), None);
+    }
+
+    /// A small write gives its file its blocks before writing (see `files::write_whole`): the
+    /// blocks are there, and the size is what was allocated.
+    #[test]
+    fn allocate_gives_a_file_its_blocks() {
+        use std::os::unix::fs::MetadataExt;
+        let file = tempfile::tempfile().unwrap_or_else(|e| panic!("{e}"));
+        allocate(&file, 10_000).unwrap_or_else(|e| panic!("{e}"));
+        let meta = file.metadata().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(meta.len(), 10_000);
+        assert!(meta.blocks() * 512 >= 10_000, "{} blocks", meta.blocks());
+        assert!(allocate(&file, u64::MAX).is_err());
     }
 
     #[test]
