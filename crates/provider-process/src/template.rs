@@ -70,10 +70,19 @@ impl Template {
         &self.ns
     }
 
-    /// The namespace's file, after making the template again if its process has died (reaping
-    /// it: a zombie's namespace cannot be opened). One `waitpid(WNOHANG)` while it lives.
+    /// The namespace's file, after making the template again if its process has died or is
+    /// dying (reaping it: a zombie's namespace cannot be opened). A process gives up its
+    /// namespaces early in its exit, before it can be reaped: one whose namespace no longer
+    /// opens is dying, and is waited for. One `waitpid(WNOHANG)` and one `stat` while it lives.
     pub fn current(&mut self) -> io::Result<&Path> {
-        if let Some(status) = self.child.try_wait()? {
+        let ended = match self.child.try_wait()? {
+            None if std::fs::metadata(&self.ns).is_err() => {
+                let _ = self.child.kill();
+                Some(self.child.wait()?)
+            }
+            status => status,
+        };
+        if let Some(status) = ended {
             tracing::warn!(%status, ns = %self.ns.display(), "the isolation template's process died: making it again");
             self.child = Self::spawn(&self.daemon_bin, &self.daemon_args, &self.dir)?;
             self.ns = PathBuf::from(format!("/proc/{}/ns/mnt", self.child.id()));
@@ -86,5 +95,36 @@ impl Drop for Template {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for `sandmand isolation-template`: says ready, then lives while its stdin is open.
+    fn stand_in(dir: &Path) -> Template {
+        let args: Vec<OsString> = ["-c", "echo ready; exec /bin/cat", "sh"].iter().map(Into::into).collect();
+        Template::start(Path::new("/bin/sh"), &args, dir).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Regression: a template process killed while a create asked for it had given up its
+    /// namespace but could not be reaped yet, so `waitpid` said it lived and the create was handed
+    /// a namespace that no longer opened (its daemon never became healthy). A namespace that
+    /// does not open is now a dying template, waited for and made again.
+    #[test]
+    fn a_template_whose_namespace_no_longer_opens_is_made_again() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let mut t = stand_in(dir.path());
+        let old_pid = t.child.id();
+        assert_eq!(t.current().unwrap_or_else(|e| panic!("{e}")), Path::new(&format!("/proc/{old_pid}/ns/mnt")));
+        // As a dying process's does: the process is there, its namespace is not.
+        t.ns = dir.path().join("gone");
+        let ns = t.current().unwrap_or_else(|e| panic!("{e}")).to_path_buf();
+        let new_pid = t.child.id();
+        assert_ne!(new_pid, old_pid);
+        assert_eq!(ns, PathBuf::from(format!("/proc/{new_pid}/ns/mnt")));
+        assert!(std::fs::metadata(&ns).is_ok(), "{} does not open", ns.display());
+        assert!(!Path::new(&format!("/proc/{old_pid}")).exists(), "the old process was not reaped");
     }
 }

@@ -197,6 +197,12 @@ async fn isolated_sandbox_has_its_own_tmp_pid_1_and_namespaces() {
     p.delete(&s.id).await.unwrap();
 }
 
+/// The pid of sandbox `s`'s daemon, from its `daemon.pid` under the provider's state directory.
+fn daemon_pid(state: &Path, s: &SandboxSpec) -> String {
+    let pids = std::fs::read_to_string(state.join(format!("sandboxes/{}/daemon.pid", s.id))).unwrap();
+    pids.split_whitespace().next().unwrap().to_string()
+}
+
 /// The `--isolate-template` an isolated daemon was started with, from its command line.
 fn template_of(daemon_pid: &str) -> Option<String> {
     let cmdline = std::fs::read(format!("/proc/{daemon_pid}/cmdline")).unwrap_or_default();
@@ -214,10 +220,7 @@ async fn isolated_sandboxes_copy_one_template_and_never_pivot_root() {
     let p = provider(state.path(), Isolation::Full);
     let (a, b) = (spec("tmpl-a", HOST_IMAGE), spec("tmpl-b", HOST_IMAGE));
     let (ea, _eb) = (ready(&p, &a).await, ready(&p, &b).await);
-    let pid_of = |s: &SandboxSpec| {
-        let pids = std::fs::read_to_string(state.path().join(format!("sandboxes/{}/daemon.pid", s.id))).unwrap();
-        pids.split_whitespace().next().unwrap().to_string()
-    };
+    let pid_of = |s: &SandboxSpec| daemon_pid(state.path(), s);
     let (ta, tb) = (template_of(&pid_of(&a)), template_of(&pid_of(&b)));
     let template = ta.clone().unwrap_or_else(|| panic!("sandbox `{}` was started without --isolate-template", a.id));
     assert_eq!(ta, tb, "two sandboxes, two templates");
@@ -244,10 +247,7 @@ async fn a_template_whose_process_died_is_made_again_at_the_next_create() {
     let p = provider(state.path(), Isolation::Full);
     let (a, b) = (spec("tmpl-dead-a", HOST_IMAGE), spec("tmpl-dead-b", HOST_IMAGE));
     let ea = ready(&p, &a).await;
-    let pid_of = |s: &SandboxSpec| {
-        let pids = std::fs::read_to_string(state.path().join(format!("sandboxes/{}/daemon.pid", s.id))).unwrap();
-        pids.split_whitespace().next().unwrap().to_string()
-    };
+    let pid_of = |s: &SandboxSpec| daemon_pid(state.path(), s);
     let old = template_of(&pid_of(&a)).unwrap();
     let holder: i32 = old.trim_start_matches("/proc/").split('/').next().unwrap().parse().unwrap();
     Command::new("kill").args(["-KILL", &holder.to_string()]).status().unwrap();
