@@ -194,7 +194,6 @@ fn cpu_ns(pid: u32) -> u64 {
         .sum::<u64>()
 }
 
-/// The file system type `path` lives on (the longest mount point over it in `/proc/mounts`).
 /// Memory cgroups removed but not yet freed by the kernel (kept alive by the page cache charged
 /// to them): cgroup v2's `nr_dying_descendants`, or under v1 the memory controller's cgroups less
 /// the directories of its hierarchy.
@@ -205,9 +204,13 @@ fn dying_memory_cgroups() -> Option<usize> {
         return stat.lines().find_map(|l| l.strip_prefix("nr_dying_descendants ")?.trim().parse().ok());
     }
     let table = std::fs::read_to_string("/proc/cgroups").ok()?;
+    // `subsys_name hierarchy num_cgroups enabled`
     let total: usize = table.lines().find_map(|l| {
         let mut f = l.split_whitespace();
-        (f.next()? == "memory").then(|| f.nth(1)?.parse().ok())?
+        if f.next()? != "memory" {
+            return None;
+        }
+        f.nth(1)?.parse().ok()
     })?;
     fn dirs(d: &Path) -> usize {
         std::fs::read_dir(d).map_or(0, |entries| {
@@ -217,6 +220,7 @@ fn dying_memory_cgroups() -> Option<usize> {
     Some(total.saturating_sub(1 + dirs(v1)))
 }
 
+/// The file system type `path` lives on (the longest mount point over it in `/proc/mounts`).
 fn fs_type(path: &Path) -> String {
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
     mounts

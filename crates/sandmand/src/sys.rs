@@ -797,8 +797,8 @@ mod tests {
         assert_eq!(signal_by_name("BOGUS"), None);
     }
 
-    /// A small write gives its file its blocks before writing (see `files::write_whole`): the
-    /// blocks are there, and the size is what was allocated.
+    /// `allocate` gives the blocks and the size asked, and refuses a length past `off_t`. (That
+    /// `files::write_whole` calls it is a matter of speed, which the service bench shows.)
     #[test]
     fn allocate_gives_a_file_its_blocks() {
         use std::os::unix::fs::MetadataExt;
