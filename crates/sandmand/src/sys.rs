@@ -133,12 +133,14 @@ pub fn syncfs(file: &std::fs::File) -> io::Result<()> {
     Ok(())
 }
 
-/// Allocates the first `len` bytes of `file`'s blocks (`fallocate(2)`, mode 0: the size grows
-/// to `len` where it was smaller).
-pub fn allocate(file: &std::fs::File, len: u64) -> io::Result<()> {
-    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: fallocate takes a file descriptor, which `file` keeps open for the call.
-    if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } < 0 {
+/// Swaps the entries at `a` and `b`, both of which must exist, in one step
+/// (`renameat2(RENAME_EXCHANGE)`): each name shows one of the two files at every moment.
+pub fn exchange(a: &Path, b: &Path) -> io::Result<()> {
+    let (a, b) = (c_path(a)?, c_path(b)?);
+    // SAFETY: both are NUL-terminated paths that live across the call; AT_FDCWD takes them as
+    // they are, relative to the working directory.
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    if rc < 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
@@ -797,17 +799,17 @@ mod tests {
         assert_eq!(signal_by_name("BOGUS"), None);
     }
 
-    /// `allocate` gives the blocks and the size asked, and refuses a length past `off_t`. (That
-    /// `files::write_whole` calls it is a matter of speed, which the service bench shows.)
     #[test]
-    fn allocate_gives_a_file_its_blocks() {
-        use std::os::unix::fs::MetadataExt;
-        let file = tempfile::tempfile().unwrap_or_else(|e| panic!("{e}"));
-        allocate(&file, 10_000).unwrap_or_else(|e| panic!("{e}"));
-        let meta = file.metadata().unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(meta.len(), 10_000);
-        assert!(meta.blocks() * 512 >= 10_000, "{} blocks", meta.blocks());
-        assert!(allocate(&file, u64::MAX).is_err());
+    fn exchange_swaps_two_names_and_needs_both() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::write(&a, "new").unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&b, "old").unwrap_or_else(|e| panic!("{e}"));
+        exchange(&a, &b).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(std::fs::read_to_string(&b).ok().as_deref(), Some("new"));
+        assert_eq!(std::fs::read_to_string(&a).ok().as_deref(), Some("old"));
+        let missing = exchange(&a, &dir.path().join("c")).err().map(|e| e.kind());
+        assert_eq!(missing, Some(io::ErrorKind::NotFound));
     }
 
     #[test]
