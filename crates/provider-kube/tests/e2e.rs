@@ -58,7 +58,8 @@ use kube::{Api, Client};
 use sandman_provider::conformance::{self, spec};
 use sandman_provider::{Endpoint, NodeProgress, NodeState, Prepared, Provider, ProviderError, SandboxSpec};
 use sandman_provider_kube::pace::WriteSlot;
-use sandman_provider_kube::{CapacityConfig, KubeConfig, KubeProvider, TokenDelivery};
+use sandman_provider_kube::pod::{DAEMON_DIR, DAEMON_PATH};
+use sandman_provider_kube::{CapacityConfig, Injection, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_wire::daemon::Observed;
 use sandman_wire::server::{Profile, Quantity, Reason, Resources};
 use serde_json::{Value, json};
@@ -1373,6 +1374,57 @@ async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports(
 
     drop(forward);
     p.delete("e1").await.unwrap();
+    registered.remove().await;
+}
+
+/// `injection: image_volume` on a real kubelet whose runtime mounts image volumes (containerd
+/// 2.1+; `./scripts/e2e-kube` leaves this test out, saying so, where no node's runtime does): the
+/// provider's start check passes, the pod gets the daemon image as a volume with no init
+/// container, the daemon runs from it and answers, and the volume cannot be written from inside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes cluster with a kubelet whose runtime mounts image volumes (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
+async fn a_sandbox_gets_its_daemon_from_an_image_volume_on_a_real_kubelet() {
+    let kubeconfig = e2e_kubeconfig();
+    let (daemon_image, task_image) = kubelet_images();
+    let client = client(&kubeconfig, None).await;
+    sweep_leftovers(&client).await;
+    let namespace = format!("sandman-e2e-imgvol-{}", unique());
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
+    let config = KubeConfig {
+        namespace: namespace.clone(),
+        daemon_image: daemon_image.clone(),
+        injection: Injection::ImageVolume,
+        manage_network_policy: false,
+        ..KubeConfig::default()
+    };
+    sandman_provider_kube::check_runtimes(&client, &config).await.unwrap_or_else(|e| {
+        panic!("the provider would refuse to start (run ./scripts/k8s-local-containerd on the local cluster): {e}")
+    });
+    let p = KubeProvider::new(client.clone(), config).unwrap();
+
+    let s = spec("iv1", &task_image);
+    let endpoint = p.create(&s).await.unwrap_or_else(|e| panic!("the sandbox was not created: {e}"));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    let pod_spec = pods.get("sandman-iv1").await.unwrap().spec.unwrap();
+    assert!(pod_spec.init_containers.unwrap_or_default().is_empty(), "an init container beside the image volume");
+    let images: Vec<String> =
+        pod_spec.volumes.iter().flatten().filter_map(|v| v.image.as_ref().and_then(|i| i.reference.clone())).collect();
+    assert_eq!(images, vec![daemon_image], "the pod's image volumes");
+
+    let Endpoint::Tcp(addr) = endpoint else { panic!("not a TCP endpoint: {endpoint:?}") };
+    echo(&addr, &s.token).await.unwrap();
+    // The daemon is the image volume's file, and the volume is read-only.
+    let script = format!("head -c 4 {DAEMON_PATH} | tail -c 3; echo; touch {DAEMON_DIR}/x && echo writable");
+    let (code, out) = call(&addr, "POST", "/v1/exec", Some(&s.token), Some(json!({"argv": ["/bin/sh", "-c", script]})))
+        .await
+        .unwrap();
+    assert_eq!(code, 200, "{out}");
+    let stdout = out["stdout"].as_str().unwrap_or_default();
+    assert!(stdout.starts_with("ELF\n"), "{DAEMON_PATH} is not the daemon: {out}");
+    assert!(!stdout.contains("writable"), "the daemon's volume is writable from inside: {out}");
+    assert!(out["stderr"].as_str().unwrap_or_default().contains("Read-only file system"), "{out}");
+
+    p.delete("iv1").await.unwrap();
     registered.remove().await;
 }
 
