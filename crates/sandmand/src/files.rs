@@ -248,9 +248,7 @@ async fn write_atomically(requested: &Path, written: Written, body: Body, limit:
     if hint.upper().is_some_and(|len| len <= SMALL_WRITE) {
         let data = read_small(body, limit).await?;
         let requested = requested.to_path_buf();
-        let (stat, replaced) = blocking(move || write_whole(&requested, written, &data)).await?;
-        let_go(replaced);
-        return Ok(stat);
+        return blocking_replacing(move || write_whole(&requested, written, &data)).await;
     }
     let requested = requested.to_path_buf();
     let (target, temp, file) = blocking(move || {
@@ -264,20 +262,32 @@ async fn write_atomically(requested: &Path, written: Written, body: Body, limit:
     let mut file = tokio::fs::File::from_std(file);
     copy_body(body, &mut file, limit, &temp).await?;
     let file = file.into_std().await;
-    let (stat, replaced) = blocking(move || finish(&file, &temp, &target, written)).await?;
+    let stat = blocking_replacing(move || finish(&file, &temp, &target, written)).await?;
     guard.keep();
-    let_go(replaced);
     Ok(stat)
 }
 
-/// Closes the file a write replaced on the blocking pool, without waiting: its last close frees
-/// its blocks, which on a file system mounted with `discard` (ext4 without a journal does it
-/// at once) waits for the disk to trim them: a third to six sevenths of a small write's time on
-/// this project's test machines. The answer need not wait for that.
-fn let_go(replaced: Option<fs::File>) {
-    if let Some(file) = replaced {
-        drop(tokio::task::spawn_blocking(move || drop(file)));
-    }
+/// Runs a write's last step (`work`) as [`blocking`] does, answering its file's stat as soon as
+/// there is one; the file it replaced, if any, is closed after that, by the same thread of the
+/// blocking pool. Its last close frees its blocks, which on a file system mounted with
+/// `discard` (ext4 without a journal does it at once) waits for the disk to trim them: the
+/// answer need not wait for that, and handing the close to another thread of the pool would
+/// cost two more context switches per write.
+async fn blocking_replacing<F>(work: F) -> DaemonResult<FileStat>
+where
+    F: FnOnce() -> DaemonResult<(FileStat, Option<fs::File>)> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    drop(tokio::task::spawn_blocking(move || match work() {
+        Ok((stat, replaced)) => {
+            let _ = tx.send(Ok(stat));
+            drop(replaced);
+        }
+        Err(e) => {
+            let _ = tx.send(Err(e));
+        }
+    }));
+    rx.await.map_err(|_| DaemonError::Internal("file system task failed".into()))?
 }
 
 /// A small body, read whole (still cut when it stalls or passes `limit`).
@@ -324,8 +334,8 @@ fn create_temp(target: &Path, owner: Option<Owner>) -> DaemonResult<(PathBuf, fs
 /// Gives the written temporary file its owner and mode, syncs it when asked, puts it in
 /// `target`'s place ([`replace`]: the one moment the new contents become visible, whole), then
 /// syncs the directory when asked. Answers the target's stat, and the file it replaced, if any,
-/// still open (`O_PATH`): its blocks are freed when that is closed, which [`let_go`] does off the
-/// write's path.
+/// still open (`O_PATH`): its blocks are freed when that is closed, which
+/// [`blocking_replacing`] does after the answer.
 fn finish(file: &fs::File, temp: &Path, target: &Path, written: Written) -> DaemonResult<(FileStat, Option<fs::File>)> {
     // Before the mode: a change of owner clears the setuid and setgid bits.
     if let Some(owner) = written.owner {
@@ -755,7 +765,7 @@ mod tests {
     #[test]
     fn a_write_hands_back_the_file_it_replaced_still_open() -> Result<(), Box<dyn std::error::Error>> {
         // Its last close frees its blocks (a disk trim, with `discard`): the write hands it back
-        // for `let_go` to close off the answer's path, rather than closing it on the way.
+        // for `blocking_replacing` to close after the answer, rather than closing it on the way.
         let dir = tempfile::tempdir()?;
         let target = dir.path().join("f");
         fs::write(&target, b"old")?;
@@ -773,6 +783,29 @@ mod tests {
         let mut left: Vec<_> = fs::read_dir(dir.path())?.map(|e| e.map(|e| e.file_name())).collect::<Result<_, _>>()?;
         left.sort();
         assert_eq!(left, ["f", "g"]);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn the_replaced_file_is_closed_after_the_answer() -> Result<(), Box<dyn std::error::Error>> {
+        // The write end of a pipe stands for the replaced file: its reader sees the end of the
+        // pipe once it is closed, and only then.
+        let (mut reader, writer) = io::pipe()?;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("f");
+        fs::write(&path, b"x")?;
+        let meta = fs::metadata(&path)?;
+        let stat = stat_of(&path, &meta);
+        let answered =
+            blocking_replacing(move || Ok((stat, Some(fs::File::from(std::os::fd::OwnedFd::from(writer)))))).await?;
+        assert_eq!(answered.size, 1);
+        let (closed, seen) = std::sync::mpsc::channel();
+        std::thread::spawn(move || closed.send(io::Read::read_to_end(&mut reader, &mut Vec::new()).map(|_| ())));
+        // Bounded only so that a leak fails rather than hangs.
+        seen.recv_timeout(std::time::Duration::from_secs(60)).map_err(|_| "the replaced file was never closed")??;
+        // A failed write answers its error.
+        let failed = blocking_replacing(|| Err(DaemonError::InvalidArgument("no".into()))).await;
+        assert!(matches!(failed, Err(DaemonError::InvalidArgument(_))), "{failed:?}");
         Ok(())
     }
 
