@@ -366,7 +366,7 @@ fn finish(file: &fs::File, temp: &Path, target: &Path, written: Written) -> Daem
 /// replaces the file, which on a file system mounted `discard` waits for the device to trim it.
 /// An exchange leaves a new file's blocks delayed, so that a file rewritten before the kernel
 /// writes it back (30 s by default) never has any: on this project's test machine (root ext4,
-/// `discard`) a write-and-replace of 1 KiB in a loop took 10 µs against 95–105 µs with the
+/// `discard`) a write-and-replace of 1 KiB in a loop took 10–13 µs against 74–105 µs with the
 /// rename, counting the freeing of the replaced file. A directory found at `target` (put there
 /// since [`write_target`] looked) is exchanged back and refused.
 fn replace(temp: &Path, target: &Path) -> io::Result<()> {
