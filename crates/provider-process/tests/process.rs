@@ -220,8 +220,7 @@ async fn isolated_sandboxes_copy_one_template_and_never_pivot_root() {
     let p = provider(state.path(), Isolation::Full);
     let (a, b) = (spec("tmpl-a", HOST_IMAGE), spec("tmpl-b", HOST_IMAGE));
     let (ea, _eb) = (ready(&p, &a).await, ready(&p, &b).await);
-    let pid_of = |s: &SandboxSpec| daemon_pid(state.path(), s);
-    let (ta, tb) = (template_of(&pid_of(&a)), template_of(&pid_of(&b)));
+    let (ta, tb) = (template_of(&daemon_pid(state.path(), &a)), template_of(&daemon_pid(state.path(), &b)));
     let template = ta.clone().unwrap_or_else(|| panic!("sandbox `{}` was started without --isolate-template", a.id));
     assert_eq!(ta, tb, "two sandboxes, two templates");
     let host_ns = std::fs::read_link("/proc/self/ns/mnt").unwrap();
@@ -247,15 +246,14 @@ async fn a_template_whose_process_died_is_made_again_at_the_next_create() {
     let p = provider(state.path(), Isolation::Full);
     let (a, b) = (spec("tmpl-dead-a", HOST_IMAGE), spec("tmpl-dead-b", HOST_IMAGE));
     let ea = ready(&p, &a).await;
-    let pid_of = |s: &SandboxSpec| daemon_pid(state.path(), s);
-    let old = template_of(&pid_of(&a)).unwrap();
+    let old = template_of(&daemon_pid(state.path(), &a)).unwrap();
     let holder: i32 = old.trim_start_matches("/proc/").split('/').next().unwrap().parse().unwrap();
     Command::new("kill").args(["-KILL", &holder.to_string()]).status().unwrap();
     // Gone, but not reaped: its namespace cannot be opened any more.
     let died = eventually(Duration::from_secs(10), || std::fs::metadata(&old).is_err()).await;
     assert!(died, "{old} still opens after its process was killed");
     let eb = ready(&p, &b).await;
-    let new = template_of(&pid_of(&b)).unwrap();
+    let new = template_of(&daemon_pid(state.path(), &b)).unwrap();
     assert_ne!(new, old, "the second sandbox was handed the dead template");
     assert!(std::fs::metadata(&new).is_ok(), "{new} cannot be opened");
     for (e, s) in [(&ea, &a), (&eb, &b)] {

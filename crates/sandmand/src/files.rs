@@ -278,14 +278,13 @@ where
     F: FnOnce() -> DaemonResult<(FileStat, Option<fs::File>)> + Send + 'static,
 {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    drop(tokio::task::spawn_blocking(move || match work() {
-        Ok((stat, replaced)) => {
-            let _ = tx.send(Ok(stat));
-            drop(replaced);
-        }
-        Err(e) => {
-            let _ = tx.send(Err(e));
-        }
+    drop(tokio::task::spawn_blocking(move || {
+        let (answer, replaced) = match work() {
+            Ok((stat, replaced)) => (Ok(stat), replaced),
+            Err(e) => (Err(e), None),
+        };
+        let _ = tx.send(answer);
+        drop(replaced);
     }));
     rx.await.map_err(|_| DaemonError::Internal("file system task failed".into()))?
 }
@@ -350,7 +349,9 @@ fn finish(file: &fs::File, temp: &Path, target: &Path, written: Written) -> Daem
     let meta = file.metadata().map_err(|e| DaemonError::io("stat", shown(temp), e))?;
     // Whatever is there (a file, a dangling symlink itself): nothing there is nothing to hold.
     let replaced = fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_NOFOLLOW).open(target).ok();
-    replace(temp, target).map_err(|e| DaemonError::io("replace", shown(target), e))?;
+    // Nothing there to exchange with: a rename, without a failed exchange first.
+    let put = if replaced.is_some() { replace(temp, target) } else { fs::rename(temp, target) };
+    put.map_err(|e| DaemonError::io("replace", shown(target), e))?;
     if let Some(sync) = written.sync {
         let (dir, _) = split(target)?;
         sync.sync_dir(dir).map_err(|e| DaemonError::io("sync the directory", shown(dir), e))?;
