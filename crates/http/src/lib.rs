@@ -6,6 +6,7 @@
 pub mod extract;
 pub mod ndjson;
 pub mod serve;
+pub mod unix;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};

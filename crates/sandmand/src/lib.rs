@@ -264,6 +264,7 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
                 }
             };
             tracing::info!(listen = %settings.listen, pid = std::process::id(), "sandmand serving");
+            let listener = sandman_http::unix::QuietUnixListener(listener);
             tokio::spawn(sandman_http::serve::serve(listener, app, edge, serve_stop.cancelled_owned()))
         }
     };

@@ -13,6 +13,7 @@ use hyper::Uri;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use sandman_http::unix::QuietUnixStream;
 use sandman_provider::Endpoint;
 use sandman_provider::identity::{self, Unproven};
 use sandman_wire::daemon::Health;
@@ -29,7 +30,7 @@ pub struct DaemonStream {
 
 #[derive(Debug)]
 enum Transport {
-    Unix(TokioIo<UnixStream>),
+    Unix(TokioIo<QuietUnixStream>),
     Tcp(TokioIo<TcpStream>),
 }
 
@@ -126,7 +127,9 @@ impl tower::Service<Uri> for Connector {
         Box::pin(async move {
             let host = uri.host().unwrap_or_default();
             let io = match decode(host) {
-                Some(Endpoint::Unix(path)) => Transport::Unix(TokioIo::new(UnixStream::connect(path).await?)),
+                Some(Endpoint::Unix(path)) => {
+                    Transport::Unix(TokioIo::new(QuietUnixStream::from_tokio(UnixStream::connect(path).await?)?))
+                }
                 Some(Endpoint::Tcp(addr)) => {
                     let s = TcpStream::connect(addr).await?;
                     s.set_nodelay(true)?;
