@@ -6,6 +6,7 @@
 pub mod extract;
 pub mod ndjson;
 pub mod serve;
+mod sys;
 pub mod unix;
 
 use axum::http::StatusCode;

@@ -9,9 +9,7 @@
 //! through the server) that was a context switch more for the server and for the daemon each.
 //! Here writes go straight to the socket; only a write that finds the buffer full registers
 //! (a duplicate of the descriptor) for writability, and that registration is kept for the rest of
-//! the connection. The module's only `unsafe` is handing a socket to tokio's reactor with an
-//! interest of its own (`AsyncFd::register_with_interest`).
-#![allow(unsafe_code)]
+//! the connection.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::Shutdown;
@@ -21,6 +19,8 @@ use std::task::{Context, Poll, ready};
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+
+use crate::sys;
 
 /// A connected Unix stream socket: see the [module](self).
 #[derive(Debug)]
@@ -37,10 +37,7 @@ impl QuietUnixStream {
     /// runtime with I/O enabled.
     pub fn new(stream: UnixStream) -> io::Result<QuietUnixStream> {
         stream.set_nonblocking(true)?;
-        // SAFETY: a `UnixStream` keeps its descriptor open and returns the same one from
-        // `as_raw_fd` for as long as it is owned, here by the `AsyncFd`.
-        let read = unsafe { AsyncFd::register_with_interest(stream, Interest::READABLE) }.map_err(io::Error::from)?;
-        Ok(QuietUnixStream { read, write: None })
+        Ok(QuietUnixStream { read: sys::register(stream, Interest::READABLE)?, write: None })
     }
 
     /// Takes over a socket tokio registered (its registration is dropped first).
@@ -52,9 +49,7 @@ impl QuietUnixStream {
     fn writable(&mut self) -> io::Result<&AsyncFd<UnixStream>> {
         if self.write.is_none() {
             let dup = self.read.get_ref().try_clone()?;
-            // SAFETY: as in `new`, the duplicate is owned by the `AsyncFd`.
-            let write = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) }.map_err(io::Error::from)?;
-            self.write = Some(write);
+            self.write = Some(sys::register(dup, Interest::WRITABLE)?);
         }
         // Just set above when it was not.
         self.write.as_ref().ok_or_else(|| io::Error::other("no write registration"))
