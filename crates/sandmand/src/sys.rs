@@ -146,6 +146,19 @@ pub fn exchange(a: &Path, b: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// The type of the file system holding `path` (`statfs(2)`'s `f_type`, a `*_MAGIC` number).
+pub fn fs_type(path: &Path) -> io::Result<i64> {
+    let path = c_path(path)?;
+    // SAFETY: an all-zero `statfs` is a valid value of the plain C struct the call fills.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is NUL-terminated and `st` a valid, writable struct, both live across the
+    // call.
+    if unsafe { libc::statfs(path.as_ptr(), &mut st) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_type)
+}
+
 /// Fills `buf` from the kernel's random source (no `/dev/urandom` needed in the image).
 pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
     let mut filled = 0;
