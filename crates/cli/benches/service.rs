@@ -9,6 +9,8 @@
 //!   idle RSS;
 //! - the Python SDK's exec vs a raw `httpx` client (`sdk_exec.py`, with the worktree's SDK);
 //! - create-to-ready of the process provider (isolated, `--isolation none`, eval);
+//! - the floor of a create rate: bare isolated starts (one exec of /bin/true as PID 1 of a
+//!   sandbox's namespaces, with a fresh /proc) and bare spawns, 16 at a time, as the creates;
 //! - density: `SANDMAN_BENCH_SANDBOXES` sandboxes (default 2000) held by one server at once,
 //!   each answering an exec; their PSS, the server's bytes and open files per sandbox, the CPU a
 //!   create costs the server and the sandbox's own processes (and so the most creates a second
@@ -644,6 +646,11 @@ async fn bench() {
         http.release(&id).await.ok();
     }
 
+    // ---- the floor of a create rate: bare starts, as many at a time as the creates below ----
+    let floor_n = density.min(2000);
+    let bare_isolated = spawn_rate(isolated_true, floor_n, 16);
+    let bare_spawn = spawn_rate(|| std::process::Command::new("/bin/true"), floor_n, 16);
+
     // ---- density ----
     let server_pid = server.pid();
     let server_before = sandman_testkit::rss_kib(server_pid);
@@ -704,6 +711,12 @@ async fn bench() {
         created.len() as f64 / create_secs
     );
     println!("  create rate: first half {:.0}/s, second half {:.0}/s", create_halves.0, create_halves.1);
+    let rate = |r: Option<f64>| r.map_or("not measured (it failed)".to_string(), |r| format!("{r:.0}/s"));
+    println!(
+        "  floor, {floor_n} runs 16 at a time: bare isolated start (one exec of /bin/true as PID 1 of a sandbox's namespaces, with a fresh /proc) {}, bare spawn of /bin/true {}",
+        rate(bare_isolated),
+        rate(bare_spawn)
+    );
     println!(
         "  CPU per create: server {server_cpu:.2} ms, the sandbox's processes {sandbox_cpu:.2} ms: at most {ceiling:.0}/s on {cores} cores"
     );
@@ -776,6 +789,22 @@ async fn bench() {
         ratio: Some(created.len() as f64 / create_secs / 1000.0),
         target: Some((1.0, false)),
     });
+    if let Some(bare) = bare_isolated {
+        summary.push(Row {
+            what: "create rate / bare isolated starts",
+            value: format!("{:.0}/s", created.len() as f64 / create_secs),
+            floor: format!("{bare:.0}/s"),
+            ratio: Some(created.len() as f64 / create_secs / bare),
+            target: None,
+        });
+        summary.push(Row {
+            what: "bare isolated starts / 1,000 per s",
+            value: format!("{bare:.0}/s"),
+            floor: "1000/s".into(),
+            ratio: Some(bare / 1000.0),
+            target: None,
+        });
+    }
     summary.push(Row {
         what: "create rate / what its CPU allows",
         value: format!("{:.0}/s", created.len() as f64 / create_secs),
@@ -902,6 +931,81 @@ fn children_of(pid: u32) -> Vec<u32> {
         .split_whitespace()
         .filter_map(|p| p.parse().ok())
         .collect()
+}
+
+/// Runs what `command` makes `n` times, `width` at a time: runs a second, or `None` when a run
+/// failed (not root, say).
+fn spawn_rate(command: fn() -> std::process::Command, n: usize, width: usize) -> Option<f64> {
+    let t = Instant::now();
+    let all_ran = std::thread::scope(|s| {
+        let runners: Vec<_> = (0..width)
+            .map(|k| {
+                s.spawn(move || {
+                    (k..n).step_by(width).all(|_| {
+                        command()
+                            .stdout(std::process::Stdio::null())
+                            .stderr(std::process::Stdio::null())
+                            .status()
+                            .is_ok_and(|s| s.success())
+                    })
+                })
+            })
+            .collect();
+        runners.into_iter().all(|r| r.join().unwrap_or(false))
+    });
+    all_ran.then(|| n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// A bare isolated start, the floor of a sandbox's: one exec, as a sandbox's start has, of
+/// /bin/true as PID 1 of the namespaces a sandbox gets (user, mount, pid, ipc, uts, cgroup; not
+/// its network) with a fresh /proc, and nothing else: no root of its own, no cgroups, no daemon,
+/// no server. The child unshares, maps root to its own user, and forks PID 1, which mounts /proc
+/// and execs; the child waits for it and exits with its code.
+#[allow(unsafe_code)]
+fn isolated_true() -> std::process::Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: plain system calls with no arguments.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    // Made before the fork: after it, only async-signal-safe calls (no allocation).
+    let (uid_map, gid_map) = (format!("0 {uid} 1\n"), format!("0 {gid} 1\n"));
+    let mut cmd = std::process::Command::new("/bin/true");
+    // SAFETY: the closure makes system calls only, on data made before the fork; the forked PID
+    // 1 returns into the exec, and the child only waits and `_exit`s.
+    unsafe {
+        cmd.pre_exec(move || {
+            let check = |r: libc::c_int| if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(r) };
+            let put = |path: &std::ffi::CStr, data: &[u8]| -> std::io::Result<()> {
+                let fd = check(libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC))?;
+                let written = libc::write(fd, data.as_ptr().cast(), data.len());
+                libc::close(fd);
+                if written == data.len() as isize { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+            };
+            check(libc::unshare(
+                libc::CLONE_NEWUSER
+                    | libc::CLONE_NEWNS
+                    | libc::CLONE_NEWPID
+                    | libc::CLONE_NEWIPC
+                    | libc::CLONE_NEWUTS
+                    | libc::CLONE_NEWCGROUP,
+            ))?;
+            put(c"/proc/self/setgroups", b"deny")?;
+            put(c"/proc/self/uid_map", uid_map.as_bytes())?;
+            put(c"/proc/self/gid_map", gid_map.as_bytes())?;
+            let pid = check(libc::fork())?;
+            if pid > 0 {
+                let mut status = 0;
+                libc::waitpid(pid, &mut status, 0);
+                let code = if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { 1 };
+                libc::_exit(code);
+            }
+            let none = std::ptr::null();
+            check(libc::mount(none, c"/".as_ptr(), none, libc::MS_REC | libc::MS_PRIVATE, none.cast()))?;
+            let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+            check(libc::mount(c"proc".as_ptr(), c"/proc".as_ptr(), c"proc".as_ptr(), flags, none.cast()))?;
+            Ok(())
+        });
+    }
+    cmd
 }
 
 /// Creates `n` sandboxes, `width` at a time: their ids, and the create rates of the first and
