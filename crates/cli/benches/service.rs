@@ -10,7 +10,8 @@
 //! - the Python SDK's exec vs a raw `httpx` client (`sdk_exec.py`, with the worktree's SDK);
 //! - create-to-ready of the process provider (isolated, `--isolation none`, eval);
 //! - the floor of a create rate: bare isolated starts (one exec of /bin/true as PID 1 of a
-//!   sandbox's namespaces, with a fresh /proc) and bare spawns, 16 at a time, as the creates;
+//!   sandbox's namespaces, with a fresh /proc), the same without the exec, and bare spawns, 16 at
+//!   a time as the creates, from a small process of this binary (`SANDMAN_BENCH_FLOOR`);
 //! - density: `SANDMAN_BENCH_SANDBOXES` sandboxes (default 2000) held by one server at once,
 //!   each answering an exec; their PSS, the server's bytes and open files per sandbox, the CPU a
 //!   create costs the server and the sandbox's own processes (and so the most creates a second
@@ -163,6 +164,12 @@ impl Row {
 }
 
 fn main() {
+    // The floor's runs start from a fresh process of this binary, small and single-threaded, as
+    // the server's spawner is: a fork of this whole benchmark would cost more than the runs.
+    if let Ok(floor) = std::env::var(FLOOR_ENV) {
+        floor_runs(&floor);
+        return;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(bench());
 }
@@ -648,8 +655,9 @@ async fn bench() {
 
     // ---- the floor of a create rate: bare starts, as many at a time as the creates below ----
     let floor_n = density.min(2000);
-    let bare_isolated = spawn_rate(isolated_true, floor_n, 16);
-    let bare_spawn = spawn_rate(|| std::process::Command::new("/bin/true"), floor_n, 16);
+    let bare_isolated = floor_rate(Floor::Isolated, floor_n);
+    let bare_forked = floor_rate(Floor::IsolatedForked, floor_n);
+    let bare_spawn = floor_rate(Floor::Spawn, floor_n);
 
     // ---- density ----
     let server_pid = server.pid();
@@ -713,8 +721,9 @@ async fn bench() {
     println!("  create rate: first half {:.0}/s, second half {:.0}/s", create_halves.0, create_halves.1);
     let rate = |r: Option<f64>| r.map_or("not measured (it failed)".to_string(), |r| format!("{r:.0}/s"));
     println!(
-        "  floor, {floor_n} runs 16 at a time: bare isolated start (one exec of /bin/true as PID 1 of a sandbox's namespaces, with a fresh /proc) {}, bare spawn of /bin/true {}",
+        "  floor, {floor_n} runs 16 at a time from a small process: bare isolated start (one exec of /bin/true as PID 1 of a sandbox's namespaces, with a fresh /proc) {}, the same forked without the exec {}, bare spawn of /bin/true {}",
         rate(bare_isolated),
+        rate(bare_forked),
         rate(bare_spawn)
     );
     println!(
@@ -797,11 +806,13 @@ async fn bench() {
             ratio: Some(created.len() as f64 / create_secs / bare),
             target: None,
         });
+    }
+    if let Some(forked) = bare_forked {
         summary.push(Row {
-            what: "bare isolated starts / 1,000 per s",
-            value: format!("{bare:.0}/s"),
-            floor: "1000/s".into(),
-            ratio: Some(bare / 1000.0),
+            what: "create rate / bare isolated forks",
+            value: format!("{:.0}/s", created.len() as f64 / create_secs),
+            floor: format!("{forked:.0}/s"),
+            ratio: Some(created.len() as f64 / create_secs / forked),
             target: None,
         });
     }
@@ -933,79 +944,129 @@ fn children_of(pid: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Runs what `command` makes `n` times, `width` at a time: runs a second, or `None` when a run
-/// failed (not root, say).
-fn spawn_rate(command: fn() -> std::process::Command, n: usize, width: usize) -> Option<f64> {
-    let t = Instant::now();
-    let all_ran = std::thread::scope(|s| {
-        let runners: Vec<_> = (0..width)
-            .map(|k| {
-                s.spawn(move || {
-                    (k..n).step_by(width).all(|_| {
-                        command()
-                            .stdout(std::process::Stdio::null())
-                            .stderr(std::process::Stdio::null())
-                            .status()
-                            .is_ok_and(|s| s.success())
-                    })
-                })
-            })
-            .collect();
-        runners.into_iter().all(|r| r.join().unwrap_or(false))
-    });
-    all_ran.then(|| n as f64 / t.elapsed().as_secs_f64())
+/// The environment variable that makes this binary run the floor's starts ([`floor_runs`]).
+const FLOOR_ENV: &str = "SANDMAN_BENCH_FLOOR";
+
+/// What a run of the floor starts, 16 at a time.
+#[derive(Debug, Clone, Copy)]
+enum Floor {
+    /// One exec of /bin/true as PID 1 of a sandbox's namespaces (user, mount, pid, ipc, uts,
+    /// cgroup; not its network), with a fresh /proc, and nothing else: no root of its own, no
+    /// cgroups, no daemon, no server. A sandbox's start does all of it and more.
+    Isolated,
+    /// The same without the exec: PID 1 mounts /proc and exits. What a start that forks its
+    /// daemon from a running process, rather than exec'ing one, could come down to.
+    IsolatedForked,
+    /// A spawn of /bin/true.
+    Spawn,
 }
 
-/// A bare isolated start, the floor of a sandbox's: one exec, as a sandbox's start has, of
-/// /bin/true as PID 1 of the namespaces a sandbox gets (user, mount, pid, ipc, uts, cgroup; not
-/// its network) with a fresh /proc, and nothing else: no root of its own, no cgroups, no daemon,
-/// no server. The child unshares, maps root to its own user, and forks PID 1, which mounts /proc
-/// and execs; the child waits for it and exits with its code.
+/// Runs `n` starts of `what`, 16 at a time, from a fresh process of this binary: starts a second,
+/// or `None` when they failed (not root, say).
+fn floor_rate(what: Floor, n: usize) -> Option<f64> {
+    let out = std::process::Command::new(std::env::current_exe().ok()?)
+        .env(FLOOR_ENV, format!("{}:{n}", what as u8))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}
+
+/// The floor's child ([`FLOOR_ENV`] = `<kind>:<n>`): forks 16 runners, each making its share of
+/// the starts one after another, and prints the starts a second (nothing when any failed).
 #[allow(unsafe_code)]
-fn isolated_true() -> std::process::Command {
-    use std::os::unix::process::CommandExt;
+fn floor_runs(spec: &str) {
+    const WIDTH: usize = 16;
+    let (kind, n) = spec.split_once(':').unwrap();
+    let (kind, n): (u8, usize) = (kind.parse().unwrap(), n.parse().unwrap());
     // SAFETY: plain system calls with no arguments.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    // Made before the fork: after it, only async-signal-safe calls (no allocation).
+    // Made before any fork: after one, only system calls on data made before it.
     let (uid_map, gid_map) = (format!("0 {uid} 1\n"), format!("0 {gid} 1\n"));
-    let mut cmd = std::process::Command::new("/bin/true");
-    // SAFETY: the closure makes system calls only, on data made before the fork; the forked PID
-    // 1 returns into the exec, and the child only waits and `_exit`s.
-    unsafe {
-        cmd.pre_exec(move || {
-            let check = |r: libc::c_int| if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(r) };
-            let put = |path: &std::ffi::CStr, data: &[u8]| -> std::io::Result<()> {
-                let fd = check(libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC))?;
-                let written = libc::write(fd, data.as_ptr().cast(), data.len());
+    let check = |r: libc::c_int| r >= 0;
+    let start = |exec: bool| -> bool {
+        // SAFETY: this process is single-threaded (nothing but `main` has run), so a forked child
+        // may do anything this one could; the children make system calls on data made before the
+        // forks, wait, and `_exit`.
+        unsafe {
+            let put = |path: &std::ffi::CStr, data: &[u8]| {
+                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                let ok = fd >= 0 && libc::write(fd, data.as_ptr().cast(), data.len()) == data.len() as isize;
                 libc::close(fd);
-                if written == data.len() as isize { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+                ok
             };
-            check(libc::unshare(
-                libc::CLONE_NEWUSER
+            let child = libc::fork();
+            if child == 0 {
+                let flags = libc::CLONE_NEWUSER
                     | libc::CLONE_NEWNS
                     | libc::CLONE_NEWPID
                     | libc::CLONE_NEWIPC
                     | libc::CLONE_NEWUTS
-                    | libc::CLONE_NEWCGROUP,
-            ))?;
-            put(c"/proc/self/setgroups", b"deny")?;
-            put(c"/proc/self/uid_map", uid_map.as_bytes())?;
-            put(c"/proc/self/gid_map", gid_map.as_bytes())?;
-            let pid = check(libc::fork())?;
-            if pid > 0 {
-                let mut status = 0;
-                libc::waitpid(pid, &mut status, 0);
-                let code = if libc::WIFEXITED(status) { libc::WEXITSTATUS(status) } else { 1 };
-                libc::_exit(code);
+                    | libc::CLONE_NEWCGROUP;
+                if !(check(libc::unshare(flags))
+                    && put(c"/proc/self/setgroups", b"deny")
+                    && put(c"/proc/self/uid_map", uid_map.as_bytes())
+                    && put(c"/proc/self/gid_map", gid_map.as_bytes()))
+                {
+                    libc::_exit(2);
+                }
+                let init = libc::fork();
+                if init == 0 {
+                    let none = std::ptr::null();
+                    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+                    if !(check(libc::mount(none, c"/".as_ptr(), none, libc::MS_REC | libc::MS_PRIVATE, none.cast()))
+                        && check(libc::mount(
+                            c"proc".as_ptr(),
+                            c"/proc".as_ptr(),
+                            c"proc".as_ptr(),
+                            flags,
+                            none.cast(),
+                        )))
+                    {
+                        libc::_exit(3);
+                    }
+                    if exec {
+                        libc::execl(c"/bin/true".as_ptr(), c"true".as_ptr(), std::ptr::null::<libc::c_char>());
+                        libc::_exit(4);
+                    }
+                    libc::_exit(0);
+                }
+                libc::_exit(wait_ok(init) as i32 ^ 1);
             }
-            let none = std::ptr::null();
-            check(libc::mount(none, c"/".as_ptr(), none, libc::MS_REC | libc::MS_PRIVATE, none.cast()))?;
-            let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-            check(libc::mount(c"proc".as_ptr(), c"/proc".as_ptr(), c"proc".as_ptr(), flags, none.cast()))?;
-            Ok(())
-        });
+            wait_ok(child)
+        }
+    };
+    let spawn = || std::process::Command::new("/bin/true").status().is_ok_and(|s| s.success());
+    let t = Instant::now();
+    let mut runners = Vec::new();
+    for k in 0..WIDTH {
+        // SAFETY: as in `start`: single-threaded, and the runner only starts processes and exits.
+        let runner = unsafe { libc::fork() };
+        if runner == 0 {
+            let all = (k..n).step_by(WIDTH).all(|_| match kind {
+                0 => start(true),
+                1 => start(false),
+                _ => spawn(),
+            });
+            // SAFETY: ends the forked runner without running this process's exit handlers twice.
+            unsafe { libc::_exit(if all { 0 } else { 1 }) };
+        }
+        runners.push(runner);
     }
-    cmd
+    // Every runner waited for, whatever the others did.
+    let all = runners.into_iter().map(wait_ok).collect::<Vec<_>>().into_iter().all(|ok| ok);
+    if all {
+        println!("{}", n as f64 / t.elapsed().as_secs_f64());
+    }
+}
+
+/// Waits for child `pid`: whether it exited with 0.
+#[allow(unsafe_code)]
+fn wait_ok(pid: libc::pid_t) -> bool {
+    let mut status = 0;
+    // SAFETY: `status` is a valid, writable int for the call.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    waited == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
 }
 
 /// Creates `n` sandboxes, `width` at a time: their ids, and the create rates of the first and
