@@ -798,23 +798,19 @@ async fn bench() {
         ratio: Some(created.len() as f64 / create_secs / 1000.0),
         target: Some((1.0, false)),
     });
-    if let Some(bare) = bare_isolated {
-        summary.push(Row {
-            what: "create rate / bare isolated starts",
-            value: format!("{:.0}/s", created.len() as f64 / create_secs),
-            floor: format!("{bare:.0}/s"),
-            ratio: Some(created.len() as f64 / create_secs / bare),
-            target: None,
-        });
-    }
-    if let Some(forked) = bare_forked {
-        summary.push(Row {
-            what: "create rate / bare isolated forks",
-            value: format!("{:.0}/s", created.len() as f64 / create_secs),
-            floor: format!("{forked:.0}/s"),
-            ratio: Some(created.len() as f64 / create_secs / forked),
-            target: None,
-        });
+    let create_rate = created.len() as f64 / create_secs;
+    for (what, floor) in
+        [("create rate / bare isolated starts", bare_isolated), ("create rate / bare isolated forks", bare_forked)]
+    {
+        if let Some(floor) = floor {
+            summary.push(Row {
+                what,
+                value: format!("{create_rate:.0}/s"),
+                floor: format!("{floor:.0}/s"),
+                ratio: Some(create_rate / floor),
+                target: None,
+            });
+        }
     }
     summary.push(Row {
         what: "create rate / what its CPU allows",
