@@ -11,7 +11,7 @@
 //! (a duplicate of the descriptor) for writability, and that registration is kept for the rest of
 //! the connection.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
@@ -83,15 +83,13 @@ impl AsyncRead for QuietUnixStream {
         let this = self.get_mut();
         loop {
             let mut guard = ready!(this.read.poll_read_ready(cx))?;
-            let unfilled = buf.initialize_unfilled();
-            let wanted = unfilled.len();
-            match guard.try_io(|s| s.get_ref().read(unfilled)) {
+            let wanted = buf.remaining();
+            match guard.try_io(|s| sys::read_into(s.get_ref(), buf)) {
                 Ok(Ok(n)) => {
                     // A short read emptied the socket: the next read would only find that out.
                     if n > 0 && n < wanted {
                         guard.clear_ready();
                     }
-                    buf.advance(n);
                     return Poll::Ready(Ok(()));
                 }
                 Ok(Err(e)) => return Poll::Ready(Err(e)),
@@ -153,6 +151,7 @@ impl axum::serve::Listener for QuietUnixListener {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Read;
     use std::os::fd::AsRawFd;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -240,6 +239,22 @@ mod tests {
         assert!(got == sent, "got {} bytes, not the {} sent in order", got.len(), sent.len());
         let write_fd = write_fd.unwrap_or_else(|| panic!("a write into a full buffer made no write registration"));
         assert!(watched_for(write_fd).iter().all(|e| e & EPOLLOUT != 0));
+    }
+
+    #[tokio::test]
+    async fn a_read_fills_only_what_it_read_of_an_uninitialised_buffer() {
+        let (ours, theirs) = UnixStream::pair().unwrap_or_else(|e| panic!("socketpair: {e}"));
+        let mut ours = QuietUnixStream::new(ours).unwrap_or_else(|e| panic!("register: {e}"));
+        (&theirs).write_all(b"hello").unwrap_or_else(|e| panic!("write: {e}"));
+        // hyper hands over its read buffer's spare capacity uninitialised, up to 400 KiB of it on
+        // a large transfer: zeroing it before each read would cost more than the read.
+        let mut space = vec![std::mem::MaybeUninit::<u8>::uninit(); 64 << 10];
+        let mut buf = ReadBuf::uninit(&mut space);
+        std::future::poll_fn(|cx| Pin::new(&mut ours).poll_read(cx, &mut buf))
+            .await
+            .unwrap_or_else(|e| panic!("read: {e}"));
+        assert_eq!(buf.filled(), b"hello");
+        assert_eq!(buf.initialized().len(), 5, "the read initialised more than it read");
     }
 
     #[tokio::test]
