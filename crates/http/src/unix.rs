@@ -47,12 +47,13 @@ impl QuietUnixStream {
 
     /// The registration writes wait on, made when first needed.
     fn writable(&mut self) -> io::Result<&AsyncFd<UnixStream>> {
-        if self.write.is_none() {
-            let dup = self.read.get_ref().try_clone()?;
-            self.write = Some(sys::register(dup, Interest::WRITABLE)?);
+        match self.write {
+            Some(ref write) => Ok(write),
+            None => {
+                let dup = self.read.get_ref().try_clone()?;
+                Ok(self.write.insert(sys::register(dup, Interest::WRITABLE)?))
+            }
         }
-        // Just set above when it was not.
-        self.write.as_ref().ok_or_else(|| io::Error::other("no write registration"))
     }
 
     /// Runs `op` (a write) on the socket: straight away while there is room, then waiting for

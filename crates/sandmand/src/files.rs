@@ -255,6 +255,7 @@ async fn write_atomically(requested: &Path, written: Written, body: Body, limit:
                 let (stat, _replaced) = write_whole_to(&target, written, &data)?;
                 return Ok(stat);
             }
+            return blocking_replacing(move || write_whole_to(&target, written, &data)).await;
         }
         let requested = requested.to_path_buf();
         return blocking_replacing(move || write_whole(&requested, written, &data)).await;
@@ -790,6 +791,33 @@ mod tests {
             assert!(local_parent(&tmpfs.join("f")));
         }
         Ok(())
+    }
+
+    #[test]
+    fn a_small_write_to_a_local_file_system_needs_no_blocking_thread() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let target = dir.path().join("f");
+        assert!(local_parent(&target), "the tests' scratch directory is not on a local file system");
+        // The blocking pool's one thread is taken for the whole write: a write that needed it
+        // would wait (bounded only so that it fails rather than hangs).
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().max_blocking_threads(1).build()?;
+        rt.block_on(async {
+            let (release, held) = std::sync::mpsc::channel::<()>();
+            let blocker = tokio::task::spawn_blocking(move || held.recv());
+            let written = Written { mode: 0o644, owner: None, sync: None };
+            let mut sizes = Vec::new();
+            // The second write replaces the first's file, and closes it, on this thread too.
+            for len in [1024, 2048] {
+                let write = write_atomically(&target, written, Body::from(vec![b'x'; len]), Upload::default());
+                let done = tokio::time::timeout(std::time::Duration::from_secs(60), write).await;
+                sizes.push(done.map_err(|_| "a small local write waited for the blocking pool")??.size);
+            }
+            let _ = release.send(());
+            let _ = blocker.await;
+            assert_eq!(sizes, [1024, 2048]);
+            assert_eq!(fs::read(&target)?.len(), 2048);
+            Ok(())
+        })
     }
 
     #[test]
