@@ -28,7 +28,8 @@ struct Args {
     /// Shell for `command` strings and sessions.
     #[arg(long, default_value = "/bin/sh")]
     shell: String,
-    /// Default working directory of commands (default: the daemon's own).
+    /// Default working directory of commands (default: the daemon's own). With --isolate, a path
+    /// inside the sandbox, made fresh and empty, owned by the sandbox's root.
     #[arg(long)]
     workdir: Option<PathBuf>,
     /// Largest file or archive upload in bytes (0 = no limit).
@@ -84,19 +85,13 @@ struct Args {
     /// With --isolate, a network namespace too: only `lo`, brought up.
     #[arg(long, requires = "isolate")]
     isolate_net: bool,
-    /// With --isolate, bind-mount this directory onto /tmp (made the sandbox root's, sticky).
-    #[arg(long, requires = "isolate", value_name = "DIR")]
-    isolate_tmp: Option<PathBuf>,
-    /// With --isolate: the most the sandbox may write outside its work directory and /tmp.
+    /// With --isolate: the most the sandbox may write, in bytes (its writable layer, in memory:
+    /// its changes to the root, /tmp, /run, /var/tmp, /dev/shm and its working directory).
     #[arg(long, requires = "isolate", value_name = "BYTES")]
     isolate_layer_bytes: Option<u64>,
-    /// With --isolate: a host path the sandbox must not see (empty in its place); repeatable.
+    /// With --isolate: a host path the sandbox must not see (whited out); repeatable.
     #[arg(long = "isolate-hide", requires = "isolate", value_name = "PATH")]
     isolate_hide: Vec<PathBuf>,
-    /// With --isolate: a host directory the sandbox keeps, writable, at the same path (made the
-    /// sandbox root's); repeatable. The work directory is kept without asking.
-    #[arg(long = "isolate-keep", requires = "isolate", value_name = "DIR")]
-    isolate_keep: Vec<PathBuf>,
     /// Set up what --isolate asks for, then exit: 0 when this host can isolate a sandbox, else
     /// the reason. A provider runs it once at start.
     #[arg(long, requires = "isolate", hide = true)]
@@ -181,7 +176,7 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
         .init();
     if args.check_isolation {
         let isolation = isolation_of(&args);
-        return match isolate::hand_over(&isolation).and_then(|()| isolate::enter(&isolation)) {
+        return match isolate::precheck(&isolation).and_then(|()| isolate::enter(&isolation)) {
             Ok(Role::Daemon) => ExitCode::SUCCESS,
             Ok(Role::Waiter(waiter)) => ExitCode::from(waiter.wait().clamp(0, 255) as u8),
             Err(e) => fail(&e),
@@ -206,7 +201,7 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
             }
         }
         let isolation = isolation_of(&args);
-        if let Err(e) = isolate::hand_over(&isolation) {
+        if let Err(e) = isolate::precheck(&isolation) {
             return fail(&e);
         }
         match isolate::enter(&isolation) {
@@ -346,10 +341,9 @@ fn isolation_of(args: &Args) -> Isolation {
         ids: args.isolate_ids.unwrap_or_default(),
         root: args.isolate_root.clone().unwrap_or_default(),
         net: args.isolate_net,
-        tmp: args.isolate_tmp.clone(),
         layer_bytes: args.isolate_layer_bytes,
         hide: args.isolate_hide.clone(),
-        keep: args.workdir.iter().chain(&args.isolate_keep).cloned().collect(),
+        workdir: args.workdir.clone(),
         template: args.isolate_template.clone(),
     }
 }

@@ -65,18 +65,17 @@ pub struct Isolation {
     pub root: PathBuf,
     /// A network namespace too (`--isolate-net`), with only `lo`, brought up.
     pub net: bool,
-    /// Bind-mounted onto `/tmp` (`--isolate-tmp`), so the sandbox's `/tmp` is its own.
-    pub tmp: Option<PathBuf>,
-    /// The most the sandbox may write outside its work directory and `/tmp` (the writable
-    /// layer, in memory, which also holds its `/run`, `/var/tmp` and `/dev/shm`), in bytes; the
-    /// kernel's default (half the memory) when `None`.
+    /// The most the sandbox may write (its writable layer, in memory, which holds every file it
+    /// writes: its changes to the root, its `/tmp`, `/run`, `/var/tmp`, `/dev/shm` and working
+    /// directory), in bytes; the kernel's default (half the memory) when `None`.
     pub layer_bytes: Option<u64>,
-    /// Host paths the sandbox must not see (`--isolate-hide`): a directory becomes an empty,
-    /// read-only one, a file an empty one. The state directory, the server's binary.
+    /// Host paths the sandbox must not see (`--isolate-hide`): whited out in its writable layer,
+    /// so they are simply not there (no mount shows where they were). The state directory, the
+    /// daemon's and the server's binaries.
     pub hide: Vec<PathBuf>,
-    /// Host directories the sandbox keeps at the same path, writable (`--isolate-keep`): its
-    /// work directory. Mounted after `hide`, so they may lie under a hidden one.
-    pub keep: Vec<PathBuf>,
+    /// The sandbox's working directory, a path inside it (the daemon's `--workdir`): made fresh
+    /// and empty in its writable layer, owned by its root, whatever the lower layer has there.
+    pub workdir: Option<PathBuf>,
     /// A mount namespace made by [`make_template`] (`--isolate-template`, its `/proc/<pid>/ns/mnt`):
     /// the sandbox's namespace is a copy of it, and the switch to its root costs the same however
     /// many processes the machine runs. `None`: a copy of the host's, and `pivot_root`.
@@ -274,6 +273,10 @@ fn become_init(
     } else {
         switch_root(&merged)?;
     }
+    // Its arguments name host paths (the state directory, the sandbox's own directory); every
+    // process of the sandbox may read PID 1's command line.
+    ns::overwrite_cmdline("sandmand")
+        .map_err(|source| IsolateError::Confine { what: "hide its command line", source })?;
     ns::setns(userns.as_fd(), ns::NS_USER).map_err(IsolateError::JoinUser)?;
     drop(userns);
     // Owned by the sandbox's user namespace, so that its root may name its host and use its IPC.
@@ -322,7 +325,11 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
         prep("make the layer's directories", dir, std::fs::create_dir(dir))?;
     }
     prep("own the writable layer", &upper, ns::lchown(&upper, iso.ids, iso.ids))?;
-    // Relative to `root`, so that no path needs escaping in the options.
+    for path in &iso.hide {
+        white_out(&upper, host, path)?;
+    }
+    // Relative to `root`, so that no path needs escaping in the options, and none of the host's
+    // shows in the sandbox's mountinfo.
     prep("enter the layer", root, std::env::set_current_dir(root))?;
     mount(
         "overlay the host's root",
@@ -334,13 +341,10 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
     )?;
     let at = |p: &str| merged.join(p.trim_start_matches('/'));
 
-    if let Some(tmp) = &iso.tmp {
-        mount("bind the sandbox's /tmp", Some(&on_host(tmp)), &at("/tmp"), None, ns::MS_BIND, None)?;
-    }
-    // Every other directory of the sandbox's own is a directory of the layer, bind-mounted: one
-    // tmpfs per sandbox, because each superblock is one more the kernel's reclaim walks (every
+    // Every directory of the sandbox's own is a directory of the layer, bind-mounted: one tmpfs
+    // per sandbox, because each superblock is one more the kernel's reclaim walks (every
     // sandbox's, on every allocation that reclaims), and a bind mount makes none. They share the
-    // layer's size.
+    // layer's size, so everything the sandbox writes is bounded and charged to its memory.
     let own_dir = |name: &str, uid: u32, mode: u32| {
         let dir = root.join(name);
         prep("make the layer's directories", &dir, std::fs::create_dir(&dir))?;
@@ -353,43 +357,27 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
         Ok::<_, IsolateError>(dir)
     };
     let bind_own = |what, dir: &Path, target: &Path| mount(what, Some(dir), target, None, ns::MS_BIND, None);
-    // Sockets and state of the host's services live in /run and /var/tmp: the sandbox gets
-    // empty ones of its own.
-    bind_own("give the sandbox an empty /run", &own_dir("run", iso.ids, 0o755)?, &at("/run"))?;
-    if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
-        bind_own("give the sandbox an empty /var/tmp", &own_dir("var-tmp", iso.ids, 0o1777)?, &at("/var/tmp"))?;
-    }
-    // What a hidden file or directory becomes: an empty one, read-only, the host root's.
-    let empty = root.join("empty");
-    prep("make an empty file", &empty, std::fs::File::create(&empty).map(drop))?;
-    prep("make an empty file", &empty, std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o444)))?;
-    let empty_dir = own_dir("empty-dir", 0, 0o555)?;
-    let mut hidden = Vec::new();
-    for path in &iso.hide {
-        let target = merged.join(path.strip_prefix("/").unwrap_or(path));
-        match target.symlink_metadata() {
-            // Not in the lower layer (another file system, or nothing there): already unseen.
-            Err(_) => continue,
-            Ok(m) if m.is_dir() => {
-                bind_own("hide a directory", &empty_dir, &target)?;
-                hidden.push(target);
-            }
-            Ok(_) => {
-                bind_own("hide a file", &empty, &target)?;
-                hidden.push(target);
-            }
+    // An own directory in place of whatever the lower layer has at `inside` (made there first
+    // when it has nothing: the mount point then belongs to the host's root, unseen under it).
+    let own_at = |what, name: &str, mode: u32, inside: &Path| {
+        let target = merged.join(inside.strip_prefix("/").unwrap_or(inside));
+        if !target.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+            prep("make a mount point", &target, std::fs::create_dir_all(&target))?;
         }
+        bind_own(what, &own_dir(name, iso.ids, mode)?, &target)
+    };
+    // Sockets and state of the host's services live in /run and /var/tmp, and the host's files
+    // in /tmp: the sandbox gets empty ones of its own.
+    own_at("give the sandbox a /tmp", "tmp", 0o1777, Path::new("/tmp"))?;
+    own_at("give the sandbox an empty /run", "run", 0o755, Path::new("/run"))?;
+    if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        own_at("give the sandbox an empty /var/tmp", "var-tmp", 0o1777, Path::new("/var/tmp"))?;
     }
-    for path in &iso.keep {
-        let target = merged.join(path.strip_prefix("/").unwrap_or(path));
-        prep("make a kept directory's mount point", &target, std::fs::create_dir_all(&target))?;
-        mount("bind a kept directory", Some(&on_host(path)), &target, None, ns::MS_BIND, None)?;
+    if let Some(workdir) = &iso.workdir {
+        own_at("give the sandbox its working directory", "home", 0o755, workdir)?;
     }
     // A bind remount changes the flags of that one mount.
     let read_only = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
-    for target in hidden {
-        mount("make a hidden path read-only", None, &target, None, read_only, None)?;
-    }
 
     mount("mount /proc", Some(Path::new("proc")), &at("/proc"), Some("proc"), no_exec, None)?;
     mount("mount /sys", Some(Path::new("sysfs")), &at("/sys"), Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
@@ -430,6 +418,42 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
     // be: it is read-only).
     mount("make /dev read-only", None, &dev, None, read_only, None)?;
     Ok(merged)
+}
+
+/// Whites `path` (a host path) out of the sandbox's root: an overlay whiteout at its place in the
+/// writable layer `upper`, under directories that copy the owner and mode of the lower layer's
+/// (the host's tree at `host`), since an upper directory's attributes are what the merged one
+/// shows. A path the host does not have needs nothing.
+fn white_out(upper: &Path, host: &Path, path: &Path) -> Result<(), IsolateError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let fail = |what, p: &Path| {
+        let path = p.to_path_buf();
+        move |source| IsolateError::Mount { what, path, source }
+    };
+    let Some(rel) = path.strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()) else { return Ok(()) };
+    if host.join(rel).symlink_metadata().is_err() {
+        return Ok(());
+    }
+    let (mut made, mut lower) = (upper.to_path_buf(), host.to_path_buf());
+    for part in rel.parent().into_iter().flat_map(Path::components) {
+        made.push(part);
+        lower.push(part);
+        if made.symlink_metadata().is_ok() {
+            // Made for an earlier hidden path.
+            continue;
+        }
+        let meta = lower.symlink_metadata().map_err(fail("read a hidden path's parent", &lower))?;
+        if !meta.is_dir() {
+            let not_dir = std::io::Error::other("not a directory (hidden paths are given resolved)");
+            return Err(fail("hide a path under", &lower)(not_dir));
+        }
+        let mode = meta.mode() & 0o7777;
+        std::fs::DirBuilder::new().mode(mode).create(&made).map_err(fail("hide a path", &made))?;
+        ns::lchown(&made, meta.uid(), meta.gid()).map_err(fail("hide a path", &made))?;
+        std::fs::set_permissions(&made, std::fs::Permissions::from_mode(mode)).map_err(fail("hide a path", &made))?;
+    }
+    let target = upper.join(rel);
+    ns::whiteout(&target).map_err(fail("white out a hidden path", &target))
 }
 
 /// Mounts, read-only under `at`, each cgroup hierarchy the host mounts under `/sys/fs/cgroup`
@@ -605,28 +629,18 @@ impl Waiter {
     }
 }
 
-/// Gives the sandbox's root what it keeps: its `/tmp` (sticky and world-writable, as any) and
-/// the kept directories become its own (the directories themselves, not what they hold). Run
-/// before [`enter`], as the host's root; checks that the root's directory is there.
-pub fn hand_over(iso: &Isolation) -> Result<(), IsolateError> {
-    let fail = |what, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| IsolateError::Mount { what, path, source }
-    };
+/// Checks, before [`enter`] and as the host's root, what the sandbox is made from: root, and the
+/// directory its root is assembled on.
+pub fn precheck(iso: &Isolation) -> Result<(), IsolateError> {
     if sys::euid() != 0 {
         return Err(IsolateError::NotRoot(sys::euid()));
     }
     if !iso.root.is_dir() {
-        let missing = std::io::Error::from(std::io::ErrorKind::NotFound);
-        return Err(fail("assemble the sandbox's root (no such directory)", &iso.root)(missing));
-    }
-    if let Some(tmp) = &iso.tmp {
-        ns::lchown(tmp, iso.ids, iso.ids).map_err(fail("hand the sandbox its /tmp", tmp))?;
-        std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o1777))
-            .map_err(fail("hand the sandbox its /tmp", tmp))?;
-    }
-    for dir in &iso.keep {
-        ns::lchown(dir, iso.ids, iso.ids).map_err(fail("hand the sandbox a kept directory", dir))?;
+        return Err(IsolateError::Mount {
+            what: "assemble the sandbox's root (no such directory)",
+            path: iso.root.clone(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        });
     }
     Ok(())
 }

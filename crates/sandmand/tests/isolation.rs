@@ -15,7 +15,7 @@ use serde_json::json;
 /// The host id the tests' sandboxes' root is: apart from the process provider's ranges.
 const IDS: u32 = 0x1f00_0000;
 
-/// A directory outside /tmp, which `--isolate-tmp` replaces.
+/// A directory outside /tmp, which every sandbox has its own of.
 fn base() -> PathBuf {
     let dir = common::scratch().join("isolation");
     std::fs::create_dir_all(&dir).unwrap();
@@ -26,25 +26,21 @@ fn require_root() {
     assert_eq!(sandmand::sys::euid(), 0, "this test needs root for namespaces (CI and scripts/test run as root)");
 }
 
-/// A sandbox's directories: its `/tmp`, where its root is assembled, its work directory.
+/// The working directory the tests' sandboxes get, inside.
+const HOME: &str = "/home/user";
+
+/// Where a sandbox's root is assembled (empty on the host: the mounts are in its namespace).
 struct Dirs {
-    tmp: tempfile::TempDir,
     root: tempfile::TempDir,
-    work: tempfile::TempDir,
 }
 
 /// The daemon started isolated, with fresh directories.
 async fn isolated(extra: &[&str]) -> (Daemon, Dirs) {
     require_root();
-    let dirs = Dirs {
-        tmp: tempfile::tempdir_in(base()).unwrap(),
-        root: tempfile::tempdir_in(base()).unwrap(),
-        work: tempfile::tempdir_in(base()).unwrap(),
-    };
-    let (tmp, root, work) = (path(&dirs.tmp), path(&dirs.root), path(&dirs.work));
-    let ids = IDS.to_string();
-    let mut args =
-        vec!["--isolate", "--isolate-ids", &ids, "--isolate-root", &root, "--isolate-tmp", &tmp, "--workdir", &work];
+    let root = tempfile::tempdir_in(base()).unwrap();
+    let (root_arg, ids) = (path(&root), IDS.to_string());
+    let mut args = vec!["--isolate", "--isolate-ids", &ids, "--isolate-root", &root_arg, "--workdir", HOME];
+    let dirs = Dirs { root };
     args.extend_from_slice(extra);
     (Daemon::start_in(&base(), &args).await, dirs)
 }
@@ -82,13 +78,19 @@ async fn isolated_daemon_is_pid_1_and_sees_only_its_own_processes() {
 }
 
 #[tokio::test]
-async fn isolated_tmp_is_the_given_directory() {
-    let (d, dirs) = isolated(&[]).await;
+async fn isolated_tmp_is_its_own_both_ways() {
+    let (d, _dirs) = isolated(&[]).await;
     let name = format!("isolation-marker-{}", std::process::id());
-    let out = sh(&d, &format!("echo inside > /tmp/{name}")).await;
+    let host_file = tempfile::NamedTempFile::new().unwrap();
+    let host_name = host_file.path().file_name().unwrap().to_str().unwrap().to_string();
+    let out = sh(&d, &format!("echo inside > /tmp/{name} && cat /tmp/{name}; ls -A /tmp")).await;
     assert_eq!(out["exit_code"], 0, "{out}");
-    assert_eq!(std::fs::read_to_string(dirs.tmp.path().join(&name)).unwrap(), "inside\n");
+    assert!(stdout(&out).starts_with("inside\n"), "{out}");
+    assert!(!stdout(&out).contains(&host_name), "the host's /tmp shows in the sandbox: {out}");
     assert!(!Path::new("/tmp").join(&name).exists(), "the file reached the host's /tmp");
+    // It is in the sandbox's own layer, seen from the host only through the sandbox's root.
+    let inside = format!("/proc/{}/root/tmp/{name}", init_of(&d));
+    assert_eq!(std::fs::read_to_string(inside).unwrap(), "inside\n");
 }
 
 #[tokio::test]
@@ -121,8 +123,10 @@ async fn the_sandboxs_root_is_an_unprivileged_host_id() {
     assert!(uid.split_whitespace().skip(1).all(|u| u == IDS.to_string()), "{uid}");
     let wrote = sh(&d, "echo mine > owned").await;
     assert_eq!(wrote["exit_code"], 0, "{wrote}");
-    let meta = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(dirs.work.path().join("owned")).unwrap());
+    let written = format!("/proc/{}/root{HOME}/owned", init_of(&d));
+    let meta = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(written).unwrap());
     assert_eq!(meta, IDS);
+    drop(dirs);
 }
 
 #[tokio::test]
@@ -142,30 +146,50 @@ async fn the_hosts_root_is_read_only_below_and_writes_stay_in_the_sandbox() {
     assert!(Path::new("/etc/hostname").exists() || !Path::new("/etc").join("hostname").exists());
 }
 
+/// Regression (issue 28): a sandbox's working directory was its directory in the server's state
+/// directory, at the same path inside, so every command saw the host's layout, and under a 0700
+/// home (root's default state directory) the sandbox's root could not enter it at all.
 #[tokio::test]
-async fn hidden_paths_are_empty_and_kept_ones_are_shared() {
+async fn hidden_paths_are_not_there_and_no_host_path_shows() {
     require_root();
     let secret_dir = tempfile::tempdir_in(base()).unwrap();
     std::fs::write(secret_dir.path().join("key"), "secret").unwrap();
-    let secret_file = secret_dir.path().join("file");
+    let secret_file = secret_dir.path().with_extension("file");
     std::fs::write(&secret_file, "secret").unwrap();
     let (hide_dir, hide_file) = (path(&secret_dir), secret_file.display().to_string());
     let (d, dirs) = isolated(&["--isolate-hide", &hide_dir, "--isolate-hide", &hide_file]).await;
-    let out = sh(&d, &format!("ls -A {hide_dir}; cat {hide_file}; echo; touch {hide_dir}/x; echo w=$?")).await;
+    let parent = secret_dir.path().parent().unwrap().display().to_string();
+    let out = sh(
+        &d,
+        &format!("ls -A {parent}; test -e {hide_dir}; echo dir=$?; test -e {hide_file}; echo file=$?; mkdir {hide_dir}/x; echo w=$?"),
+    )
+    .await;
     let text = stdout(&out);
-    assert!(!text.contains("key") && !text.contains("secret"), "{out}");
-    assert!(text.contains("w=1"), "{out}");
-    // The work directory is the host's, both ways.
-    std::fs::write(dirs.work.path().join("from-host"), "h").unwrap();
-    let out = sh(&d, "cat from-host; echo s > from-sandbox; pwd").await;
-    assert!(stdout(&out).starts_with("h"), "{out}");
-    assert!(stdout(&out).trim_end().ends_with(&path(&dirs.work)), "{out}");
-    assert_eq!(std::fs::read_to_string(dirs.work.path().join("from-sandbox")).unwrap(), "s\n");
+    let (dir_name, file_name) = (secret_dir.path().file_name().unwrap(), secret_file.file_name().unwrap());
+    assert!(!text.contains(dir_name.to_str().unwrap()) && !text.contains(file_name.to_str().unwrap()), "{out}");
+    assert!(text.contains("dir=1\n") && text.contains("file=1\n") && text.contains("w=1\n"), "{out}");
+    // The working directory is the sandbox's own, empty and writable, and nothing it can read
+    // names a host path: not its working directory, HOME, mounts or PID 1's command line.
+    let root = path(&dirs.root);
+    let out = sh(
+        &d,
+        "ls -A; echo s > from-sandbox && cat from-sandbox; pwd; readlink /proc/self/cwd; stat -c '%u %a' .; \
+         cat /proc/self/mountinfo /proc/1/mountinfo; tr '\\0' ' ' < /proc/1/cmdline; echo",
+    )
+    .await;
+    let text = stdout(&out);
+    assert!(text.starts_with(&format!("s\n{HOME}\n{HOME}\n0 755\n")), "{out}");
+    for host in [&root, &hide_dir, &hide_file, &base().display().to_string()] {
+        assert!(!text.contains(host.as_str()), "`{host}` shows inside the sandbox: {out}");
+    }
+    assert!(text.trim_end().ends_with("sandmand"), "PID 1's command line: {out}");
+    // The host's file is untouched, and the sandbox's write is not on the host.
+    assert_eq!(std::fs::read_to_string(secret_dir.path().join("key")).unwrap(), "secret");
 }
 
 #[tokio::test]
 async fn the_sandbox_has_one_tmpfs_and_its_own_directories_share_it() {
-    // 1 MiB of layer for everything the sandbox writes outside its work directory and /tmp.
+    // 1 MiB of layer for everything the sandbox writes.
     let (d, _dirs) = isolated(&["--isolate-layer-bytes", "1048576"]).await;
     // The kernel's reclaim visits every superblock: a sandbox makes one tmpfs, and its other
     // directories are bind mounts of it (one device number in mountinfo's third field).
@@ -178,16 +202,17 @@ async fn the_sandbox_has_one_tmpfs_and_its_own_directories_share_it() {
     assert_eq!(tmpfs.len(), 1, "tmpfs superblocks {tmpfs:?} in {mountinfo}");
     let out = sh(
         &d,
-        "echo a > /run/a && echo b > /var/tmp/b && echo c > /dev/shm/c && cat /run/a /var/tmp/b /dev/shm/c;          touch /dev/made 2>/dev/null; echo dev=$?; stat -c '%n %a %u' /run /var/tmp /dev/shm;          head -c 2000000 /dev/zero > /dev/shm/big 2>/dev/null; echo big=$?; rm -f /dev/shm/big;          echo x > /dev/null && head -c 4 /dev/zero | wc -c",
+        "echo a > /run/a && echo b > /var/tmp/b && echo c > /dev/shm/c && cat /run/a /var/tmp/b /dev/shm/c;          touch /dev/made 2>/dev/null; echo dev=$?; stat -c '%n %a %u' /run /var/tmp /dev/shm /tmp;          head -c 2000000 /dev/zero > /dev/shm/big 2>/dev/null; echo big=$?; rm -f /dev/shm/big;          head -c 2000000 /dev/zero > /tmp/big 2>/dev/null; echo tmp=$?; rm -f /tmp/big;          head -c 2000000 /dev/zero > big 2>/dev/null; echo home=$?; rm -f big;          echo x > /dev/null && head -c 4 /dev/zero | wc -c",
     )
     .await;
     let text = stdout(&out);
     assert!(text.starts_with("a\nb\nc\n"), "{out}");
     assert!(text.contains("dev=1\n"), "/dev is writable: {out}");
-    for line in ["/run 755 0", "/var/tmp 1777 0", "/dev/shm 1777 0"] {
+    for line in ["/run 755 0", "/var/tmp 1777 0", "/dev/shm 1777 0", "/tmp 1777 0"] {
         assert!(text.contains(line), "{line} missing: {out}");
     }
     assert!(text.contains("big=1\n"), "/dev/shm is not held to the layer's size: {out}");
+    assert!(text.contains("tmp=1\n") && text.contains("home=1\n"), "/tmp or the home is not held to it: {out}");
     assert!(text.trim_end().ends_with('4'), "devices do not work: {out}");
 }
 

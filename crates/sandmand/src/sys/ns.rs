@@ -221,6 +221,39 @@ pub fn lchown(path: &Path, uid: u32, gid: u32) -> io::Result<()> {
     std::os::unix::fs::lchown(path, Some(uid), Some(gid))
 }
 
+/// Makes an overlay whiteout at `path`: a character device numbered 0/0, which an overlay's upper
+/// layer holds in place of a lower layer's file or directory to say it is not there.
+pub fn whiteout(path: &Path) -> io::Result<()> {
+    let path = c_path(path)?;
+    // SAFETY: `path` is a live NUL-terminated string; the mode and device are integers.
+    check(unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) })
+}
+
+/// Overwrites this process's command line in place (what `/proc/<pid>/cmdline` reads, which any
+/// process of its pid namespace may) with `name` and NULs, as `setproctitle` does: its arguments
+/// name host paths. Only this process's copy changes; a parent forked from keeps its own. The
+/// arguments must have been parsed into owned values already.
+pub fn overwrite_cmdline(name: &str) -> io::Result<()> {
+    use std::io::{Seek, Write};
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // Fields 48 and 49 (`arg_start`, `arg_end`); the name in field 2 may hold spaces, so count
+    // from the last `)`.
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    let (Some(start), Some(end)) = (field(48), field(49)) else {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "no arg_start and arg_end in /proc/self/stat"));
+    };
+    let len = usize::try_from(end.saturating_sub(start)).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    let mut line = vec![0u8; len];
+    let keep = name.len().min(len.saturating_sub(1));
+    line[..keep].copy_from_slice(&name.as_bytes()[..keep]);
+    // This process's own memory, through the file the kernel offers for it: no pointer needed.
+    let mut mem = std::fs::OpenOptions::new().write(true).open("/proc/self/mem")?;
+    mem.seek(io::SeekFrom::Start(start))?;
+    mem.write_all(&line)
+}
+
 pub const MS_RDONLY: libc::c_ulong = libc::MS_RDONLY;
 pub const MS_MOVE: libc::c_ulong = libc::MS_MOVE;
 pub const MS_NOSUID: libc::c_ulong = libc::MS_NOSUID;
