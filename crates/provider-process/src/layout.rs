@@ -1,7 +1,7 @@
 //! A sandbox's directory under `<state_dir>/sandboxes/<id>/`: the state of record (`record.json`,
 //! `ids`, `cgroups.json`, `daemon.pid`, `ended.json`), the daemon's token, socket, log and the
-//! commands' environment, and the sandbox's `work/`, `tmp/` and `root/` (where its root is
-//! assembled). The records every provider keeps alike (`ended.json`, the `deleting` marker) are
+//! commands' environment, `root/` (where an isolated sandbox's root is assembled), and, without
+//! isolation only, the sandbox's `work/` and `tmp/`. The records every provider keeps alike (`ended.json`, the `deleting` marker) are
 //! [`RecordDir`]'s. The files are written whole or not at all but not synced
 //! ([`write_replacing`]): the sandboxes die with the machine, and after a crash a record the
 //! disk lost is a sandbox never made. Everything here is blocking file I/O; callers run it off
@@ -46,11 +46,12 @@ impl SandboxDir {
     pub fn socket(&self) -> PathBuf {
         self.root.join("d.sock")
     }
-    /// The sandbox's working directory and `HOME`.
+    /// The working directory and `HOME` of a sandbox without isolation (an isolated one has its
+    /// own inside, in its layer).
     pub fn work(&self) -> PathBuf {
         self.root.join("work")
     }
-    /// The sandbox's `/tmp` when isolated, its `TMPDIR` when not.
+    /// The `TMPDIR` of a sandbox without isolation.
     pub fn tmp(&self) -> PathBuf {
         self.root.join("tmp")
     }
@@ -89,19 +90,26 @@ impl SandboxDir {
         std::fs::read_to_string(self.exit_file()).ok()?.trim().parse().ok()
     }
 
-    /// Makes the directory (which must not exist) with `work/`, `tmp/` and `root/`, writes the
+    /// Makes the directory (which must not exist) with `root/` (and `work/` and `tmp/` without
+    /// isolation), writes the
     /// token, the commands' environment, the id range and the cgroups' names, and last the
     /// record (the daemon's log is opened as it starts). A directory without a record is one
     /// whose create never got this far, which a restarted provider removes.
     pub fn prepare(&self, spec: &SandboxSpec, extra: &Extra) -> io::Result<()> {
-        // Traversable but not listable by the sandbox's other users: commands may run as another
-        // uid, with `work/` as their cwd.
-        std::fs::DirBuilder::new().mode(0o711).create(&self.root)?;
-        std::fs::DirBuilder::new().mode(0o755).create(self.work())?;
-        std::fs::DirBuilder::new().mode(0o777).create(self.tmp())?;
+        if extra.ids.is_some() {
+            // Isolated: nothing of the sandbox enters it (its files are in its own layer), so no
+            // one but the server's user does.
+            std::fs::DirBuilder::new().mode(0o700).create(&self.root)?;
+        } else {
+            // Plain processes of the server's user, whose commands may run as another uid with
+            // `work/` as their cwd: traversable, not listable.
+            std::fs::DirBuilder::new().mode(0o711).create(&self.root)?;
+            std::fs::DirBuilder::new().mode(0o755).create(self.work())?;
+            std::fs::DirBuilder::new().mode(0o777).create(self.tmp())?;
+            // Sticky and world-writable, like any /tmp (set apart from the umask).
+            std::fs::set_permissions(self.tmp(), std::fs::Permissions::from_mode(0o1777))?;
+        }
         std::fs::DirBuilder::new().mode(0o700).create(self.rootfs())?;
-        // Sticky and world-writable, like any /tmp (set apart from the umask).
-        std::fs::set_permissions(self.tmp(), std::fs::Permissions::from_mode(0o1777))?;
         write_replacing(&self.token(), spec.token.as_bytes(), 0o600)?;
         let env = serde_json::to_vec(&extra.commands_env).map_err(io::Error::other)?;
         write_replacing(&self.env_file(), &env, 0o600)?;
@@ -161,19 +169,23 @@ impl SandboxDir {
 #[derive(Debug, Clone, Default)]
 pub struct Extra {
     pub commands_env: std::collections::BTreeMap<String, String>,
-    /// The first host id of its range, when isolated.
+    /// The first host id of its range, when isolated (and only then).
     pub ids: Option<u32>,
     pub cgroups: Option<Dirs>,
 }
 
-/// The id slots the sandboxes under `sandboxes` hold (their `ids` files), for a provider that
-/// starts on a state directory with sandboxes in it: each slot a sandbox's range overlaps, also
-/// for a range another server's spacing made.
-pub fn taken_slots(sandboxes: &Path) -> Vec<u32> {
+/// The id slots the sandboxes under `sandboxes` hold (their `ids` files), each with the sandbox's
+/// id, for a provider that starts on a state directory with sandboxes in it: each slot a
+/// sandbox's range overlaps, also for a range another server's spacing made.
+pub fn taken_slots(sandboxes: &Path) -> Vec<(u32, String)> {
     let Ok(entries) = std::fs::read_dir(sandboxes) else { return Vec::new() };
     entries
         .flatten()
-        .filter_map(|e| SandboxDir(RecordDir { root: e.path() }).read_ids())
-        .flat_map(crate::ids::slots_overlapping)
+        .filter_map(|e| {
+            let id = e.file_name().to_str()?.to_string();
+            let base = SandboxDir(RecordDir { root: e.path() }).read_ids()?;
+            Some(crate::ids::slots_overlapping(base).map(move |slot| (slot, id.clone())))
+        })
+        .flatten()
         .collect()
 }

@@ -46,7 +46,11 @@ use crate::watch::Watch;
 /// The only image this provider runs: the host itself.
 pub const HOST_IMAGE: &str = "host";
 
-/// PATH of the daemon when the server has none.
+/// The working directory and `HOME` of an isolated sandbox's commands: a directory of its own,
+/// fresh and empty, at the path users of other sandbox services expect (E2B's).
+pub const SANDBOX_HOME: &str = "/home/user";
+
+/// PATH of an isolated sandbox, and of the daemon when the server has none.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// How long a delete waits for a create of the same sandbox to finish.
@@ -149,8 +153,9 @@ pub struct ProcessProvider {
     /// The server's own cgroups, under which each isolated sandbox gets its own; `None` without
     /// isolation.
     cgroups: Option<cgroup::Dirs>,
-    /// The id ranges taken by isolated sandboxes. Locked briefly, never across an await.
-    slots: Mutex<ids::Slots>,
+    /// The host id ranges of isolated sandboxes (the host's registry behind them); `None` without
+    /// isolation.
+    ids: Option<ids::IdRanges>,
     /// Daemons whose exit a watcher of this instance awaits, by sandbox id. Locked briefly, never
     /// across an await.
     watched: Mutex<HashMap<String, Watched>>,
@@ -189,8 +194,8 @@ impl ProcessProvider {
         let sandboxes = config.state_dir.join("sandboxes");
         std::fs::create_dir_all(&sandboxes)
             .map_err(|e| ProviderError::io(format!("cannot create `{}`", sandboxes.display()), e))?;
-        let mut slots = ids::Slots::default();
         let mut template = None;
+        let mut ranges = None;
         let cgroups = match config.isolation {
             Isolation::None => {
                 tracing::warn!(
@@ -212,9 +217,16 @@ impl ProcessProvider {
                     .map_err(|e| ProviderError::io("cannot read /proc/self/cgroup", e))?;
                 let own = cgroup::Dirs::own(&self_cgroup, Path::new(cgroup::MOUNT))
                     .map_err(|why| cannot(format!("each sandbox needs cgroups of its own: {why}")))?;
-                for slot in layout::taken_slots(&sandboxes) {
-                    slots.mark(slot);
-                }
+                let registry =
+                    ids::Registry::open(Path::new(ids::REGISTRY_DIR), &resolve(&config.state_dir)).map_err(|e| {
+                        ProviderError::io(format!("cannot open the host's id registry `{}`", ids::REGISTRY_DIR), e)
+                    })?;
+                ranges = Some(ids::IdRanges::recover(registry, &layout::taken_slots(&sandboxes)).map_err(|e| {
+                    ProviderError::io(
+                        format!("cannot bring the host's id registry `{}` up to date", ids::REGISTRY_DIR),
+                        e,
+                    )
+                })?);
                 let made = template::Template::start(
                     &config.daemon_bin,
                     &config.daemon_args,
@@ -236,7 +248,7 @@ impl ProcessProvider {
             config,
             sandboxes,
             cgroups,
-            slots: Mutex::new(slots),
+            ids: ranges,
             watched: Mutex::default(),
             creating: Creating::default(),
             events_tx,
@@ -361,7 +373,9 @@ impl ProcessProvider {
         listen.push(&socket);
         arg("--listen", listen);
         arg("--token-file", dir.token().into());
-        arg("--workdir", dir.work().into());
+        // Isolated, a path inside the sandbox, which shows nothing of the host's.
+        let workdir = if ids.is_some() { PathBuf::from(SANDBOX_HOME) } else { dir.work() };
+        arg("--workdir", workdir.into());
         arg("--exit-file", dir.exit_file().into());
         arg("--env-file", dir.env_file().into());
         if spec.daemon_lease_s > 0 {
@@ -381,7 +395,6 @@ impl ProcessProvider {
         if let Some(ids) = ids {
             arg("--isolate-ids", ids.to_string().into());
             arg("--isolate-root", dir.rootfs().into());
-            arg("--isolate-tmp", dir.tmp().into());
             if let Some(template) = &self.template {
                 let mut template = template.lock().unwrap_or_else(PoisonError::into_inner);
                 let ns = template.current().map_err(|e| {
@@ -416,9 +429,11 @@ impl ProcessProvider {
 
     /// Starts the daemon of a prepared directory (from the spawner thread) and its watcher.
     async fn start(&self, spec: &SandboxSpec, dir: &SandboxDir, plan: Plan) -> Result<(), ProviderError> {
-        let Plan { args, env, .. } = plan;
-        let (bin, daemon_args, work, log) =
-            (self.config.daemon_bin.clone(), self.config.daemon_args.clone(), dir.work(), dir.log());
+        let Plan { args, env, ids, .. } = plan;
+        // Isolated, the daemon enters no host directory but the sandbox's own (its waiter stays
+        // there); without isolation, the commands' working directory.
+        let cwd = if ids.is_some() { dir.root.clone() } else { dir.work() };
+        let (bin, daemon_args, log) = (self.config.daemon_bin.clone(), self.config.daemon_args.clone(), dir.log());
         let start_failed = |what: String| ProviderError::Failed { reason: Reason::DaemonStartFailed, message: what };
         // A std child, dropped at once (that neither kills nor reaps it): tokio's would keep a
         // pidfd of its own beside the one the watcher waits on, and at tens of thousands of
@@ -435,7 +450,7 @@ impl ProcessProvider {
                     .args(&args)
                     .env_clear()
                     .envs(&env)
-                    .current_dir(work)
+                    .current_dir(cwd)
                     .stdin(std::process::Stdio::null())
                     .stdout(std::process::Stdio::null())
                     .stderr(log)
@@ -523,8 +538,11 @@ impl ProcessProvider {
         self.watched.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn lock_slots(&self) -> std::sync::MutexGuard<'_, ids::Slots> {
-        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Gives back the id range whose root is `base` (a sandbox's `ids`).
+    fn free_ids(&self, base: Option<u32>) {
+        if let (Some(ranges), Some(slot)) = (&self.ids, base.and_then(ids::slot_of)) {
+            ranges.free(slot);
+        }
     }
 
     /// Removes what a killed server left of a sandbox it never finished making: whatever runs in
@@ -541,9 +559,7 @@ impl ProcessProvider {
                 .map_err(|e| ProviderError::io(format!("cannot remove the cgroups of `{}`", dir.root.display()), e))?;
         }
         records::remove_dir(dir).await;
-        if let Some(slot) = ids.and_then(ids::slot_of) {
-            self.lock_slots().free(slot);
-        }
+        self.free_ids(ids);
         Ok(())
     }
 }
@@ -563,33 +579,6 @@ fn exhausted(err: &std::io::Error) -> Option<ProviderError> {
         reason: Reason::ResourceExhausted,
         message: format!("cannot hold one more sandbox: {limit} is reached ({err})"),
     })
-}
-
-/// An id range taken for a create: given back when the create fails (dropped), kept once it
-/// succeeds.
-struct SlotGuard<'a> {
-    slots: &'a Mutex<ids::Slots>,
-    slot: u32,
-    kept: bool,
-}
-
-impl<'a> SlotGuard<'a> {
-    fn take(slots: &'a Mutex<ids::Slots>) -> Result<Self, ProviderError> {
-        let slot = slots.lock().unwrap_or_else(PoisonError::into_inner).take()?;
-        Ok(SlotGuard { slots, slot, kept: false })
-    }
-
-    fn keep(mut self) {
-        self.kept = true;
-    }
-}
-
-impl Drop for SlotGuard<'_> {
-    fn drop(&mut self) {
-        if !self.kept {
-            self.slots.lock().unwrap_or_else(PoisonError::into_inner).free(self.slot);
-        }
-    }
 }
 
 impl Drop for ProcessProvider {
@@ -620,9 +609,9 @@ impl Provider for ProcessProvider {
         // Everything refusable is refused before anything is made.
         self.refuse(spec)?;
         let _creating = self.creating.start(&spec.id)?;
-        let slot = match self.config.isolation {
-            Isolation::Full => Some(SlotGuard::take(&self.slots)?),
-            Isolation::None => None,
+        let slot = match &self.ids {
+            Some(ranges) => Some(ranges.take(&spec.id)?),
+            None => None,
         };
         let plan = self.plan(spec, &dir, slot.as_ref().map(|s| ids::base_of(s.slot)))?;
         // Write-ahead: the record, the id range and the cgroups' names are on disk before the
@@ -739,9 +728,7 @@ impl Provider for ProcessProvider {
         if dir.root.exists() {
             return Err(ProviderError::Backend(format!("sandbox `{id}`: cannot remove `{}`", dir.root.display())));
         }
-        if let Some(slot) = ids.and_then(ids::slot_of) {
-            self.lock_slots().free(slot);
-        }
+        self.free_ids(ids);
         Ok(())
     }
 
@@ -870,14 +857,17 @@ fn rlimits_of(spec: &SandboxSpec, isolation: Isolation) -> Result<Rlimits, Provi
 fn daemon_env(spec: &SandboxSpec, dir: &SandboxDir, isolated: bool) -> BTreeMap<OsString, OsString> {
     let eval = spec.profile == Profile::Eval;
     let mut env: BTreeMap<OsString, OsString> = BTreeMap::new();
-    let host_path = std::env::var_os("PATH").filter(|_| !eval);
+    // An isolated sandbox takes no path of the host's (the server's PATH names its own places).
+    let host_path = std::env::var_os("PATH").filter(|_| !eval && !isolated);
     env.insert("PATH".into(), host_path.unwrap_or_else(|| DEFAULT_PATH.into()));
-    env.insert("HOME".into(), dir.work().into());
     env.insert("LANG".into(), "C.UTF-8".into());
     if eval {
         env.extend(EVAL_ENV.iter().map(|(k, v)| (k.into(), v.into())));
     }
-    if !isolated {
+    if isolated {
+        env.insert("HOME".into(), SANDBOX_HOME.into());
+    } else {
+        env.insert("HOME".into(), dir.work().into());
         // Its own /tmp is a namespace away; TMPDIR is what it can have.
         env.insert("TMPDIR".into(), dir.tmp().into());
     }
@@ -1019,18 +1009,10 @@ fn not_running() -> Ended {
 /// Runs the daemon's isolation once, as a sandbox would get it, and reports why it failed: the
 /// provider starts only where sandboxes can be isolated. Blocking; at start.
 fn check_isolation(config: &ProcessConfig, template: &Path) -> Result<(), String> {
-    if let Some(fresh) = fresh_inside(&resolve(&config.state_dir)) {
-        return Err(format!(
-            "the state directory `{}` is under `{fresh}`, which every sandbox gets fresh, so its work directory there could not be reached; use a directory elsewhere (a tmpfs of its own, say)",
-            config.state_dir.display()
-        ));
-    }
     let dir = config.state_dir.join("isolation-check");
     let _ = std::fs::remove_dir_all(&dir);
-    let (root, work, tmp) = (dir.join("root"), dir.join("work"), dir.join("tmp"));
-    for d in [&root, &work, &tmp] {
-        std::fs::create_dir_all(d).map_err(|e| format!("cannot make `{}`: {e}", d.display()))?;
-    }
+    let root = dir.join("root");
+    std::fs::create_dir_all(&root).map_err(|e| format!("cannot make `{}`: {e}", root.display()))?;
     let mut cmd = std::process::Command::new(&config.daemon_bin);
     cmd.args(&config.daemon_args)
         .arg("--check-isolation")
@@ -1042,10 +1024,8 @@ fn check_isolation(config: &ProcessConfig, template: &Path) -> Result<(), String
         .arg(&root)
         .arg("--isolate-template")
         .arg(template)
-        .arg("--isolate-tmp")
-        .arg(&tmp)
         .arg("--workdir")
-        .arg(&work)
+        .arg(SANDBOX_HOME)
         .arg("--isolate-hide")
         .arg(resolve(&config.state_dir))
         .env_clear()
@@ -1061,12 +1041,6 @@ fn check_isolation(config: &ProcessConfig, template: &Path) -> Result<(), String
     let said = String::from_utf8_lossy(&out.stderr);
     let words = said.lines().filter(|l| l.starts_with("error:") || l.starts_with("  caused by:")).map(str::trim);
     Err(words.collect::<Vec<_>>().join(" ").trim_start_matches("error: ").to_string())
-}
-
-/// The mount an isolated sandbox gets fresh (its own `/dev`, `/proc`, `/sys`) that `path` lies
-/// under, if any.
-fn fresh_inside(path: &Path) -> Option<&'static str> {
-    ["/dev", "/proc", "/sys"].into_iter().find(|fresh| path.starts_with(fresh))
 }
 
 /// A sandbox id names a directory.
@@ -1140,20 +1114,16 @@ mod tests {
     }
 
     #[test]
-    fn a_state_directory_under_what_a_sandbox_gets_fresh_is_named() {
-        assert_eq!(fresh_inside(Path::new("/dev/shm/sandman")), Some("/dev"));
-        assert_eq!(fresh_inside(Path::new("/sys/fs/x")), Some("/sys"));
-        assert_eq!(fresh_inside(Path::new("/devices/sandman")), None);
-        assert_eq!(fresh_inside(Path::new("/var/lib/sandman")), None);
-    }
-
-    #[test]
     fn eval_fixes_the_environment_and_takes_no_path_from_the_host() {
         let dir = SandboxDir::new(Path::new("/var/lib/sandman/sandboxes"), "e1");
         let mut spec = sandman_provider::conformance::spec("e1", HOST_IMAGE);
-        let plain = daemon_env(&spec, &dir, true);
+        let plain = daemon_env(&spec, &dir, false);
         assert_eq!(plain.get(std::ffi::OsStr::new("PATH")), std::env::var_os("PATH").as_ref());
         assert!(!plain.contains_key(std::ffi::OsStr::new("TZ")) && !plain.contains_key(std::ffi::OsStr::new("LC_ALL")));
+        // Isolated, nothing of the host's paths: neither the server's PATH nor its state directory.
+        let isolated = daemon_env(&spec, &dir, true);
+        let get = |k: &str| isolated.get(std::ffi::OsStr::new(k)).and_then(|v| v.to_str());
+        assert_eq!((get("PATH"), get("HOME"), get("TMPDIR")), (Some(DEFAULT_PATH), Some(SANDBOX_HOME), None));
         spec.profile = Profile::Eval;
         let eval = daemon_env(&spec, &dir, true);
         let get = |k: &str| eval.get(std::ffi::OsStr::new(k)).and_then(|v| v.to_str());
@@ -1161,7 +1131,7 @@ mod tests {
         for (k, v) in EVAL_ENV {
             assert_eq!(get(k), Some(v), "{k}");
         }
-        assert_eq!(get("HOME"), Some("/var/lib/sandman/sandboxes/e1/work"));
+        assert_eq!(get("HOME"), Some(SANDBOX_HOME));
     }
 
     #[test]

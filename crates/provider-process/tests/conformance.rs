@@ -21,9 +21,23 @@ async fn suite(isolate: Isolation, tag: &str) {
     let second = provider(state.path(), isolate);
     conformance::found_again_after_restart(&p, &second, spec(&id("f1"), HOST_IMAGE)).await;
     conformance::death_is_reported(&p, spec(&id("d1"), HOST_IMAGE), kill_daemon).await;
+    if isolate == Isolation::Full {
+        // Without isolation a sandbox is plain processes of the server's, in the host's tree.
+        let state_path = std::fs::canonicalize(state.path()).unwrap().display().to_string();
+        let paths = [state_path.clone(), format!("{state_path}/sandboxes/{}", id("h1"))];
+        conformance::shows_no_host_paths(&p, spec(&id("h1"), HOST_IMAGE), &paths, run_script).await;
+    }
     let left: Vec<_> =
         std::fs::read_dir(state.path().join("sandboxes")).unwrap().flatten().map(|e| e.file_name()).collect();
     assert!(left.is_empty(), "sandbox directories left behind: {left:?}");
+}
+
+/// Runs a shell script in the sandbox; its stdout.
+async fn run_script(endpoint: Endpoint, token: String, script: &'static str) -> Result<String, String> {
+    let socket = conformance::daemon::socket_of(&endpoint);
+    conformance::daemon::wait_healthy(&socket).await?;
+    let out = conformance::daemon::exec(&socket, &token, &["/bin/sh", "-c", script]).await?;
+    out["stdout"].as_str().map(str::to_string).ok_or_else(|| format!("no stdout in {out}"))
 }
 
 /// SIGKILLs the process the provider started, behind its back.

@@ -17,7 +17,7 @@ use common::{
 };
 use sandman_provider::conformance::{next_event, spec};
 use sandman_provider::{Provider, SandboxSpec};
-use sandman_provider_process::{HOST_IMAGE, Isolation, ProcessConfig, ProcessProvider};
+use sandman_provider_process::{HOST_IMAGE, Isolation, ProcessConfig, ProcessProvider, SANDBOX_HOME};
 use sandman_wire::server::{Network, Profile, Quantity, Reason};
 use serde_json::json;
 
@@ -53,17 +53,39 @@ async fn the_daemon_gets_a_clean_environment_and_its_own_work_dir() {
     s.env = BTreeMap::from([("FROM_SPEC".into(), "1".into()), ("SANDMAN_TOKEN".into(), "hijack".into())]);
     let ep = ready(&p, &s).await;
     let dir = dir_of(&ep);
-    let env = out(&sh(&ep, &s.token, "env; echo cwd=$(pwd)").await);
+    let env = out(&sh(&ep, &s.token, "env; echo cwd=$(pwd); ls -A").await);
     assert!(env.contains("FROM_SPEC=1"), "{env}");
-    assert!(env.contains(&format!("HOME={}", dir.join("work").display())), "{env}");
-    assert!(env.contains(&format!("cwd={}", dir.join("work").display())), "{env}");
+    assert!(env.contains(&format!("HOME={SANDBOX_HOME}\n")), "{env}");
+    assert!(env.trim_end().ends_with(&format!("cwd={SANDBOX_HOME}")), "the work directory is not fresh: {env}");
     assert!(env.contains("LANG=C.UTF-8"), "{env}");
     assert!(!env.contains("CARGO"), "the server's environment leaked into the sandbox: {env}");
     assert!(!env.contains("SANDMAN_"), "{env}");
+    assert!(!env.contains(&state.path().display().to_string()), "the state directory shows: {env}");
     for secret in ["token", "record.json"] {
         let mode = std::fs::metadata(dir.join(secret)).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600, "{secret} is {mode:o}");
     }
+    // Nothing of the sandbox needs to enter its directory on the host: only its owner may.
+    assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+    assert!(!dir.join("work").exists() && !dir.join("tmp").exists(), "files of the sandbox on the host's disk");
+    p.delete(&s.id).await.unwrap();
+}
+
+/// Regression (issue 28): as root with the default state directory (under `/root`, 0700), every
+/// command failed `Permission denied`: the sandbox's working directory was in the state
+/// directory, which the sandbox's root (an unmapped id on the host) could not enter.
+#[tokio::test]
+async fn a_state_directory_under_a_0700_home_works() {
+    require_root();
+    let home = tempfile::tempdir_in(common::scratch()).unwrap();
+    std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let state = home.path().join(".local/state/sandman");
+    let p = provider(&state, Isolation::Full);
+    let s = spec("home0700", HOST_IMAGE);
+    let ep = ready(&p, &s).await;
+    let uname = exec(&socket_of(&ep), &s.token, &["uname", "-a"]).await.unwrap();
+    assert_eq!(uname["exit_code"], 0, "{uname}");
+    assert!(out(&uname).starts_with("Linux "), "{uname}");
     p.delete(&s.id).await.unwrap();
 }
 
@@ -186,8 +208,8 @@ async fn isolated_sandbox_has_its_own_tmp_pid_1_and_namespaces() {
     let name = format!("pp-marker-{}", std::process::id());
     let wrote = sh(&ep, &s.token, &format!("echo mine > /tmp/{name}")).await;
     assert_eq!(wrote["exit_code"], 0, "{wrote}");
-    assert!(dir.join("tmp").join(&name).exists(), "not in the sandbox's tmp/");
     assert!(!Path::new("/tmp").join(&name).exists(), "reached the host's /tmp");
+    assert!(!dir.join("tmp").exists(), "the sandbox's /tmp is on the host's disk");
     let applied = p.applied(&s.id).await.unwrap();
     let apart = applied.details["namespaces"].as_array().cloned().unwrap_or_default();
     for ns in ["mount", "pid", "ipc", "uts"] {
@@ -391,19 +413,18 @@ async fn an_unreadable_record_is_removed_unless_its_daemon_runs() {
     assert!(running.wait().unwrap().code().is_none());
 }
 
+/// A state directory on a tmpfs of its own (`/dev/shm`, say) is the fastest place for it, and
+/// fine for sandboxes: none of them enters it, although each gets a `/dev` of its own.
 #[tokio::test]
-async fn isolation_refuses_a_state_directory_the_sandboxes_get_fresh() {
+async fn isolation_works_with_a_state_directory_under_dev_shm() {
     require_root();
-    // /dev is every isolated sandbox's own: a work directory under it could not be reached.
     let state = Path::new("/dev/shm").join(format!("sandman-pp-{}", std::process::id()));
-    let made = ProcessProvider::new(ProcessConfig {
-        state_dir: state.clone(),
-        daemon_bin: common::daemon_bin(),
-        daemon_args: Vec::new(),
-        isolation: Isolation::Full,
-        hide: Vec::new(),
-    });
+    let p = provider(&state, Isolation::Full);
+    let s = spec("devshm", HOST_IMAGE);
+    let ep = ready(&p, &s).await;
+    let r = sh(&ep, &s.token, "echo hi > f && cat f").await;
+    assert_eq!((r["exit_code"].as_i64(), out(&r).as_str()), (Some(0), "hi\n"), "{r}");
+    p.delete(&s.id).await.unwrap();
+    drop(p);
     let _ = std::fs::remove_dir_all(&state);
-    let err = made.err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err.contains("is under `/dev`, which every sandbox gets fresh"), "{err}");
 }

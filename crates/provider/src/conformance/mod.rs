@@ -152,6 +152,31 @@ where
     p.delete(&spec.id).await.unwrap();
 }
 
+/// What a sandbox's commands may read to learn where it lives: its working directory, `HOME`,
+/// the current directory as the kernel names it, its mounts, and its PID 1's command line.
+pub const WHERE_AM_I: &str = "pwd; echo \"$HOME\"; readlink /proc/self/cwd; cat /proc/self/mountinfo; \
+     tr '\\0' ' ' < /proc/1/cmdline; echo";
+
+/// Nothing of the host's layout shows inside a sandbox: [`WHERE_AM_I`], run by `run` (the
+/// endpoint, the token and a shell script, answering its stdout), names none of `host_paths`
+/// (the server's state directory, the sandbox's directory there).
+pub async fn shows_no_host_paths<P, R, F>(p: &P, spec: SandboxSpec, host_paths: &[String], run: R)
+where
+    P: Provider,
+    R: Fn(Endpoint, String, &'static str) -> F,
+    F: Future<Output = Result<String, String>>,
+{
+    let endpoint = p.create(&spec).await.unwrap_or_else(|e| panic!("{}: create failed: {e}", p.name()));
+    let seen = run(endpoint, spec.token.clone(), WHERE_AM_I)
+        .await
+        .unwrap_or_else(|e| panic!("{}: cannot look around inside: {e}", p.name()));
+    assert!(seen.lines().count() > 4, "{}: the sandbox printed too little: {seen}", p.name());
+    for path in host_paths {
+        assert!(!seen.contains(path.as_str()), "{}: the host path `{path}` shows inside a sandbox:\n{seen}", p.name());
+    }
+    p.delete(&spec.id).await.unwrap_or_else(|e| panic!("{}: delete failed: {e}", p.name()));
+}
+
 /// Runs futures concurrently on the current task.
 async fn futures_join_all<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let mut set: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
