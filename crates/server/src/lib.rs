@@ -139,6 +139,27 @@ pub async fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Re
     }
 }
 
+/// Makes the state directory (and its missing parents) 0700, or makes an existing one so: it
+/// holds the server's token, its conditions key and every sandbox's records, which no other
+/// host user may list, read or write. One that belongs to another user is refused.
+fn own_state_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    let meta = std::fs::metadata(dir)?;
+    let me = sys::euid();
+    if meta.uid() != me {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("it belongs to uid {}, and this server runs as uid {me}", meta.uid()),
+        ));
+    }
+    if meta.mode() & 0o077 != 0 {
+        tracing::info!(path = %dir.display(), mode = format!("{:o}", meta.mode() & 0o777), "making the state directory 0700");
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
 /// Serves until `shutdown` resolves. `on_start` is told where it listens and what it recovered.
 pub async fn run(
     args: ServeArgs,
@@ -150,7 +171,7 @@ pub async fn run(
     // Raised first: what the server keeps open for daemons is sized by it.
     let max_connections = connection_limit(args.max_connections);
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
-    std::fs::create_dir_all(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
+    own_state_dir(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     let (token, source) = auth::load_or_generate(std::env::var("SANDMAN_TOKEN").ok(), &state_dir)
         .map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     let provider = build_provider(&args, &state_dir).await?;
@@ -239,4 +260,28 @@ pub async fn shutdown_signal() {
         _ = int.recv() => {}
     }
     tracing::info!("shutting down; sandboxes keep running and are found again on the next start");
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    fn mode(p: &std::path::Path) -> u32 {
+        std::fs::metadata(p).map(|m| m.permissions().mode() & 0o777).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Regression (issue 29): the state directory was 0755, so any host user could list the
+    /// sandboxes' ids and reach into their directories.
+    #[test]
+    fn the_state_directory_is_made_0700_or_tightened_to_it() {
+        let base = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let fresh = base.path().join("a/b/state");
+        super::own_state_dir(&fresh).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((mode(&fresh), mode(&base.path().join("a"))), (0o700, 0o700));
+        let loose = base.path().join("loose");
+        std::fs::create_dir(&loose).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o755)).unwrap_or_else(|e| panic!("{e}"));
+        super::own_state_dir(&loose).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(mode(&loose), 0o700);
+    }
 }

@@ -1,5 +1,5 @@
-//! The server's only `unsafe`: raising its open files limit and `getrandom(2)`, which std does
-//! not expose.
+//! The server's only `unsafe`: raising its open files limit, `getrandom(2)` and `geteuid(2)`,
+//! which std does not expose.
 #![allow(unsafe_code)]
 
 /// Where the kernel's ceiling for any process's open files limit is read.
@@ -89,6 +89,12 @@ fn has_capability(cap: u32) -> bool {
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
         .is_some_and(|caps| caps & (1 << cap) != 0)
+}
+
+/// The server's effective uid.
+pub fn euid() -> u32 {
+    // SAFETY: `geteuid` takes nothing and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 #[cfg(test)]
