@@ -16,7 +16,9 @@ from conftest import REPO
 
 import sandman
 
-WEB_APP = str(REPO / "crates" / "sandmand" / "tests" / "fixtures" / "web.py")
+# Uploaded into each sandbox before it runs: the checkout may lie where a sandbox cannot see.
+WEB_APP_SOURCE = (REPO / "crates" / "sandmand" / "tests" / "fixtures" / "web.py").read_text()
+WEB_APP = "/tmp/web.py"
 SCRIPT = "for i in 1 2 3; do echo out$i; echo err$i >&2; done"
 MERGED = "out1\nerr1\nout2\nerr2\nout3\nerr3\n"
 
@@ -152,6 +154,7 @@ async def test_a_creates_user_is_every_commands_default(api: Any) -> None:
 
 
 async def _web_app(sb: Any) -> int:
+    await sb.write_file(WEB_APP, WEB_APP_SOURCE)
     app = await sb.start(["python3", WEB_APP], tag="web")
     out = ""
     for _ in range(200):
@@ -179,6 +182,7 @@ def test_ports_through_the_server_with_the_sync_client(client: sandman.Sandman) 
         with pytest.raises(ValueError):
             sb.port_url(70000)
 
+        sb.write_file(WEB_APP, WEB_APP_SOURCE)
         ws_port = int(sb.start(["python3", WEB_APP]).follow().__next__().data)
         _websocket_echo(sb, ws_port)
 

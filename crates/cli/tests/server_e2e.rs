@@ -406,9 +406,20 @@ async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_include
     anonymous.get(&format!("/v1/sandboxes/{id}/ports/{port}/hello.txt")).await.error(401, "unauthorized");
     http.get(&format!("/v1/sandboxes/{id}/ports/0/")).await.error(400, "invalid_argument");
 
-    // A WebSocket, upgraded through the server and the daemon.
-    let app = concat!(env!("CARGO_MANIFEST_DIR"), "/../sandmand/tests/fixtures/web.py");
-    http.post(&format!("/v1/sandboxes/{id}/processes"), json!({"argv": ["python3", app], "tag": "ws"})).await.ok();
+    // A WebSocket, upgraded through the server and the daemon, to an app uploaded first: the
+    // checkout may lie where a sandbox cannot see (under /var/tmp, say).
+    let app = include_bytes!("../../sandmand/tests/fixtures/web.py");
+    let put = http
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/tmp/web.py"),
+            Body::Chunks(Box::new(std::iter::once(Bytes::from_static(app)))),
+        )
+        .await;
+    assert_eq!(put.status, 200);
+    http.post(&format!("/v1/sandboxes/{id}/processes"), json!({"argv": ["python3", "/tmp/web.py"], "tag": "ws"}))
+        .await
+        .ok();
     let ws_port: u16 = output_with(&http, &id, "ws", "\n").await.trim().parse().unwrap();
     let mut s = tokio::net::TcpStream::connect(&http.addr).await.unwrap();
     let handshake = format!(
