@@ -259,8 +259,11 @@ pub struct LsCmd {
     /// Only sandboxes with this label.
     #[arg(long, value_name = "KEY=VALUE")]
     pub label: Option<String>,
-    #[arg(long)]
+    #[arg(long, conflicts_with = "quiet")]
     pub json: bool,
+    /// Only the ids, one a line (for `sandman rm $(sandman ls -q)`).
+    #[arg(short, long)]
+    pub quiet: bool,
 }
 
 #[derive(Debug, Args)]

@@ -185,6 +185,12 @@ pub async fn ls(client: &Client, cmd: LsCmd) -> anyhow::Result<ExitCode> {
         outln!("{}", format::json(&sandboxes)?)?;
         return Ok(ExitCode::SUCCESS);
     }
+    if cmd.quiet {
+        for sb in &sandboxes {
+            outln!("{}", sb.id)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let now = format::now_ms();
     let rows: Vec<Vec<String>> = sandboxes
         .iter()

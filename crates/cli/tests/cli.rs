@@ -536,6 +536,13 @@ fn exec_streams_output_and_exits_with_the_command_code() {
 }
 
 #[test]
+fn ls_quiet_prints_only_the_ids() {
+    let fake = Fake::start();
+    let out = fake.sandman(&["ls", "-q"]);
+    assert_eq!((out.code, out.stdout.as_str()), (Some(0), "sb-1\nsb-2\n"), "{out:?}");
+}
+
+#[test]
 fn ls_shows_a_table_or_json() {
     let fake = Fake::start();
     let out = fake.sandman(&["ls"]);
