@@ -9,6 +9,7 @@
 
 pub mod docker;
 pub mod http;
+pub mod registry;
 pub mod standin;
 
 use std::path::{Path, PathBuf};

@@ -1,0 +1,466 @@
+//! Sandman's image store: OCI task images pulled from registries or imported from the local
+//! Docker engine and image archives, each layer unpacked once for overlayfs into a
+//! content-addressed store under a directory the caller gives, and shared read-only by every
+//! sandbox. Start at [`ImageStore::open`] and [`ImageStore::resolve`].
+//!
+//! The rooms: [`reference`] reads what users write; `registry` (with `auth`) talks to
+//! registries through oci-client, `engine` to the local Docker engine, `archive` reads image
+//! layouts and archives on disk; `pull` installs what they describe, one flight per image and per
+//! layer (`flight`); `unpack` turns a layer blob into a directory; `store` keeps the directory,
+//! its records and its upkeep.
+
+mod archive;
+mod auth;
+mod engine;
+mod error;
+mod flight;
+mod manifest;
+mod pull;
+pub mod reference;
+mod registry;
+mod store;
+mod unpack;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+pub use error::ImageError;
+pub use reference::{DockerRef, ImageSource};
+use sandman_wire::server::ImageConfig;
+
+use crate::pull::{Blobs, blocking};
+use crate::store::{Disk, LayerRecord};
+
+/// How the store is set up.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// The store's directory (the process provider gives `<state_dir>/images`).
+    pub root: PathBuf,
+    /// The bound [`ImageStore::prune`] keeps the store's unpacked bytes under; `None`: unbounded.
+    pub max_size: Option<u64>,
+    pub limits: Limits,
+    /// How long a registry, the engine's export or a credential helper may send nothing before
+    /// the pull fails with [`ImageError::Stalled`].
+    pub stall: Duration,
+    /// How many layers download at once (over all pulls).
+    pub concurrent_layers: usize,
+    /// Registries (`host` or `host:port`) reached over plain HTTP though not on loopback (the
+    /// server's `--insecure-registry`).
+    pub insecure_registries: Vec<String>,
+    /// The credentials file, instead of `$REGISTRY_AUTH_FILE`, `$DOCKER_CONFIG/config.json` or
+    /// `~/.docker/config.json`.
+    pub auth_file: Option<PathBuf>,
+    /// The local Docker engine's socket, instead of `DOCKER_HOST` (`unix://…`) or
+    /// `/var/run/docker.sock`; a path where no engine answers means none is asked.
+    pub docker_socket: Option<PathBuf>,
+}
+
+impl StoreConfig {
+    /// The defaults for a store at `root`: unbounded, [`Limits::default`], a two-minute stall,
+    /// three layers at once.
+    pub fn new(root: impl Into<PathBuf>) -> StoreConfig {
+        StoreConfig {
+            root: root.into(),
+            max_size: None,
+            limits: Limits::default(),
+            stall: pull::DEFAULT_STALL,
+            concurrent_layers: 3,
+            insecure_registries: Vec::new(),
+            auth_file: None,
+            docker_socket: None,
+        }
+    }
+}
+
+/// Bounds on what one pull may bring, against oversized and endless archives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Compressed bytes of one layer blob (default 8 GiB).
+    pub max_layer_compressed: u64,
+    /// Uncompressed bytes of all of one image's layers (default 32 GiB).
+    pub max_image_uncompressed: u64,
+    /// Entries in one layer (default 2,000,000).
+    pub max_layer_entries: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_layer_compressed: 8 << 30, max_image_uncompressed: 32 << 30, max_layer_entries: 2_000_000 }
+    }
+}
+
+/// An image in the store, ready to be a sandbox's root.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Image {
+    /// Its config's digest (`sha256:…`), as Docker's image id.
+    pub id: String,
+    /// The digest of its (platform) manifest.
+    pub manifest_digest: String,
+    /// The canonical reference it was resolved by (`docker.io/library/python:3.12`).
+    pub reference: String,
+    /// Its layers' directories, **bottom first** (the base layer first, as the manifest lists
+    /// them). overlayfs's `lowerdir=` takes the top first: join them reversed.
+    pub layers: Vec<PathBuf>,
+    /// Unpacked bytes of its layers' files.
+    pub size: u64,
+    /// How its config says to run it.
+    pub config: ImageConfig,
+    /// Whether this resolve brought it into the store (a caller may [`ImageStore::prune`]).
+    pub pulled: bool,
+}
+
+/// One image of [`ImageStore::list`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageSummary {
+    pub id: String,
+    pub manifest_digest: String,
+    /// The canonical references that name it.
+    pub references: Vec<String>,
+    pub size: u64,
+    pub layers: usize,
+    pub last_used: SystemTime,
+}
+
+/// The images sandboxes use (by id), with how many sandboxes use each: what
+/// [`ImageStore::remove`] and [`ImageStore::prune`] leave alone. The caller includes the images
+/// of sandboxes being created.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InUse(HashMap<String, usize>);
+
+impl InUse {
+    /// Counts one more sandbox using the image `id`.
+    pub fn add(&mut self, id: &str) {
+        *self.0.entry(id.to_string()).or_default() += 1;
+    }
+
+    /// How many sandboxes use the image `id`.
+    pub fn count(&self, id: &str) -> usize {
+        self.0.get(id).copied().unwrap_or(0)
+    }
+}
+
+impl<S: AsRef<str>> FromIterator<S> for InUse {
+    fn from_iter<I: IntoIterator<Item = S>>(ids: I) -> Self {
+        let mut in_use = InUse::default();
+        for id in ids {
+            in_use.add(id.as_ref());
+        }
+        in_use
+    }
+}
+
+/// What [`ImageStore::remove`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Removed {
+    /// The reference no longer names the image, which other references still name.
+    Untagged { reference: String },
+    /// The image is gone, with the layers no other image used (`freed` bytes).
+    Deleted { id: String, freed: u64 },
+}
+
+/// What [`ImageStore::prune`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Image ids, least recently used first.
+    pub images: Vec<String>,
+    pub layers: usize,
+    pub freed: u64,
+}
+
+/// Where a layer of a pull is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerState {
+    /// Bytes are arriving (and being unpacked as they do).
+    Downloading,
+    /// All bytes are in (or, for a local archive, being read); the unpack is finishing.
+    Unpacking,
+    /// In the store now.
+    Done,
+    /// Was in the store already.
+    Cached,
+}
+
+/// One line of a pull's progress.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerProgress {
+    /// The canonical reference being resolved.
+    pub image: String,
+    /// The layer's blob digest (its diff_id when the source gives no blob digest).
+    pub layer: String,
+    /// Blob bytes done.
+    pub done: u64,
+    /// Blob bytes in all, when known.
+    pub total: Option<u64>,
+    pub state: LayerState,
+}
+
+/// Where a pull's progress goes: a callback, called from the pull's tasks and threads (so it must
+/// be quick: a bounded channel's `try_send`, a log line).
+#[derive(Clone, Default)]
+pub struct Progress(Option<Arc<Report>>);
+
+/// What hears a pull's progress.
+type Report = dyn Fn(&LayerProgress) + Send + Sync;
+
+impl Progress {
+    pub fn new(report: impl Fn(&LayerProgress) + Send + Sync + 'static) -> Progress {
+        Progress(Some(Arc::new(report)))
+    }
+
+    /// Progress nobody hears.
+    pub fn none() -> Progress {
+        Progress(None)
+    }
+
+    pub(crate) fn report(&self, line: &LayerProgress) {
+        if let Some(report) = &self.0 {
+            report(line);
+        }
+    }
+}
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Progress(callback)" } else { "Progress(none)" })
+    }
+}
+
+/// The image store. Cheap to clone: clones share one store.
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    inner: Arc<Inner>,
+}
+
+/// What the store's parts share.
+pub(crate) struct Inner {
+    disk: Arc<Disk>,
+    registries: registry::Registries,
+    limits: Limits,
+    max_size: Option<u64>,
+    stall: Duration,
+    docker_socket: Option<PathBuf>,
+    /// Turns to download a layer: `concurrent_layers` at once over all pulls.
+    downloads: tokio::sync::Semaphore,
+    /// Resolves under way, by reference and by manifest digest.
+    images: flight::Flights<Image>,
+    /// Layer unpacks under way, by diff_id.
+    layers: flight::Flights<LayerRecord>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageStore").field("root", &self.disk.root()).field("limits", &self.limits).finish()
+    }
+}
+
+impl ImageStore {
+    /// Opens the store at `config.root`, making it (0700, root's) when it is not there, and
+    /// recovers it: what an interrupted unpack left in `tmp/` is removed, and images whose layers
+    /// are missing are forgotten. Fails with [`ImageError::Locked`] when another process has it
+    /// open. Does file system work: call it where blocking briefly is fine (at start).
+    pub fn open(config: StoreConfig) -> Result<ImageStore, ImageError> {
+        let disk = Arc::new(Disk::open(&config.root)?);
+        let inner = Inner {
+            disk,
+            registries: registry::Registries::new(config.insecure_registries, config.auth_file, config.stall),
+            limits: config.limits,
+            max_size: config.max_size,
+            stall: config.stall,
+            docker_socket: config.docker_socket,
+            downloads: tokio::sync::Semaphore::new(config.concurrent_layers.max(1)),
+            images: flight::Flights::default(),
+            layers: flight::Flights::default(),
+        };
+        Ok(ImageStore { inner: Arc::new(inner) })
+    }
+
+    /// The store's directory.
+    pub fn root(&self) -> &Path {
+        self.inner.disk.root()
+    }
+
+    /// The image `reference` names, in the store, pulling or importing it first when it is not:
+    ///
+    /// - a plain reference: the store's tag index (an image pulled once stays pinned, as
+    ///   `docker run` does), else the local Docker engine's image, else the registry;
+    /// - `docker://REF`: the store's tag index, else the registry;
+    /// - `docker-daemon:REF`: the local engine's image (imported unless the store has its id);
+    /// - `oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:REF]`: read from disk
+    ///   (imported unless the store has its id).
+    ///
+    /// Records a use of the image (see [`ImageStore::touch`]). `host` is not an image here.
+    pub async fn resolve(&self, reference: &str, progress: Progress) -> Result<Image, ImageError> {
+        let source = ImageSource::parse(reference)?;
+        let canonical = source.canonical();
+        let inner = self.inner.clone();
+        match source {
+            ImageSource::Registry { name, registry_only } => {
+                if let Some(image) = self.cached(&canonical).await? {
+                    return Ok(image);
+                }
+                // `docker://` (registry only) and the plain form (engine first) are different work.
+                let key = format!("ref:{}:{canonical}", if registry_only { "registry" } else { "any" });
+                let work = move || async move { inner.from_registry(name, registry_only, canonical, progress).await };
+                self.inner.images.run(&key, work).await
+            }
+            ImageSource::Daemon(name) => {
+                let key = format!("ref:docker-daemon:{canonical}");
+                let work = move || async move {
+                    let socket = engine::socket(inner.docker_socket.as_deref());
+                    let Some(engine) = engine::Engine::find(socket.as_deref()).await else {
+                        return Err(ImageError::Engine {
+                            step: format!("finding the image `{name}`"),
+                            said: format!(
+                                "no Docker engine answers on {}",
+                                socket.map_or("a Unix socket (DOCKER_HOST is not unix://)".into(), |s| s
+                                    .display()
+                                    .to_string())
+                            ),
+                            source: None,
+                        });
+                    };
+                    match engine.image_id(&name.familiar()).await? {
+                        Some(id) => inner.from_engine(&engine, &id, canonical, progress).await,
+                        None => Err(ImageError::NotFound {
+                            reference: name.to_string(),
+                            source_name: format!("the Docker engine on {}", engine.socket().display()),
+                            said: format!("it has no image `{}`", name.familiar()),
+                        }),
+                    }
+                };
+                self.inner.images.run(&key, work).await
+            }
+            ImageSource::OciDir { dir, tag } => {
+                let planned = canonical.clone();
+                let plan = move || archive::plan_oci_dir(&dir, tag.as_deref(), &planned);
+                self.inner.from_disk(plan, progress).await
+            }
+            ImageSource::OciArchive { file, tag } => {
+                let planned = canonical.clone();
+                let plan = move || archive::plan_oci_archive(&file, tag.as_deref(), &planned);
+                self.inner.from_disk(plan, progress).await
+            }
+            ImageSource::DockerArchive { file, reference } => {
+                let planned = canonical.clone();
+                let plan = move || archive::plan_docker_archive(&file, reference.as_deref(), &planned);
+                self.inner.from_disk(plan, progress).await
+            }
+        }
+    }
+
+    /// The image the tag index has for `canonical`, used now.
+    async fn cached(&self, canonical: &str) -> Result<Option<Image>, ImageError> {
+        let Some(image) = self.inner.disk.by_reference(canonical) else { return Ok(None) };
+        let disk = self.inner.disk.clone();
+        let id = image.id.clone();
+        blocking(move || disk.touch(&id)).await?;
+        Ok(Some(image))
+    }
+
+    /// Records a use of image `id` now (the provider calls it per create): the order
+    /// [`ImageStore::prune`] removes images in. Written to disk at most once a minute per image.
+    pub fn touch(&self, id: &str) -> Result<(), ImageError> {
+        self.inner.disk.touch(id)
+    }
+
+    /// Every image in the store, most recently used first.
+    pub fn list(&self) -> Vec<ImageSummary> {
+        self.inner.disk.list()
+    }
+
+    /// The unpacked bytes of every layer in the store.
+    pub fn size(&self) -> u64 {
+        self.inner.disk.size()
+    }
+
+    /// Removes what `what` names: a reference that other references share is only untagged;
+    /// an image (by id, a unique hex prefix of 12 or more digits, or its last reference) is
+    /// removed with the layers no other image uses — unless `in_use` counts sandboxes on it
+    /// ([`ImageError::InUse`]).
+    pub fn remove(&self, what: &str, in_use: &InUse) -> Result<Removed, ImageError> {
+        self.inner.disk.remove(what, in_use)
+    }
+
+    /// Removes images no sandbox uses (`in_use`), least recently used first, until the store is
+    /// under its `max_size`, then every layer and blob no remaining image uses.
+    pub fn prune(&self, in_use: &InUse) -> Result<Pruned, ImageError> {
+        self.inner.disk.prune(self.inner.max_size, in_use)
+    }
+}
+
+impl Inner {
+    /// A plain or `docker://` reference the tag index does not have.
+    async fn from_registry(
+        self: Arc<Self>,
+        name: DockerRef,
+        registry_only: bool,
+        canonical: String,
+        progress: Progress,
+    ) -> Result<Image, ImageError> {
+        // A caller that waited for the flight before this one finds it done.
+        if let Some(image) = self.disk.by_reference(&canonical) {
+            self.disk.touch(&image.id)?;
+            return Ok(image);
+        }
+        if !registry_only {
+            let socket = engine::socket(self.docker_socket.as_deref());
+            if let Some(engine) = engine::Engine::find(socket.as_deref()).await {
+                match engine.image_id(&name.familiar()).await {
+                    Ok(Some(id)) => return self.from_engine(&engine, &id, canonical, progress).await,
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(image = %name, error = %e, "the local Docker engine failed; pulling instead")
+                    }
+                }
+            }
+        }
+        let remote = self.registries.connect(&name).await?;
+        let plan = remote.plan().await?;
+        pull::install(&self, plan, Blobs::Registry(Arc::new(remote)), progress).await
+    }
+
+    /// The engine's image `id`, from the store when it has it, else exported and imported.
+    async fn from_engine(
+        self: &Arc<Self>,
+        engine: &engine::Engine,
+        id: &str,
+        canonical: String,
+        progress: Progress,
+    ) -> Result<Image, ImageError> {
+        if let Some(image) = self.disk.by_id(id, &canonical) {
+            let disk = self.disk.clone();
+            let layers: Vec<String> = Vec::new();
+            return blocking(move || {
+                disk.add_image(&image.id, &image.manifest_digest, &layers, image.config, &canonical)
+            })
+            .await;
+        }
+        let spool = Spool(self.disk.spool_path("export"));
+        engine.export(id, &spool.0, self.stall).await?;
+        let file = spool.0.clone();
+        let planned = canonical.clone();
+        let (plan, blobs) = blocking(move || archive::plan_docker_archive(&file, None, &planned)).await?;
+        pull::install(self, plan, Blobs::Local(Arc::new(blobs)), progress).await
+    }
+
+    /// An image on this machine's disk: planned on a blocking thread, then installed (or found).
+    async fn from_disk(
+        self: &Arc<Self>,
+        plan: impl FnOnce() -> Result<(pull::Plan, Vec<archive::BlobAt>), ImageError> + Send + 'static,
+        progress: Progress,
+    ) -> Result<Image, ImageError> {
+        let (plan, blobs) = blocking(plan).await?;
+        pull::install(self, plan, Blobs::Local(Arc::new(blobs)), progress).await
+    }
+}
+
+/// An export's file, removed when the import is done with it.
+struct Spool(PathBuf);
+
+impl Drop for Spool {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
