@@ -85,6 +85,20 @@ struct Args {
     /// With --isolate, a network namespace too: only `lo`, brought up.
     #[arg(long, requires = "isolate")]
     isolate_net: bool,
+    /// With --isolate-net, a way out: a veth pair whose host end is NAME (the sandbox's end is
+    /// its eth0), the host's route to --isolate-addr through it, and a default route through
+    /// the host end. Needs --isolate-addr and --isolate-group.
+    #[arg(long, requires_all = ["isolate_net", "isolate_addr", "isolate_group"], value_name = "NAME")]
+    isolate_veth: Option<String>,
+    /// With --isolate-veth: the sandbox's IPv4 address.
+    #[arg(long, requires = "isolate_veth", value_name = "ADDR")]
+    isolate_addr: Option<std::net::Ipv4Addr>,
+    /// With --isolate-veth: the interface group of the host end, which the host's firewall names.
+    #[arg(long, requires = "isolate_veth", value_name = "N")]
+    isolate_group: Option<u32>,
+    /// With --isolate-veth: a resolver for the sandbox's /etc/resolv.conf; repeatable.
+    #[arg(long = "isolate-dns", requires = "isolate_veth", value_name = "ADDR")]
+    isolate_dns: Vec<std::net::Ipv4Addr>,
     /// With --isolate: the most the sandbox may write, in bytes (its writable layer, in memory:
     /// its changes to the root, /tmp, /run, /var/tmp, /dev/shm and its working directory).
     #[arg(long, requires = "isolate", value_name = "BYTES")]
@@ -341,6 +355,12 @@ fn isolation_of(args: &Args) -> Isolation {
         ids: args.isolate_ids.unwrap_or_default(),
         root: args.isolate_root.clone().unwrap_or_default(),
         net: args.isolate_net,
+        egress: match (&args.isolate_veth, args.isolate_addr, args.isolate_group) {
+            (Some(veth), Some(addr), Some(group)) => {
+                Some(isolate::Egress { veth: veth.clone(), addr, group, dns: args.isolate_dns.clone() })
+            }
+            _ => None,
+        },
         layer_bytes: args.isolate_layer_bytes,
         hide: args.isolate_hide.clone(),
         workdir: args.workdir.clone(),

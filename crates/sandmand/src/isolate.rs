@@ -16,11 +16,12 @@
 //! held. Without a template it makes its namespace from the host's and uses `pivot_root`.
 
 use std::io::{PipeReader, PipeWriter, Read, Write};
+use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::sys::{self, ns};
+use crate::sys::{self, netlink, ns};
 
 /// How many ids (uids and gids alike) a sandbox has: its root is the first, mapped to
 /// [`Isolation::ids`] on the host.
@@ -63,8 +64,10 @@ pub struct Isolation {
     /// An empty directory where the sandbox's root is assembled (`--isolate-root`); the mounts
     /// on it exist only in the sandbox's mount namespace.
     pub root: PathBuf,
-    /// A network namespace too (`--isolate-net`), with only `lo`, brought up.
+    /// A network namespace too (`--isolate-net`), with only `lo`, brought up...
     pub net: bool,
+    /// ...and, with `egress` (`--isolate-veth`), a veth to the host as its way out.
+    pub egress: Option<Egress>,
     /// The most the sandbox may write (its writable layer, in memory, which holds every file it
     /// writes: its changes to the root, its `/tmp`, `/run`, `/var/tmp`, `/dev/shm` and working
     /// directory), in bytes; the kernel's default (half the memory) when `None`.
@@ -80,6 +83,33 @@ pub struct Isolation {
     /// the sandbox's namespace is a copy of it, and the switch to its root costs the same however
     /// many processes the machine runs. `None`: a copy of the host's, and `pivot_root`.
     pub template: Option<PathBuf>,
+}
+
+/// A sandbox's way out (`--isolate-veth` and its flags): a veth whose host end is `veth` (in
+/// interface group `group`, which the host's firewall rules name) and whose sandbox end is
+/// `eth0` with `addr`/32, a default route through [`GATEWAY`] (the host end, by a permanent
+/// neighbour entry: nothing is asked for it), and `dns` as its resolvers. The host routes
+/// `addr` to the veth; what the sandbox may reach through it is the host's firewall's to say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Egress {
+    pub veth: String,
+    pub addr: Ipv4Addr,
+    pub group: u32,
+    pub dns: Vec<Ipv4Addr>,
+}
+
+/// The next hop of every sandbox's default route: a link-local address no host has, answered
+/// for by the host end of its veth (Calico's choice), so that the host needs no address per
+/// sandbox.
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+
+impl Egress {
+    /// The host end's MAC and the sandbox end's, locally administered, from the sandbox's
+    /// address: unique on the host as the addresses are.
+    fn macs(&self) -> ([u8; 6], [u8; 6]) {
+        let [_, a, b, c] = self.addr.octets();
+        ([0x02, 0x53, 0x4d, a, b, c], [0x02, 0x53, 0x4e, a, b, c])
+    }
 }
 
 /// Why isolation could not be set up. The daemon does not start without it.
@@ -133,6 +163,13 @@ pub enum IsolateError {
     },
     #[error("cannot bring the loopback interface up")]
     Loopback(#[source] std::io::Error),
+    #[error("cannot give the sandbox its veth `{veth}`: {what}")]
+    Veth {
+        veth: String,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Which side of the fork this process is on.
@@ -175,6 +212,12 @@ pub fn enter(iso: &Isolation) -> Result<Role, IsolateError> {
         ),
         None => None,
     };
+    // Opened in the host's network namespace, so that the child, in its own, can still make the
+    // host's end of its veth and the host's route to it.
+    let host_net = match &iso.egress {
+        Some(e) if iso.net => Some(netlink::Netlink::open().map_err(veth_error(e, "open the host's netlink"))?),
+        _ => None,
+    };
     let mut flags = sys::NS_PID | ns::NS_CGROUP;
     if template.is_none() {
         flags |= sys::NS_MOUNT;
@@ -188,12 +231,12 @@ pub fn enter(iso: &Isolation) -> Result<Role, IsolateError> {
     let (reader, writer) = std::io::pipe().map_err(IsolateError::Namespaces)?;
     match ns::clone_into(flags).map_err(IsolateError::Namespaces)? {
         Some(child) => {
-            drop((reader, template));
+            drop((reader, template, host_net));
             Ok(Role::Waiter(Waiter { child, _lifeline: writer }))
         }
         None => {
             drop(writer);
-            become_init(iso, reader, userns, template)?;
+            become_init(iso, reader, userns, template, host_net)?;
             Ok(Role::Daemon)
         }
     }
@@ -246,12 +289,17 @@ fn become_init(
     lifeline: PipeReader,
     userns: OwnedFd,
     template: Option<OwnedFd>,
+    host_net: Option<netlink::Netlink>,
 ) -> Result<(), IsolateError> {
     sys::mask_signals(&WAITED, false).map_err(IsolateError::Signals)?;
     sys::set_parent_death_signal(sys::SIGKILL).map_err(IsolateError::DeathSignal)?;
     // The waiter may have died between the fork and the line above, when no signal was set.
     if sys::is_hung_up(lifeline.as_fd()).map_err(IsolateError::DeathSignal)? {
         return Err(IsolateError::ParentGone);
+    }
+    if let (Some(egress), Some(host_net)) = (&iso.egress, host_net) {
+        // First, while `/proc` is still the host's: it names this namespace.
+        give_veth(egress, host_net)?;
     }
     let host = match (template, &iso.template) {
         (Some(fd), Some(path)) => {
@@ -291,6 +339,41 @@ fn become_init(
     confine()
 }
 
+fn veth_error(e: &Egress, what: &'static str) -> impl FnOnce(std::io::Error) -> IsolateError {
+    let veth = e.veth.clone();
+    move |source| IsolateError::Veth { veth, what, source }
+}
+
+/// Gives this process's (new) network namespace its way out: the veth pair, made from the host's
+/// side (`host_net`, a socket of the host's namespace) with its peer moved in here as `eth0`; the
+/// host's route to the sandbox's address; and in here, that address, the gateway's neighbour
+/// entry and the default route. A veth of the same name left by a sandbox of the same slot whose
+/// namespace the kernel has not finished tearing down is removed first.
+fn give_veth(e: &Egress, mut host_net: netlink::Netlink) -> Result<(), IsolateError> {
+    let ours = std::fs::File::open("/proc/thread-self/ns/net")
+        .map(OwnedFd::from)
+        .map_err(veth_error(e, "open the sandbox's network namespace"))?;
+    let (host_mac, sandbox_mac) = e.macs();
+    let add = |n: &mut netlink::Netlink| n.add_veth(&e.veth, host_mac, e.group, "eth0", sandbox_mac, &ours);
+    match add(&mut host_net) {
+        Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {
+            host_net.del_link(&e.veth).map_err(veth_error(e, "remove a stale veth of the same name"))?;
+            add(&mut host_net).map_err(veth_error(e, "make the veth pair"))?;
+        }
+        other => other.map_err(veth_error(e, "make the veth pair"))?,
+    }
+    let host_end = host_net.index_of(&e.veth).map_err(veth_error(e, "find the host's end"))?;
+    host_net.set_up(host_end).map_err(veth_error(e, "bring the host's end up"))?;
+    host_net.add_host_route(e.addr, host_end).map_err(veth_error(e, "route the sandbox's address to it"))?;
+    drop(host_net);
+    let mut inside = netlink::Netlink::open().map_err(veth_error(e, "open the sandbox's netlink"))?;
+    let eth0 = inside.index_of("eth0").map_err(veth_error(e, "find eth0"))?;
+    inside.set_up(eth0).map_err(veth_error(e, "bring eth0 up"))?;
+    inside.add_address(e.addr, eth0).map_err(veth_error(e, "give eth0 its address"))?;
+    inside.add_neighbour(GATEWAY, host_mac, eth0).map_err(veth_error(e, "pin the gateway's address"))?;
+    inside.add_default_route(GATEWAY, eth0).map_err(veth_error(e, "route through the gateway"))
+}
+
 /// Builds the sandbox's root under `iso.root` and answers where it is: a tmpfs holding the
 /// writable layer, an overlay of it over the host's root, and the sandbox's own mounts in it.
 /// `host` is where this mount namespace shows the host's tree (`/`, or [`TEMPLATE_HOST`]).
@@ -327,6 +410,9 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
     prep("own the writable layer", &upper, ns::lchown(&upper, iso.ids, iso.ids))?;
     for path in &iso.hide {
         white_out(&upper, host, path)?;
+    }
+    if let Some(egress) = iso.egress.as_ref().filter(|_| iso.net) {
+        own_file(&upper, host, Path::new("/etc/resolv.conf"), iso.ids, &resolv_conf(&egress.dns))?;
     }
     // Relative to `root`, so that no path needs escaping in the options, and none of the host's
     // shows in the sandbox's mountinfo.
@@ -421,39 +507,79 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
 }
 
 /// Whites `path` (a host path) out of the sandbox's root: an overlay whiteout at its place in the
-/// writable layer `upper`, under directories that copy the owner and mode of the lower layer's
-/// (the host's tree at `host`), since an upper directory's attributes are what the merged one
-/// shows. A path the host does not have needs nothing.
+/// writable layer `upper`. A path the host (its tree at `host`) does not have needs nothing.
 fn white_out(upper: &Path, host: &Path, path: &Path) -> Result<(), IsolateError> {
+    let Some(rel) = path.strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()) else { return Ok(()) };
+    if host.join(rel).symlink_metadata().is_err() {
+        return Ok(());
+    }
+    upper_parents(upper, host, rel)?;
+    let target = upper.join(rel);
+    ns::whiteout(&target).map_err(|source| IsolateError::Mount {
+        what: "white out a hidden path",
+        path: target,
+        source,
+    })
+}
+
+/// Writes a file of the sandbox's own at `inside` (its `/etc/resolv.conf`, say) into the
+/// writable layer `upper`, owned by its root: it takes the place of whatever the lower layer has
+/// there, a symbolic link included.
+fn own_file(upper: &Path, host: &Path, inside: &Path, ids: u32, text: &str) -> Result<(), IsolateError> {
+    let rel = inside.strip_prefix("/").unwrap_or(inside);
+    upper_parents(upper, host, rel)?;
+    let target = upper.join(rel);
+    let fail = |source| IsolateError::Mount { what: "write a file of the sandbox's own", path: target.clone(), source };
+    std::fs::write(&target, text).map_err(fail)?;
+    ns::lchown(&target, ids, ids).map_err(fail)?;
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).map_err(fail)
+}
+
+/// Makes the directories above `rel` in the writable layer `upper`, each with the owner and mode
+/// of the lower layer's (the host's tree at `host`), since an upper directory's attributes are
+/// what the merged one shows. A lower directory missing is made as the host's root's, 0755.
+fn upper_parents(upper: &Path, host: &Path, rel: &Path) -> Result<(), IsolateError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     let fail = |what, p: &Path| {
         let path = p.to_path_buf();
         move |source| IsolateError::Mount { what, path, source }
     };
-    let Some(rel) = path.strip_prefix("/").ok().filter(|r| !r.as_os_str().is_empty()) else { return Ok(()) };
-    if host.join(rel).symlink_metadata().is_err() {
-        return Ok(());
-    }
     let (mut made, mut lower) = (upper.to_path_buf(), host.to_path_buf());
     for part in rel.parent().into_iter().flat_map(Path::components) {
         made.push(part);
         lower.push(part);
         if made.symlink_metadata().is_ok() {
-            // Made for an earlier hidden path.
+            // Made for an earlier path.
             continue;
         }
-        let meta = lower.symlink_metadata().map_err(fail("read a hidden path's parent", &lower))?;
-        if !meta.is_dir() {
-            let not_dir = std::io::Error::other("not a directory (hidden paths are given resolved)");
-            return Err(fail("hide a path under", &lower)(not_dir));
-        }
-        let mode = meta.mode() & 0o7777;
-        std::fs::DirBuilder::new().mode(mode).create(&made).map_err(fail("hide a path", &made))?;
-        ns::lchown(&made, meta.uid(), meta.gid()).map_err(fail("hide a path", &made))?;
-        std::fs::set_permissions(&made, std::fs::Permissions::from_mode(mode)).map_err(fail("hide a path", &made))?;
+        let (mode, uid, gid) = match lower.symlink_metadata() {
+            Ok(meta) if meta.is_dir() => (meta.mode() & 0o7777, meta.uid(), meta.gid()),
+            Ok(_) => {
+                let not_dir = std::io::Error::other("not a directory in the lower layer (paths are given resolved)");
+                return Err(fail("make a directory of the writable layer above", &lower)(not_dir));
+            }
+            Err(_) => (0o755, 0, 0),
+        };
+        std::fs::DirBuilder::new()
+            .mode(mode)
+            .create(&made)
+            .map_err(fail("make a directory of the writable layer", &made))?;
+        ns::lchown(&made, uid, gid).map_err(fail("make a directory of the writable layer", &made))?;
+        std::fs::set_permissions(&made, std::fs::Permissions::from_mode(mode))
+            .map_err(fail("make a directory of the writable layer", &made))?;
     }
-    let target = upper.join(rel);
-    ns::whiteout(&target).map_err(fail("white out a hidden path", &target))
+    Ok(())
+}
+
+/// A sandbox's `/etc/resolv.conf`: its resolvers (none: every lookup fails at once), tried for at
+/// most two seconds each.
+fn resolv_conf(dns: &[Ipv4Addr]) -> String {
+    let mut text = String::from("# The sandbox's resolvers, given by its server (sandman serve --dns).\n");
+    for server in dns {
+        text.push_str(&format!("nameserver {server}\n"));
+    }
+    text.push_str("options timeout:2 attempts:2\n");
+    text
 }
 
 /// Mounts, read-only under `at`, each cgroup hierarchy the host mounts under `/sys/fs/cgroup`

@@ -3,6 +3,7 @@
 //! namespaces and mounts for `--isolate`).
 #![allow(unsafe_code)]
 
+pub mod netlink;
 pub mod ns;
 
 use std::ffi::CString;
