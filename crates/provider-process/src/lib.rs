@@ -15,6 +15,7 @@
 mod cgroup;
 mod ids;
 mod layout;
+pub mod net;
 mod procs;
 mod spawner;
 mod sys;
@@ -112,6 +113,9 @@ pub struct ProcessConfig {
     /// More host paths isolated sandboxes must not see, beyond the state directory and the
     /// daemon's binary (the server's own binary, its token file when elsewhere).
     pub hide: Vec<PathBuf>,
+    /// The sandboxes' networks: their addresses, what they may reach beyond what is refused by
+    /// default, their resolvers ([`net`]). Isolated only.
+    pub network: net::NetConfig,
 }
 
 /// How a daemon is to be started: its arguments, its own environment, the commands' environment
@@ -156,6 +160,8 @@ pub struct ProcessProvider {
     /// The host id ranges of isolated sandboxes (the host's registry behind them); `None` without
     /// isolation.
     ids: Option<ids::IdRanges>,
+    /// The host's side of isolated sandboxes' networks; `None` without isolation.
+    net: Option<net::HostNetwork>,
     /// Daemons whose exit a watcher of this instance awaits, by sandbox id. Locked briefly, never
     /// across an await.
     watched: Mutex<HashMap<String, Watched>>,
@@ -196,6 +202,7 @@ impl ProcessProvider {
             .map_err(|e| ProviderError::io(format!("cannot create `{}`", sandboxes.display()), e))?;
         let mut template = None;
         let mut ranges = None;
+        let mut network = None;
         let cgroups = match config.isolation {
             Isolation::None => {
                 tracing::warn!(
@@ -234,6 +241,10 @@ impl ProcessProvider {
                 )
                 .map_err(|e| cannot(format!("cannot make the mount namespace sandboxes copy: {e}")))?;
                 check_isolation(&config, made.ns()).map_err(cannot)?;
+                network = Some(
+                    net::HostNetwork::setup(&config.network, &resolve(&config.state_dir), ids::SLOTS)
+                        .map_err(|why| cannot(format!("cannot give sandboxes networks of their own: {why}")))?,
+                );
                 template = Some(Mutex::new(made));
                 tracing::info!(state = %config.state_dir.display(), "process provider: every sandbox is isolated (user namespace, private root, cgroups)");
                 Some(own)
@@ -249,6 +260,7 @@ impl ProcessProvider {
             sandboxes,
             cgroups,
             ids: ranges,
+            net: network,
             watched: Mutex::default(),
             creating: Creating::default(),
             events_tx,
@@ -354,7 +366,8 @@ impl ProcessProvider {
 
     /// Settles the daemon's command line and environments; touches nothing. `ids` is the host
     /// id of an isolated sandbox's root.
-    fn plan(&self, spec: &SandboxSpec, dir: &SandboxDir, ids: Option<u32>) -> Result<Plan, ProviderError> {
+    fn plan(&self, spec: &SandboxSpec, dir: &SandboxDir, slot: Option<u32>) -> Result<Plan, ProviderError> {
+        let ids = slot.map(ids::base_of);
         let cgroups = self.refuse(spec)?;
         let socket = dir.socket();
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
@@ -408,10 +421,17 @@ impl ProcessProvider {
             for hidden in self.hidden() {
                 arg("--isolate-hide", hidden.into());
             }
-            args.push("--isolate".into());
-            if own_network(spec) {
-                args.push("--isolate-net".into());
+            // A network namespace of its own always; with a way out for `egress`.
+            if let (Some(net), Some(slot), false) = (&self.net, slot, loopback_only(spec)) {
+                arg("--isolate-veth", net::HostNetwork::veth(slot).into());
+                arg("--isolate-addr", net.addr(slot).to_string().into());
+                arg("--isolate-group", net.group.to_string().into());
+                for server in net.dns() {
+                    arg("--isolate-dns", server.to_string().into());
+                }
             }
+            args.push("--isolate".into());
+            args.push("--isolate-net".into());
         }
         let env = daemon_env(spec, dir, ids.is_some());
         let commands_env = commands_env(spec)?;
@@ -613,7 +633,7 @@ impl Provider for ProcessProvider {
             Some(ranges) => Some(ranges.take(&spec.id)?),
             None => None,
         };
-        let plan = self.plan(spec, &dir, slot.as_ref().map(|s| ids::base_of(s.slot)))?;
+        let plan = self.plan(spec, &dir, slot.as_ref().map(|s| s.slot))?;
         // Write-ahead: the record, the id range and the cgroups' names are on disk before the
         // cgroups and the daemon exist, so that a server killed at any moment leaves nothing a
         // restarted one cannot find (`list`) and remove.
@@ -796,10 +816,8 @@ fn applied_of(dir: &SandboxDir, id: &str, isolation: Isolation) -> Result<Applie
     // Only a running daemon's namespaces can be read; the spec says what it was started with.
     let namespaces = dir.read_pid().filter(ProcId::is_running).map(|d| procs::namespaces_apart(d.pid));
     let isolated = isolation == Isolation::Full;
-    let own_net = match &namespaces {
-        Some(ns) => ns.contains(&"net"),
-        None => isolated && own_network(&spec),
-    };
+    // Isolated, a sandbox has a network of its own: loopback only, or a way out.
+    let loopback = isolated && loopback_only(&spec);
     let env = daemon_env(&spec, dir, isolated);
     let var = |k: &str| env.get(std::ffi::OsStr::new(k)).map(|v| v.to_string_lossy().into_owned());
     let rlimits = rlimits_of(&spec, isolation)?;
@@ -821,15 +839,15 @@ fn applied_of(dir: &SandboxDir, id: &str, isolation: Isolation) -> Result<Applie
         memory: limits.memory,
         swap: limits.swap,
         pids: limits.pids,
-        network: Some(if own_net { "none" } else { "egress" }.to_string()),
+        network: Some(if loopback { "none" } else { "egress" }.to_string()),
         timezone: var("TZ"),
         locale: var("LC_ALL").or_else(|| var("LANG")),
         details,
     })
 }
 
-/// Whether the sandbox gets a network namespace of its own, with only loopback.
-fn own_network(spec: &SandboxSpec) -> bool {
+/// Whether an isolated sandbox's network is loopback only (no veth to the host).
+fn loopback_only(spec: &SandboxSpec) -> bool {
     spec.network == Network::None || spec.profile == Profile::Eval
 }
 

@@ -1,6 +1,6 @@
 //! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `waitpid`,
-//! `kill`, `pidfd_send_signal`, `geteuid`, `access`, `unshare(CLONE_FILES)`, `close_range` and
-//! `gettid`, which std does not expose.
+//! `kill`, `pidfd_send_signal`, `geteuid`, `access`, `unshare(CLONE_FILES)`, `close_range`,
+//! `gettid` and (in tests) `setns`, which std does not expose.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -147,6 +147,18 @@ pub fn open_files_limit() -> u64 {
         return 0;
     }
     limit.rlim_cur
+}
+
+/// Moves the calling thread into the network namespace `ns` (an open `/run/netns/<name>` or
+/// `/proc/<pid>/ns/net`).
+#[cfg(test)]
+pub fn setns_net(ns: &impl AsRawFd) -> io::Result<()> {
+    // SAFETY: `setns` takes a descriptor and a flag, no pointers.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 #[cfg(test)]

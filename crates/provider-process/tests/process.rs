@@ -331,6 +331,7 @@ async fn a_daemon_that_cannot_start_is_reported_with_its_last_words() {
         daemon_args: Vec::new(),
         isolation: Isolation::None,
         hide: Vec::new(),
+        network: Default::default(),
     })
     .unwrap();
     let mut events = p.events().unwrap();

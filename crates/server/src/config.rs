@@ -31,6 +31,19 @@ pub struct ServeArgs {
     /// give it) or `none` (plain processes of this user, for trusted code only).
     #[arg(long, default_value = "full", value_parser = ["full", "none"])]
     pub isolation: String,
+    /// Process provider, isolated: where sandboxes' addresses come from (one per sandbox the host
+    /// may hold: a /16 or larger). Their traffic leaves the host through NAT.
+    #[arg(long, value_name = "CIDR", default_value = sandman_provider_process::net::DEFAULT_SUBNET,
+          value_parser = clap::value_parser!(sandman_provider_process::net::Cidr))]
+    pub sandbox_subnet: sandman_provider_process::net::Cidr,
+    /// Process provider, isolated: a network `egress` sandboxes may reach although it is refused
+    /// by default (the host's private, loopback and link-local ranges); repeatable.
+    #[arg(long = "egress-allow", value_name = "CIDR", value_parser = clap::value_parser!(sandman_provider_process::net::Cidr))]
+    pub egress_allow: Vec<sandman_provider_process::net::Cidr>,
+    /// Process provider, isolated: a resolver for sandboxes (their /etc/resolv.conf); repeatable.
+    /// Default: the host's own, less those on loopback.
+    #[arg(long = "dns", value_name = "ADDR")]
+    pub dns: Vec<std::net::Ipv4Addr>,
     /// Lease of a sandbox that asks for none, in seconds.
     #[arg(long, default_value_t = 600, value_parser = seconds(1, bounds::LEASE_S.max))]
     pub default_lease_s: u64,

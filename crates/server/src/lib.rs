@@ -100,9 +100,15 @@ pub async fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Re
             let isolation = if args.isolation == "none" { Isolation::None } else { Isolation::Full };
             // The server's own binary is nothing a sandbox should read, or find out where it is.
             let hide = std::env::current_exe().into_iter().collect();
-            let config = ProcessConfig { state_dir: state_dir.to_path_buf(), daemon_bin, daemon_args, isolation, hide };
+            let network = sandman_provider_process::net::NetConfig {
+                subnet: args.sandbox_subnet,
+                allow: args.egress_allow.clone(),
+                dns: (!args.dns.is_empty()).then(|| args.dns.clone()),
+            };
+            let config =
+                ProcessConfig { state_dir: state_dir.to_path_buf(), daemon_bin, daemon_args, isolation, hide, network };
             ProcessProvider::new(config)
-                .map(AnyProvider::Process)
+                .map(|p| AnyProvider::Process(Box::new(p)))
                 .map_err(|source| ServeError::Provider { name: "process".into(), source })
         }
         "docker" => {

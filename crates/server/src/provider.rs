@@ -13,7 +13,8 @@ use tokio::sync::mpsc;
 
 #[derive(Debug)]
 pub enum AnyProvider {
-    Process(ProcessProvider),
+    // Boxed, as the kube provider is: its configuration and host network make it the larger.
+    Process(Box<ProcessProvider>),
     Docker(DockerProvider),
     // Boxed: the kube client and its caches make it several times larger than the others.
     Kube(Box<KubeProvider>),

@@ -28,6 +28,7 @@ pub fn provider(state: &Path, isolation: Isolation) -> ProcessProvider {
         daemon_args: Vec::new(),
         isolation,
         hide: Vec::new(),
+        network: Default::default(),
     })
     .unwrap_or_else(|e| panic!("cannot make the provider: {e}"))
 }
