@@ -17,6 +17,8 @@ use tokio::sync::mpsc;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod fake;
+#[cfg(feature = "firewall")]
+pub mod firewall;
 pub mod identity;
 pub mod records;
 
