@@ -275,12 +275,14 @@ mod kernel_tests {
             "iifgroup 1393701974 ip daddr 10.9.0.0/16 accept",
             "iifgroup 1393701974 ip daddr 10.255.255.53 udp dport 53 accept",
             "iifgroup 1393701974 ip daddr 10.255.255.53 tcp dport 53 accept",
-            "iifgroup 1393701974 ip daddr 169.254.0.0/16 reject with icmpx admin-prohibited",
-            "iifgroup 1393701974 ip daddr 10.0.0.0/8 reject with icmpx admin-prohibited",
+            "iifgroup 1393701974 ip daddr 169.254.0.0/16 jump refuse",
+            "iifgroup 1393701974 ip daddr 10.0.0.0/8 jump refuse",
             "oifgroup 1393701974 ct state established,related accept",
             "oifgroup 1393701974 drop",
             "type filter hook input priority filter - 1; policy accept;",
-            "iifgroup 1393701974 reject with icmpx admin-prohibited",
+            "iifgroup 1393701974 jump refuse",
+            "meta l4proto tcp reject with tcp reset",
+            "reject with icmpx admin-prohibited",
             "type nat hook postrouting priority srcnat; policy accept;",
             "ip saddr 10.201.0.0/16 oifgroup != 1393701974 masquerade",
         ] {
@@ -288,8 +290,8 @@ mod kernel_tests {
         }
         // The allow rule and the resolvers' come before the refusals.
         let at = |s: &str| listed.find(s).unwrap_or(usize::MAX);
-        assert!(at("10.9.0.0/16 accept") < at("10.0.0.0/8 reject"), "{listed}");
-        assert!(at("udp dport 53 accept") < at("10.0.0.0/8 reject"), "{listed}");
+        assert!(at("10.9.0.0/16 accept") < at("10.0.0.0/8 jump"), "{listed}");
+        assert!(at("udp dport 53 accept") < at("10.0.0.0/8 jump"), "{listed}");
         // A second start replaces it whole: no rule twice, none of the first's left.
         let rules = Policy { allow: vec![], ..rules };
         ns.run(|| firewall::apply(&rules)).unwrap_or_else(|e| panic!("{e}"));

@@ -151,8 +151,11 @@ pub fn sweep(dir: &Path, owner: &Path) {
 /// nftables' verdicts, as the kernel numbers them (`NF_DROP`, `NF_ACCEPT`).
 const NF_DROP: u32 = 0;
 const NF_ACCEPT: u32 = 1;
-/// `nft_reject` with an ICMP(v6) code whatever the family: admin-prohibited.
+/// `nft_reject`: a TCP reset, or an ICMP(v6) code whatever the family (admin-prohibited).
+const NFT_REJECT_TCP_RST: u32 = 1;
 const NFT_REJECT_ICMPX_UNREACH: u32 = 2;
+/// The chain every refusal jumps to.
+const REFUSE: &str = "refuse";
 const NFT_REJECT_ICMPX_ADMIN_PROHIBITED: u8 = 3;
 const NFTA_REJECT_TYPE: u16 = 1;
 const NFTA_REJECT_ICMP_CODE: u16 = 2;
@@ -189,6 +192,13 @@ impl Policy {
         if self.masquerade.is_some() {
             chains.push(("postrouting", "nat", InetHookNumber::PostRouting, srcnat));
         }
+        // A regular chain every refusal jumps to.
+        out.push(msg(
+            NfTablesMessage::NewChain(ChainMessage {
+                attributes: vec![ChainAttribute::Table(table.clone()), ChainAttribute::Name(REFUSE.to_string())],
+            }),
+            NLM_F_CREATE,
+        ));
         for (name, kind, hook, priority) in chains {
             out.push(msg(
                 NfTablesMessage::NewChain(ChainMessage {
@@ -216,6 +226,13 @@ impl Policy {
             )
         };
         let (from_ours, to_ours) = (|| self.sandboxes.matches(true), || self.sandboxes.matches(false));
+        // refuse: a TCP connect is reset (its connect fails at once, whatever the rate); anything
+        // else gets admin-prohibited, which the kernel sends at a limited rate.
+        out.push(rule(
+            REFUSE,
+            [meta_eq(MetaKey::L4Proto, &[libc::IPPROTO_TCP as u8]), vec![reject(NFT_REJECT_TCP_RST, 0)]].concat(),
+        ));
+        out.push(rule(REFUSE, vec![reject(NFT_REJECT_ICMPX_UNREACH, NFT_REJECT_ICMPX_ADMIN_PROHIBITED)]));
         // forward: what a sandbox sends on.
         out.push(rule(
             "forward",
@@ -243,13 +260,13 @@ impl Policy {
         }
         for denied in DENIED {
             let net: Cidr = denied.parse().unwrap_or(Cidr { addr: Ipv4Addr::UNSPECIFIED, prefix: 0 });
-            out.push(rule("forward", [from_ours(), ipv4(), daddr_in(net), vec![reject()]].concat()));
+            out.push(rule("forward", [from_ours(), ipv4(), daddr_in(net), vec![jump(REFUSE)]].concat()));
         }
         // forward: what comes back to a sandbox, and nothing that starts a connection to it.
         out.push(rule("forward", [to_ours(), ct_established(), vec![verdict(NF_ACCEPT)]].concat()));
         out.push(rule("forward", [to_ours(), vec![verdict(NF_DROP)]].concat()));
         // input: nothing a sandbox sends reaches the host itself, on any address.
-        out.push(rule("input", [from_ours(), vec![reject()]].concat()));
+        out.push(rule("input", [from_ours(), vec![jump(REFUSE)]].concat()));
         // postrouting: out of the host under the host's address.
         if let Some(subnet) = self.masquerade {
             out.push(rule(
@@ -411,14 +428,25 @@ fn verdict(code: u32) -> ListAttribute<ExpressionAttribute> {
     .into()
 }
 
-fn reject() -> ListAttribute<ExpressionAttribute> {
+fn reject(kind: u32, code: u8) -> ListAttribute<ExpressionAttribute> {
     Expressions::Other {
         expression_type: "reject".to_string(),
         attributes: vec![
-            DefaultNla::new(NFTA_REJECT_TYPE, NFT_REJECT_ICMPX_UNREACH.to_be_bytes().to_vec()),
-            DefaultNla::new(NFTA_REJECT_ICMP_CODE, vec![NFT_REJECT_ICMPX_ADMIN_PROHIBITED]),
+            DefaultNla::new(NFTA_REJECT_TYPE, kind.to_be_bytes().to_vec()),
+            DefaultNla::new(NFTA_REJECT_ICMP_CODE, vec![code]),
         ],
     }
+    .into()
+}
+
+fn jump(chain: &str) -> ListAttribute<ExpressionAttribute> {
+    Expressions::Immediate(vec![
+        Immediate::DestinationRegister(Register::Verdict),
+        Immediate::Data(DataAttribute::Verdict(vec![
+            VerdictAttribute::Code(Verdict::Jump),
+            VerdictAttribute::Chain(chain.to_string()),
+        ])),
+    ])
     .into()
 }
 
@@ -513,7 +541,7 @@ mod tests {
         };
         let chains =
             |p: &Policy| p.messages().iter().filter(|m| format!("{:?}", m.payload).contains("NewChain")).count();
-        assert_eq!(chains(&policy(None)), 2);
-        assert_eq!(chains(&policy(Some("10.201.0.0/16".parse().unwrap_or_else(|e: String| panic!("{e}"))))), 3);
+        assert_eq!(chains(&policy(None)), 3);
+        assert_eq!(chains(&policy(Some("10.201.0.0/16".parse().unwrap_or_else(|e: String| panic!("{e}"))))), 4);
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod docker;
 pub mod http;
+pub mod internet;
 pub mod registry;
 pub mod standin;
 
