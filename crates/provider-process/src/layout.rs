@@ -119,8 +119,21 @@ impl SandboxDir {
         if let Some(dirs) = &extra.cgroups {
             self.write_cgroups(dirs)?;
         }
+        if let Some(image) = &extra.image {
+            let bytes = serde_json::to_vec_pretty(image).map_err(io::Error::other)?;
+            write_replacing(&self.image(), &bytes, 0o600)?;
+        }
         let record = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
         write_replacing(&self.record(), &record, 0o600)
+    }
+
+    /// The image the sandbox runs (`crate::image::SandboxImage` as JSON); absent for `host`.
+    pub fn image(&self) -> PathBuf {
+        self.root.join("image.json")
+    }
+
+    pub fn read_image(&self) -> Option<crate::image::SandboxImage> {
+        serde_json::from_slice(&std::fs::read(self.image()).ok()?).ok()
     }
 
     /// The sandbox's cgroup directories (`cgroup::Dirs` as JSON); absent without cgroups.
@@ -172,6 +185,8 @@ pub struct Extra {
     /// The first host id of its range, when isolated (and only then).
     pub ids: Option<u32>,
     pub cgroups: Option<Dirs>,
+    /// The image it runs, but for `host`.
+    pub image: Option<crate::image::SandboxImage>,
 }
 
 /// The id slots the sandboxes under `sandboxes` hold (their `ids` files), each with the sandbox's

@@ -14,9 +14,11 @@
 
 mod cgroup;
 mod ids;
+pub mod image;
 mod layout;
 pub mod net;
 mod procs;
+pub mod room;
 mod spawner;
 mod sys;
 mod template;
@@ -32,9 +34,10 @@ use std::time::Duration;
 
 use sandman_provider::records;
 use sandman_provider::{
-    Creating, EVENT_CAPACITY, Ended, Endpoint, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
+    Creating, EVENT_CAPACITY, Ended, Endpoint, NodeProgress, PROGRESS_CAPACITY, Prepared, Progress, Provider,
+    ProviderError, ProviderEvent, Record, SandboxSpec, report_progress,
 };
-use sandman_wire::server::{Applied, Network, Profile, Quantity, Reason};
+use sandman_wire::server::{Applied, ImageConfig, Network, Profile, Quantity, Reason, Resources};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -116,6 +119,22 @@ pub struct ProcessConfig {
     /// The sandboxes' networks: their addresses, what they may reach beyond what is refused by
     /// default, their resolvers ([`net`]). Isolated only.
     pub network: net::NetConfig,
+    /// What a create that names no `memory` or `disk` gets ([`Provider::defaults`]).
+    pub defaults: Resources,
+    /// Admission against the machine's memory ([`room`]); `None`: every create goes through.
+    pub capacity: Option<Capacity>,
+    /// The image store of task images (its root `<state_dir>/images`, its bound, registries);
+    /// isolated only: without isolation the provider runs only `host`.
+    pub images: Option<sandman_image::StoreConfig>,
+}
+
+/// How creates are admitted against the machine's memory.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Capacity {
+    /// The machine's memory times this is what sandboxes may reserve (their memory limits).
+    pub overcommit: f64,
+    /// How long a create may wait for memory before it fails `resource_exhausted`.
+    pub wait: Duration,
 }
 
 /// How a daemon is to be started: its arguments, its own environment, the commands' environment
@@ -162,6 +181,18 @@ pub struct ProcessProvider {
     ids: Option<ids::IdRanges>,
     /// The host's side of isolated sandboxes' networks; `None` without isolation.
     net: Option<net::HostNetwork>,
+    /// The machine's memory as sandboxes reserve it; `None` without admission.
+    room: Option<room::Room>,
+    /// Task images, the store opened at the first image asked for (a server that runs only
+    /// `host` never takes its lock); `None` without isolation (or a store): `host` only.
+    images: Option<image::LazyImages>,
+    /// The images of creates that have resolved theirs but not yet recorded it: a prune
+    /// spares them. Locked briefly, never across an await.
+    resolved: Mutex<HashMap<String, String>>,
+    /// Progress of creates that wait for memory, for the server; lossy.
+    progress_tx: mpsc::Sender<Progress>,
+    /// Handed to the server once.
+    progress_rx: Mutex<Option<mpsc::Receiver<Progress>>>,
     /// Daemons whose exit a watcher of this instance awaits, by sandbox id. Locked briefly, never
     /// across an await.
     watched: Mutex<HashMap<String, Watched>>,
@@ -203,6 +234,7 @@ impl ProcessProvider {
         let mut template = None;
         let mut ranges = None;
         let mut network = None;
+        let mut images = None;
         let cgroups = match config.isolation {
             Isolation::None => {
                 tracing::warn!(
@@ -245,6 +277,9 @@ impl ProcessProvider {
                     net::HostNetwork::setup(&config.network, &resolve(&config.state_dir), ids::SLOTS)
                         .map_err(|why| cannot(format!("cannot give sandboxes networks of their own: {why}")))?,
                 );
+                if let Some(store) = &config.images {
+                    images = Some(image::LazyImages::new(store.clone()));
+                }
                 template = Some(Mutex::new(made));
                 tracing::info!(state = %config.state_dir.display(), "process provider: every sandbox is isolated (user namespace, private root, cgroups)");
                 Some(own)
@@ -253,6 +288,14 @@ impl ProcessProvider {
         let spawner = spawner::Spawner::start()
             .map_err(|e| ProviderError::io("cannot start the thread that starts daemons (unshare(CLONE_FILES))", e))?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CAPACITY);
+        let (progress_tx, progress_rx) = mpsc::channel(PROGRESS_CAPACITY);
+        let room = match config.capacity {
+            Some(c) => Some(
+                room::Room::of_machine(c.overcommit)
+                    .map_err(|e| ProviderError::io("cannot read the machine's memory", e))?,
+            ),
+            None => None,
+        };
         Ok(ProcessProvider {
             template,
             spawner,
@@ -265,6 +308,11 @@ impl ProcessProvider {
             creating: Creating::default(),
             events_tx,
             events_rx: Mutex::new(Some(events_rx)),
+            room,
+            images,
+            resolved: Mutex::default(),
+            progress_tx,
+            progress_rx: Mutex::new(Some(progress_rx)),
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
         })
@@ -293,10 +341,13 @@ impl ProcessProvider {
     fn refuse(&self, spec: &SandboxSpec) -> Result<Option<Cgroups>, ProviderError> {
         check_id(&spec.id)?;
         if spec.image != HOST_IMAGE {
-            return Err(ProviderError::Unsupported(format!(
-                "image `{}` needs the docker or kubernetes provider; the process provider runs only `{HOST_IMAGE}`",
-                spec.image
-            )));
+            if self.images.is_none() {
+                return Err(ProviderError::Unsupported(format!(
+                    "image `{}` needs isolation (its layers are a sandbox's root in a user namespace of its own), and the process provider's isolation is off (--isolation none): it runs only `{HOST_IMAGE}`",
+                    spec.image
+                )));
+            }
+            image::Images::check(&spec.image)?;
         }
         if spec.profile == Profile::Eval {
             return self.refuse_eval(spec).map(Some);
@@ -366,7 +417,13 @@ impl ProcessProvider {
 
     /// Settles the daemon's command line and environments; touches nothing. `ids` is the host
     /// id of an isolated sandbox's root.
-    fn plan(&self, spec: &SandboxSpec, dir: &SandboxDir, slot: Option<u32>) -> Result<Plan, ProviderError> {
+    fn plan(
+        &self,
+        spec: &SandboxSpec,
+        dir: &SandboxDir,
+        slot: Option<u32>,
+        image: Option<&image::SandboxImage>,
+    ) -> Result<Plan, ProviderError> {
         let ids = slot.map(ids::base_of);
         let cgroups = self.refuse(spec)?;
         let socket = dir.socket();
@@ -386,8 +443,13 @@ impl ProcessProvider {
         listen.push(&socket);
         arg("--listen", listen);
         arg("--token-file", dir.token().into());
-        // Isolated, a path inside the sandbox, which shows nothing of the host's.
-        let workdir = if ids.is_some() { PathBuf::from(SANDBOX_HOME) } else { dir.work() };
+        // Isolated, a path inside the sandbox, which shows nothing of the host's: the image's, or
+        // for `host` the sandbox's own home.
+        let workdir = match (ids, image) {
+            (Some(_), Some(image)) => image.workdir(),
+            (Some(_), None) => PathBuf::from(SANDBOX_HOME),
+            (None, _) => dir.work(),
+        };
         arg("--workdir", workdir.into());
         arg("--exit-file", dir.exit_file().into());
         arg("--env-file", dir.env_file().into());
@@ -421,6 +483,9 @@ impl ProcessProvider {
             for hidden in self.hidden() {
                 arg("--isolate-hide", hidden.into());
             }
+            for lower in image.iter().flat_map(|i| i.lowerdirs()) {
+                arg("--isolate-lower", lower.into());
+            }
             // A network namespace of its own always; with a way out for `egress`.
             if let (Some(net), Some(slot), false) = (&self.net, slot, loopback_only(spec)) {
                 arg("--isolate-veth", net::HostNetwork::veth(slot).into());
@@ -433,8 +498,8 @@ impl ProcessProvider {
             args.push("--isolate".into());
             args.push("--isolate-net".into());
         }
-        let env = daemon_env(spec, dir, ids.is_some());
-        let commands_env = commands_env(spec)?;
+        let env = daemon_env(spec, dir, ids.is_some(), image);
+        let commands_env = commands_env(spec, image)?;
         Ok(Plan { args, env, commands_env, cgroups, ids })
     }
 
@@ -558,6 +623,42 @@ impl ProcessProvider {
         self.watched.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Waits for memory for `spec` (its `resources.memory`), when creates are admitted against
+    /// the machine's, telling the server where it waits; a create that can never fit, or waits
+    /// too long, fails `resource_exhausted`. Answers the reservation, which a failed create gives
+    /// back.
+    async fn admit<'a>(&'a self, spec: &'a SandboxSpec) -> Result<Option<Reserved<'a>>, ProviderError> {
+        let (Some(room), Some(capacity)) = (&self.room, &self.config.capacity) else { return Ok(None) };
+        let ask = bytes_of("memory", spec.resources.memory.as_ref())?.unwrap_or(0);
+        let deadline = tokio::time::Instant::now() + capacity.wait;
+        room.admit(&spec.id, ask, deadline, |w| {
+            tracing::info!(sandbox = %spec.id, "{w}");
+            report_progress(&self.progress_tx, &spec.id, w.to_string());
+        })
+        .await
+        .map_err(|e| ProviderError::Failed { reason: Reason::ResourceExhausted, message: e.to_string() })?;
+        Ok(Some(Reserved { room, id: &spec.id, kept: false }))
+    }
+
+    /// The image `spec` names, pulled or imported when the store has none; `None` for `host`.
+    /// After a pull, the store is pruned to its bound, sparing every image a sandbox runs or a
+    /// create under way has resolved.
+    async fn resolve_image(&self, spec: &SandboxSpec) -> Result<Option<image::SandboxImage>, ProviderError> {
+        let Some(images) = self.images.as_ref().filter(|_| spec.image != HOST_IMAGE) else { return Ok(None) };
+        let images = images.get().await?;
+        let (resolved, pulled) = images.resolve(&spec.id, &spec.image, &self.progress_tx).await?;
+        if pulled {
+            let (images, sandboxes) = (images.clone(), self.sandboxes.clone());
+            let creating: Vec<String> = {
+                let mut r = self.resolved.lock().unwrap_or_else(PoisonError::into_inner);
+                r.insert(spec.id.clone(), resolved.id.clone());
+                r.values().cloned().collect()
+            };
+            self.tasks.spawn_blocking(move || images.prune(&image::in_use(&sandboxes, &creating)));
+        }
+        Ok(Some(resolved))
+    }
+
     /// Gives back the id range whose root is `base` (a sandbox's `ids`).
     fn free_ids(&self, base: Option<u32>) {
         if let (Some(ranges), Some(slot)) = (&self.ids, base.and_then(ids::slot_of)) {
@@ -601,6 +702,47 @@ fn exhausted(err: &std::io::Error) -> Option<ProviderError> {
     })
 }
 
+/// A create's resolved image, spared by prunes until the create has recorded it (or failed).
+struct Resolved<'a> {
+    resolved: &'a Mutex<HashMap<String, String>>,
+    id: String,
+}
+
+impl<'a> Resolved<'a> {
+    fn new(resolved: &'a Mutex<HashMap<String, String>>, id: &str, image: &str) -> Self {
+        resolved.lock().unwrap_or_else(PoisonError::into_inner).insert(id.to_string(), image.to_string());
+        Resolved { resolved, id: id.to_string() }
+    }
+}
+
+impl Drop for Resolved<'_> {
+    fn drop(&mut self) {
+        self.resolved.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
+    }
+}
+
+/// A create's memory reservation: given back when the create fails (dropped), kept once it
+/// succeeds, until the sandbox's delete.
+struct Reserved<'a> {
+    room: &'a room::Room,
+    id: &'a str,
+    kept: bool,
+}
+
+impl Reserved<'_> {
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.room.release(self.id);
+        }
+    }
+}
+
 impl Drop for ProcessProvider {
     fn drop(&mut self) {
         // Watchers stop; the daemons run on until their lease or the next server's delete.
@@ -620,8 +762,47 @@ impl Provider for ProcessProvider {
         }
     }
 
+    fn defaults(&self) -> Resources {
+        self.config.defaults.clone()
+    }
+
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
         self.refuse(spec).map(|_| ())
+    }
+
+    fn progress(&self) -> Option<mpsc::Receiver<Progress>> {
+        self.progress_rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    async fn prepare(
+        &self,
+        image: &str,
+        progress: mpsc::UnboundedSender<NodeProgress>,
+    ) -> Result<Prepared, ProviderError> {
+        match self.images.as_ref().filter(|_| image != HOST_IMAGE) {
+            Some(images) => images.get().await?.prepare(image, progress).await?,
+            None => {
+                let _ = progress.send(NodeProgress {
+                    node: "localhost".into(),
+                    state: sandman_provider::NodeState::Ready,
+                    message: format!("`{image}` is this host's own root"),
+                    nodes_total: 1,
+                });
+            }
+        }
+        Ok(Prepared { nodes_ready: 1, nodes_total: 1 })
+    }
+
+    /// The image's configuration, as the sandbox's directory recorded it; none for `host`.
+    async fn image_config(&self, id: &str) -> Result<Option<ImageConfig>, ProviderError> {
+        if check_id(id).is_err() {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        let dir = SandboxDir::new(&self.sandboxes, id);
+        let image = tokio::task::spawn_blocking(move || dir.read_image())
+            .await
+            .map_err(|e| ProviderError::io("cannot read a sandbox's image", std::io::Error::other(e)))?;
+        Ok(image.map(|i| i.config))
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Endpoint, ProviderError> {
@@ -629,11 +810,14 @@ impl Provider for ProcessProvider {
         // Everything refusable is refused before anything is made.
         self.refuse(spec)?;
         let _creating = self.creating.start(&spec.id)?;
+        let reserved = self.admit(spec).await?;
+        let image = self.resolve_image(spec).await?;
+        let _resolved = image.as_ref().map(|i| Resolved::new(&self.resolved, &spec.id, &i.id));
         let slot = match &self.ids {
             Some(ranges) => Some(ranges.take(&spec.id)?),
             None => None,
         };
-        let plan = self.plan(spec, &dir, slot.as_ref().map(|s| s.slot))?;
+        let plan = self.plan(spec, &dir, slot.as_ref().map(|s| s.slot), image.as_ref())?;
         // Write-ahead: the record, the id range and the cgroups' names are on disk before the
         // cgroups and the daemon exist, so that a server killed at any moment leaves nothing a
         // restarted one cannot find (`list`) and remove.
@@ -643,6 +827,7 @@ impl Provider for ProcessProvider {
                 commands_env: plan.commands_env.clone(),
                 ids: plan.ids,
                 cgroups: plan.cgroups.as_ref().map(|c| c.dirs.clone()),
+                image: image.clone(),
             };
             tokio::task::spawn_blocking(move || dir.prepare(&spec, &extra)).await
         };
@@ -679,6 +864,9 @@ impl Provider for ProcessProvider {
         }
         if let Some(slot) = slot {
             slot.keep();
+        }
+        if let Some(reserved) = reserved {
+            reserved.keep();
         }
         Ok(Endpoint::Unix(dir.socket()))
     }
@@ -749,6 +937,9 @@ impl Provider for ProcessProvider {
             return Err(ProviderError::Backend(format!("sandbox `{id}`: cannot remove `{}`", dir.root.display())));
         }
         self.free_ids(ids);
+        if let Some(room) = &self.room {
+            room.release(id);
+        }
         Ok(())
     }
 
@@ -772,6 +963,14 @@ impl Provider for ProcessProvider {
             }
         }
         let mut records = Vec::with_capacity(scanned.found.len());
+        if let Some(room) = &self.room {
+            // What a restarted server finds holds its memory until it is deleted; a create under
+            // way holds its own already.
+            for (record, _) in scanned.found.iter().filter(|(r, _)| !self.creating.contains(&r.spec.id)) {
+                let bytes = bytes_of("memory", record.spec.resources.memory.as_ref()).ok().flatten().unwrap_or(0);
+                room.hold(&record.spec.id, bytes);
+            }
+        }
         for (mut record, running) in scanned.found {
             let Some(daemon) = running else {
                 records.push(record);
@@ -818,7 +1017,8 @@ fn applied_of(dir: &SandboxDir, id: &str, isolation: Isolation) -> Result<Applie
     let isolated = isolation == Isolation::Full;
     // Isolated, a sandbox has a network of its own: loopback only, or a way out.
     let loopback = isolated && loopback_only(&spec);
-    let env = daemon_env(&spec, dir, isolated);
+    let image = dir.read_image();
+    let env = daemon_env(&spec, dir, isolated, image.as_ref());
     let var = |k: &str| env.get(std::ffi::OsStr::new(k)).map(|v| v.to_string_lossy().into_owned());
     let rlimits = rlimits_of(&spec, isolation)?;
     let details = BTreeMap::from([
@@ -834,7 +1034,7 @@ fn applied_of(dir: &SandboxDir, id: &str, isolation: Isolation) -> Result<Applie
         ),
     ]);
     Ok(Applied {
-        image: Some(HOST_IMAGE.to_string()),
+        image: Some(image.map_or_else(|| HOST_IMAGE.to_string(), |i| format!("{}@{}", i.reference, i.id))),
         cpu: limits.cpu,
         memory: limits.memory,
         swap: limits.swap,
@@ -872,17 +1072,28 @@ fn rlimits_of(spec: &SandboxSpec, isolation: Isolation) -> Result<Rlimits, Provi
 /// request's (which goes to the commands through `env.json`, so that nothing a caller sends,
 /// `LD_PRELOAD` say, reaches the daemon). Eval takes nothing from the host (not even `PATH`)
 /// and fixes [`EVAL_ENV`].
-fn daemon_env(spec: &SandboxSpec, dir: &SandboxDir, isolated: bool) -> BTreeMap<OsString, OsString> {
+fn daemon_env(
+    spec: &SandboxSpec,
+    dir: &SandboxDir,
+    isolated: bool,
+    image: Option<&image::SandboxImage>,
+) -> BTreeMap<OsString, OsString> {
     let eval = spec.profile == Profile::Eval;
     let mut env: BTreeMap<OsString, OsString> = BTreeMap::new();
     // An isolated sandbox takes no path of the host's (the server's PATH names its own places).
     let host_path = std::env::var_os("PATH").filter(|_| !eval && !isolated);
     env.insert("PATH".into(), host_path.unwrap_or_else(|| DEFAULT_PATH.into()));
-    env.insert("LANG".into(), "C.UTF-8".into());
+    if image.is_none() {
+        env.insert("LANG".into(), "C.UTF-8".into());
+    }
     if eval {
         env.extend(EVAL_ENV.iter().map(|(k, v)| (k.into(), v.into())));
     }
-    if isolated {
+    if image.is_some() {
+        // As Docker runs an image: root's home, unless the image's own environment (which the
+        // commands get over this) says otherwise.
+        env.insert("HOME".into(), "/root".into());
+    } else if isolated {
         env.insert("HOME".into(), SANDBOX_HOME.into());
     } else {
         env.insert("HOME".into(), dir.work().into());
@@ -892,10 +1103,19 @@ fn daemon_env(spec: &SandboxSpec, dir: &SandboxDir, isolated: bool) -> BTreeMap<
     env
 }
 
-/// The request's environment for the commands, checked; `SANDMAN_*` left out (the daemon hides
-/// them from commands anyway).
-fn commands_env(spec: &SandboxSpec) -> Result<BTreeMap<String, String>, ProviderError> {
+/// The commands' environment: the image's (`ENV`), then the request's over it, checked;
+/// `SANDMAN_*` left out (the daemon hides them from commands anyway). Neither ever becomes the
+/// daemon's own.
+fn commands_env(
+    spec: &SandboxSpec,
+    image: Option<&image::SandboxImage>,
+) -> Result<BTreeMap<String, String>, ProviderError> {
     let mut env = BTreeMap::new();
+    for (k, v) in image.iter().flat_map(|i| &i.config.env) {
+        if !k.is_empty() && !k.contains('=') && !k.contains('\0') && !v.contains('\0') && !k.starts_with("SANDMAN_") {
+            env.insert(k.clone(), v.clone());
+        }
+    }
     for (k, v) in &spec.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(ProviderError::Unsupported(format!("invalid environment variable `{k}`")));
@@ -1135,15 +1355,15 @@ mod tests {
     fn eval_fixes_the_environment_and_takes_no_path_from_the_host() {
         let dir = SandboxDir::new(Path::new("/var/lib/sandman/sandboxes"), "e1");
         let mut spec = sandman_provider::conformance::spec("e1", HOST_IMAGE);
-        let plain = daemon_env(&spec, &dir, false);
+        let plain = daemon_env(&spec, &dir, false, None);
         assert_eq!(plain.get(std::ffi::OsStr::new("PATH")), std::env::var_os("PATH").as_ref());
         assert!(!plain.contains_key(std::ffi::OsStr::new("TZ")) && !plain.contains_key(std::ffi::OsStr::new("LC_ALL")));
         // Isolated, nothing of the host's paths: neither the server's PATH nor its state directory.
-        let isolated = daemon_env(&spec, &dir, true);
+        let isolated = daemon_env(&spec, &dir, true, None);
         let get = |k: &str| isolated.get(std::ffi::OsStr::new(k)).and_then(|v| v.to_str());
         assert_eq!((get("PATH"), get("HOME"), get("TMPDIR")), (Some(DEFAULT_PATH), Some(SANDBOX_HOME), None));
         spec.profile = Profile::Eval;
-        let eval = daemon_env(&spec, &dir, true);
+        let eval = daemon_env(&spec, &dir, true, None);
         let get = |k: &str| eval.get(std::ffi::OsStr::new(k)).and_then(|v| v.to_str());
         assert_eq!(get("PATH"), Some(DEFAULT_PATH));
         for (k, v) in EVAL_ENV {
@@ -1158,15 +1378,15 @@ mod tests {
         let mut spec = sandman_provider::conformance::spec("e2", HOST_IMAGE);
         spec.env.insert("LD_PRELOAD".into(), "/tmp/evil.so".into());
         spec.env.insert("SANDMAN_TOKEN".into(), "hijack".into());
-        let daemon = daemon_env(&spec, &dir, true);
+        let daemon = daemon_env(&spec, &dir, true, None);
         assert!(!daemon.contains_key(std::ffi::OsStr::new("LD_PRELOAD")), "{daemon:?}");
         assert!(!daemon.contains_key(std::ffi::OsStr::new("CONFORMANCE")), "{daemon:?}");
-        let commands = commands_env(&spec).unwrap_or_else(|e| panic!("{e}"));
+        let commands = commands_env(&spec, None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(commands.get("LD_PRELOAD").map(String::as_str), Some("/tmp/evil.so"));
         assert_eq!(commands.get("CONFORMANCE").map(String::as_str), Some("yes"));
         assert!(!commands.contains_key("SANDMAN_TOKEN"));
         spec.env.insert("A=B".into(), "x".into());
-        assert!(commands_env(&spec).is_err());
+        assert!(commands_env(&spec, None).is_err());
     }
 
     #[test]

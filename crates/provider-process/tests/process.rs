@@ -332,6 +332,9 @@ async fn a_daemon_that_cannot_start_is_reported_with_its_last_words() {
         isolation: Isolation::None,
         hide: Vec::new(),
         network: Default::default(),
+        defaults: Default::default(),
+        capacity: None,
+        images: Some(sandman_image::StoreConfig::new(state.path().join("images"))),
     })
     .unwrap();
     let mut events = p.events().unwrap();

@@ -255,6 +255,14 @@ pub trait Provider: Send + Sync {
         Isolation::None
     }
 
+    /// The resources a create that names none gets (`memory`, `disk`): the server fills them
+    /// into the spec before [`Provider::check`], so that they are bounds the sandbox's info and
+    /// conditions record show. An `eval` create's memory is never filled: eval fixes what it
+    /// asks. The default fills nothing.
+    fn defaults(&self) -> Resources {
+        Resources::default()
+    }
+
     /// Refuses at once, creating nothing, a spec this provider cannot honour (an image it cannot
     /// run, a network mode it cannot give). `create` may still fail later for reasons found only
     /// by trying.

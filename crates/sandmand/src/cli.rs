@@ -103,6 +103,10 @@ struct Args {
     /// its changes to the root, /tmp, /run, /var/tmp, /dev/shm and its working directory).
     #[arg(long, requires = "isolate", value_name = "BYTES")]
     isolate_layer_bytes: Option<u64>,
+    /// With --isolate: an image's layer, unpacked on the host, as a lower layer of the sandbox's
+    /// root instead of the host's root; repeatable, top first (as overlayfs's lowerdir).
+    #[arg(long = "isolate-lower", requires = "isolate", value_name = "DIR")]
+    isolate_lower: Vec<PathBuf>,
     /// With --isolate: a host path the sandbox must not see (whited out); repeatable.
     #[arg(long = "isolate-hide", requires = "isolate", value_name = "PATH")]
     isolate_hide: Vec<PathBuf>,
@@ -364,6 +368,7 @@ fn isolation_of(args: &Args) -> Isolation {
         layer_bytes: args.isolate_layer_bytes,
         hide: args.isolate_hide.clone(),
         workdir: args.workdir.clone(),
+        lower: args.isolate_lower.clone(),
         template: args.isolate_template.clone(),
     }
 }

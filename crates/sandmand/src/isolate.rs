@@ -17,7 +17,7 @@
 
 use std::io::{PipeReader, PipeWriter, Read, Write};
 use std::net::Ipv4Addr;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -76,9 +76,14 @@ pub struct Isolation {
     /// so they are simply not there (no mount shows where they were). The state directory, the
     /// daemon's and the server's binaries.
     pub hide: Vec<PathBuf>,
-    /// The sandbox's working directory, a path inside it (the daemon's `--workdir`): made fresh
-    /// and empty in its writable layer, owned by its root, whatever the lower layer has there.
+    /// The sandbox's working directory, a path inside it (the daemon's `--workdir`). Over the
+    /// host's root: made fresh and empty in its writable layer, owned by its root, whatever the
+    /// host has there. Over an image: the image's, made (root's) when the image has none.
     pub workdir: Option<PathBuf>,
+    /// An image's layers (`--isolate-lower`, top first), each a directory unpacked once on the
+    /// host and mounted idmapped: their files' owners are the sandbox's ids, whatever its range.
+    /// Empty: the host's root file system is the lower layer (the `host` image).
+    pub lower: Vec<PathBuf>,
     /// A mount namespace made by [`make_template`] (`--isolate-template`, its `/proc/<pid>/ns/mnt`):
     /// the sandbox's namespace is a copy of it, and the switch to its root costs the same however
     /// many processes the machine runs. `None`: a copy of the host's, and `pivot_root`.
@@ -312,7 +317,7 @@ fn become_init(
         }
         _ => Path::new("/"),
     };
-    let merged = assemble(iso, host)?;
+    let merged = assemble(iso, host, userns.as_fd())?;
     if iso.net {
         sys::loopback_up().map_err(IsolateError::Loopback)?;
     }
@@ -375,9 +380,10 @@ fn give_veth(e: &Egress, mut host_net: netlink::Netlink) -> Result<(), IsolateEr
 }
 
 /// Builds the sandbox's root under `iso.root` and answers where it is: a tmpfs holding the
-/// writable layer, an overlay of it over the host's root, and the sandbox's own mounts in it.
+/// writable layer, an overlay of it over the host's root or the image's layers (mounted
+/// idmapped through `userns`, the sandbox's user namespace), and the sandbox's own mounts in it.
 /// `host` is where this mount namespace shows the host's tree (`/`, or [`TEMPLATE_HOST`]).
-fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
+fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<PathBuf, IsolateError> {
     let on_host = |p: &Path| host.join(p.strip_prefix("/").unwrap_or(p));
     let mount = |what, source: Option<&Path>, target: &Path, fstype: Option<&str>, flags, data: Option<&str>| {
         ns::mount(source, target, fstype, flags, data).map_err(|source| IsolateError::Mount {
@@ -408,24 +414,54 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
         prep("make the layer's directories", dir, std::fs::create_dir(dir))?;
     }
     prep("own the writable layer", &upper, ns::lchown(&upper, iso.ids, iso.ids))?;
-    for path in &iso.hide {
-        white_out(&upper, host, path)?;
-    }
-    if let Some(egress) = iso.egress.as_ref().filter(|_| iso.net) {
-        own_file(&upper, host, Path::new("/etc/resolv.conf"), iso.ids, &resolv_conf(&egress.dns))?;
+    let image = !iso.lower.is_empty();
+    if !image {
+        // An image has nothing of the host's to hide.
+        for path in &iso.hide {
+            white_out(&upper, host, path)?;
+        }
     }
     // Relative to `root`, so that no path needs escaping in the options, and none of the host's
     // shows in the sandbox's mountinfo.
     prep("enter the layer", root, std::env::set_current_dir(root))?;
+    let lowerdir = if image {
+        let layers = root.join("l");
+        prep("make the layers' mount points", &layers, std::fs::create_dir(&layers))?;
+        for (i, layer) in iso.lower.iter().enumerate() {
+            let point = layers.join(i.to_string());
+            prep("make a layer's mount point", &point, std::fs::create_dir(&point))?;
+            ns::mount_idmapped(&on_host(layer), &point, userns).map_err(|source| IsolateError::Mount {
+                what: "mount an image's layer idmapped",
+                path: layer.clone(),
+                source,
+            })?;
+        }
+        (0..iso.lower.len()).map(|i| format!("l/{i}")).collect::<Vec<_>>().join(":")
+    } else {
+        host.display().to_string()
+    };
     mount(
-        "overlay the host's root",
+        if image { "overlay the image's layers" } else { "overlay the host's root" },
         Some(Path::new("overlay")),
         &merged,
         Some("overlay"),
         0,
-        Some(&format!("lowerdir={},upperdir=upper,workdir=work", host.display())),
+        Some(&format!("lowerdir={lowerdir},upperdir=upper,workdir=work")),
     )?;
     let at = |p: &str| merged.join(p.trim_start_matches('/'));
+    if let Some(egress) = iso.egress.as_ref().filter(|_| iso.net) {
+        own_file(&merged, Path::new("/etc/resolv.conf"), iso.ids, &resolv_conf(&egress.dns))?;
+    }
+    if image {
+        // What an image may lack that every sandbox has: the mount points of its own file
+        // systems, and a hosts file for `localhost`.
+        for point in ["/proc", "/sys", "/dev", "/tmp"] {
+            own_path(&merged, Path::new(point), 0, 0o755)?;
+        }
+        if !at("/etc/hosts").exists() {
+            own_file(&merged, Path::new("/etc/hosts"), iso.ids, HOSTS)?;
+        }
+    }
 
     // Every directory of the sandbox's own is a directory of the layer, bind-mounted: one tmpfs
     // per sandbox, because each superblock is one more the kernel's reclaim walks (every
@@ -452,15 +488,22 @@ fn assemble(iso: &Isolation, host: &Path) -> Result<PathBuf, IsolateError> {
         }
         bind_own(what, &own_dir(name, iso.ids, mode)?, &target)
     };
-    // Sockets and state of the host's services live in /run and /var/tmp, and the host's files
-    // in /tmp: the sandbox gets empty ones of its own.
-    own_at("give the sandbox a /tmp", "tmp", 0o1777, Path::new("/tmp"))?;
-    own_at("give the sandbox an empty /run", "run", 0o755, Path::new("/run"))?;
-    if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
-        own_at("give the sandbox an empty /var/tmp", "var-tmp", 0o1777, Path::new("/var/tmp"))?;
-    }
-    if let Some(workdir) = &iso.workdir {
-        own_at("give the sandbox its working directory", "home", 0o755, workdir)?;
+    if image {
+        // The image's own /tmp, /run and working directory, as a container of it has them.
+        if let Some(workdir) = &iso.workdir {
+            own_path(&merged, workdir, iso.ids, 0o755)?;
+        }
+    } else {
+        // Sockets and state of the host's services live in /run and /var/tmp, and the host's
+        // files in /tmp: the sandbox gets empty ones of its own.
+        own_at("give the sandbox a /tmp", "tmp", 0o1777, Path::new("/tmp"))?;
+        own_at("give the sandbox an empty /run", "run", 0o755, Path::new("/run"))?;
+        if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
+            own_at("give the sandbox an empty /var/tmp", "var-tmp", 0o1777, Path::new("/var/tmp"))?;
+        }
+        if let Some(workdir) = &iso.workdir {
+            own_at("give the sandbox its working directory", "home", 0o755, workdir)?;
+        }
     }
     // A bind remount changes the flags of that one mount.
     let read_only = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
@@ -522,17 +565,40 @@ fn white_out(upper: &Path, host: &Path, path: &Path) -> Result<(), IsolateError>
     })
 }
 
-/// Writes a file of the sandbox's own at `inside` (its `/etc/resolv.conf`, say) into the
-/// writable layer `upper`, owned by its root: it takes the place of whatever the lower layer has
-/// there, a symbolic link included.
-fn own_file(upper: &Path, host: &Path, inside: &Path, ids: u32, text: &str) -> Result<(), IsolateError> {
-    let rel = inside.strip_prefix("/").unwrap_or(inside);
-    upper_parents(upper, host, rel)?;
-    let target = upper.join(rel);
+/// Writes a file of the sandbox's own at `inside` (its `/etc/resolv.conf`, say) through its
+/// merged root, so into its writable layer, owned by its root (`ids`): it takes the place of
+/// whatever the lower layer has there, a symbolic link included.
+fn own_file(merged: &Path, inside: &Path, ids: u32, text: &str) -> Result<(), IsolateError> {
+    let target = merged.join(inside.strip_prefix("/").unwrap_or(inside));
     let fail = |source| IsolateError::Mount { what: "write a file of the sandbox's own", path: target.clone(), source };
+    if let Some(parent) = inside.parent() {
+        own_path(merged, parent, 0, 0o755)?;
+    }
+    if target.symlink_metadata().is_ok_and(|m| !m.is_file()) {
+        std::fs::remove_file(&target).map_err(fail)?;
+    }
     std::fs::write(&target, text).map_err(fail)?;
     ns::lchown(&target, ids, ids).map_err(fail)?;
     std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).map_err(fail)
+}
+
+/// Makes the directory `inside` of the merged root (and what is missing above it), each made
+/// owned by `uid` (host ids: the sandbox's root is `ids`, and the host's root shows as nobody)
+/// with `mode`. One there already is left as it is.
+fn own_path(merged: &Path, inside: &Path, uid: u32, mode: u32) -> Result<(), IsolateError> {
+    let mut at = merged.to_path_buf();
+    for part in inside.strip_prefix("/").unwrap_or(inside).components() {
+        at.push(part);
+        if at.symlink_metadata().is_ok() {
+            continue;
+        }
+        let fail =
+            |source| IsolateError::Mount { what: "make a directory of the sandbox's root", path: at.clone(), source };
+        std::fs::create_dir(&at).map_err(fail)?;
+        ns::lchown(&at, uid, uid).map_err(fail)?;
+        std::fs::set_permissions(&at, std::fs::Permissions::from_mode(mode)).map_err(fail)?;
+    }
+    Ok(())
 }
 
 /// Makes the directories above `rel` in the writable layer `upper`, each with the owner and mode
@@ -570,6 +636,9 @@ fn upper_parents(upper: &Path, host: &Path, rel: &Path) -> Result<(), IsolateErr
     }
     Ok(())
 }
+
+/// The `/etc/hosts` of an image that has none.
+const HOSTS: &str = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
 
 /// A sandbox's `/etc/resolv.conf`: its resolvers (none: every lookup fails at once), tried for at
 /// most two seconds each.

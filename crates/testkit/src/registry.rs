@@ -581,11 +581,18 @@ impl TestImage {
     }
 
     pub fn for_arch(layers: Vec<Blob>, architecture: &str) -> TestImage {
+        let run = json!({"User": "1000:1000", "WorkingDir": "/work", "Env": ["LANG=C.UTF-8", "PATH=/usr/bin:/bin"], "Cmd": ["sh"]});
+        TestImage::with_config(layers, architecture, run)
+    }
+
+    /// An image of `layers` whose config's `config` (how to run it: `User`, `Env`,
+    /// `WorkingDir`, `Entrypoint`, `Cmd`) is `run`.
+    pub fn with_config(layers: Vec<Blob>, architecture: &str, run: serde_json::Value) -> TestImage {
         let diff_ids: Vec<&str> = layers.iter().map(|l| l.diff_id.as_str()).collect();
         let config = json!({
             "architecture": architecture,
             "os": "linux",
-            "config": {"User": "1000:1000", "WorkingDir": "/work", "Env": ["LANG=C.UTF-8", "PATH=/usr/bin:/bin"], "Cmd": ["sh"]},
+            "config": run,
             "rootfs": {"type": "layers", "diff_ids": diff_ids},
         });
         let config = serde_json::to_vec(&config).unwrap_or_else(|e| panic!("{e}"));
@@ -654,6 +661,34 @@ impl TestImage {
 }
 
 /// This machine's architecture as OCI names it.
+/// A layer holding a root file system of busybox's applets: this machine's `busybox` (which
+/// must be static: Debian's busybox-static) at `/bin/busybox`, a link to it for each applet,
+/// `/etc/passwd` and `/etc/group` naming root and `user` (1000), and the directories a root
+/// has. The bottom of a runnable test image.
+pub fn busybox_layer() -> Blob {
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).is_file())
+        .unwrap_or_else(|| panic!("no busybox: apt-get install busybox-static (./scripts/test does)"));
+    let bytes = std::fs::read(busybox).unwrap_or_else(|e| panic!("{e}"));
+    let listed = Command::new(busybox).arg("--list-full").output().unwrap_or_else(|e| panic!("{e}"));
+    let mut layer = LayerBuilder::new();
+    for dir in
+        ["bin", "sbin", "usr", "usr/bin", "usr/sbin", "etc", "root", "home", "home/user", "proc", "sys", "dev", "run"]
+    {
+        layer = layer.dir(dir);
+    }
+    layer = layer.file_with("tmp/.keep", b"", 0o644, 0, 0).file_with("bin/busybox", &bytes, 0o755, 0, 0);
+    for applet in String::from_utf8_lossy(&listed.stdout).lines().filter(|a| *a != "bin/busybox") {
+        layer = layer.symlink(applet, "/bin/busybox");
+    }
+    layer
+        .file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n")
+        .file("etc/group", b"root:x:0:\nuser:x:1000:\n")
+        .file_with("home/user/.profile", b"", 0o644, 1000, 1000)
+        .build(Compression::Gzip)
+}
+
 pub fn host_arch() -> &'static str {
     match std::env::consts::ARCH {
         "x86_64" => "amd64",

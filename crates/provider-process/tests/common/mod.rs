@@ -29,6 +29,9 @@ pub fn provider(state: &Path, isolation: Isolation) -> ProcessProvider {
         isolation,
         hide: Vec::new(),
         network: Default::default(),
+        defaults: Default::default(),
+        capacity: None,
+        images: Some(sandman_image::StoreConfig::new(state.join("images"))),
     })
     .unwrap_or_else(|e| panic!("cannot make the provider: {e}"))
 }

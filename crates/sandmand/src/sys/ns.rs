@@ -254,6 +254,75 @@ pub fn overwrite_cmdline(name: &str) -> io::Result<()> {
     mem.write_all(&line)
 }
 
+/// Mounts a copy of the directory `source` at `target`, read-only, its files' owners and groups
+/// seen through the user namespace `userns` (an idmapped mount: a file the host's uid 0 owns is
+/// the namespace's root's). One directory on disk so serves every sandbox, whatever its ids.
+pub fn mount_idmapped(source: &Path, target: &Path, userns: BorrowedFd<'_>) -> io::Result<()> {
+    // From the kernel's uapi (linux/mount.h).
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    let (source, target) = (c_path(source)?, c_path(target)?);
+    let empty = c_str("")?;
+    // SAFETY: `source` is a live NUL-terminated string; the flags are integers.
+    let tree = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            source.as_ptr(),
+            (OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint) as libc::c_ulong,
+        )
+    };
+    if tree < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `open_tree` just returned this descriptor, owned by nothing else.
+    let tree = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(tree as libc::c_int) };
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    // SAFETY: the pointers are to a live empty string and a live `mount_attr` whose size is
+    // passed with it.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &raw const attr,
+            size_of::<MountAttr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the pointers are to live NUL-terminated strings; the descriptor is open.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
 pub const MS_RDONLY: libc::c_ulong = libc::MS_RDONLY;
 pub const MS_MOVE: libc::c_ulong = libc::MS_MOVE;
 pub const MS_NOSUID: libc::c_ulong = libc::MS_NOSUID;
