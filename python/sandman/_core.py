@@ -71,13 +71,32 @@ def default_token_file() -> Path:
     return default_state_dir() / "token"
 
 
+SOCKET_FILE = "sandman.sock"
+
+
 def resolve_url(url: Optional[str]) -> str:
-    """`url`, else `$SANDMAN_URL`, else `http://127.0.0.1:7777`; without a trailing slash."""
-    url = url or os.environ.get("SANDMAN_URL") or DEFAULT_URL
+    """`url`, else `$SANDMAN_URL`, else the server's Unix socket in its state directory when there
+    is one (`unix:<state dir>/sandman.sock`: only the server's user may enter that directory, so
+    nobody else can stand in for the server there), else `http://127.0.0.1:7777`; without a
+    trailing slash."""
+    url = url or os.environ.get("SANDMAN_URL")
+    if not url:
+        socket = default_state_dir() / SOCKET_FILE
+        url = f"unix:{socket}" if socket.is_socket() else DEFAULT_URL
     url = url.strip().rstrip("/")
+    if url.startswith("unix:/"):
+        return url
     if not url.startswith(("http://", "https://")):
-        raise errors.InvalidArgument(f"server URL `{url}` must start with http:// or https://")
+        raise errors.InvalidArgument(f"server URL `{url}` must start with http://, https:// or unix:/")
     return url
+
+
+def split_url(url: str) -> Tuple[str, Optional[str]]:
+    """The base URL requests go to, and the Unix socket they go through (for a `unix:` URL: any
+    host will do, the socket is the server)."""
+    if url.startswith("unix:"):
+        return "http://sandman", url[len("unix:") :]
+    return url, None
 
 
 def resolve_token(token: Optional[str]) -> str:

@@ -31,6 +31,29 @@ def test_url_from_argument_then_env_then_default(clean_env: pytest.MonkeyPatch) 
         resolve_url("ftp://x")
 
 
+async def test_without_a_url_the_clients_find_a_local_server_on_its_socket(
+    clean_env: pytest.MonkeyPatch, server: Server
+) -> None:
+    # Regression (issue 29): a client sent its token to whatever listened on the server's TCP
+    # address. The socket is in the state directory, where only the server's user can make one.
+    clean_env.setenv("SANDMAN_STATE_DIR", str(server.state))
+    clean_env.setenv("SANDMAN_TOKEN", server.token)
+    socket = server.state / "sandman.sock"
+    assert resolve_url(None) == f"unix:{socket}"
+    with Sandman() as c:
+        assert c.url == f"unix:{socket}" and c.health().status == "ok"
+        with c.create("host", lease=60) as sb:
+            assert sb.exec("echo through the socket").stdout == "through the socket\n"
+    async with AsyncSandman() as a:
+        assert (await a.health()).status == "ok"
+    # A URL given wins, and no socket leaves the TCP default.
+    clean_env.setenv("SANDMAN_URL", server.url)
+    assert resolve_url(None) == server.url
+    clean_env.delenv("SANDMAN_URL")
+    clean_env.setenv("SANDMAN_STATE_DIR", str(server.state / "nowhere"))
+    assert resolve_url(None) == "http://127.0.0.1:7777"
+
+
 def test_token_from_argument_then_env_then_state_dir(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     home_state = tmp_path / "home" / ".local" / "state" / "sandman"
     assert default_state_dir() == home_state

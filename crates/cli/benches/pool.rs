@@ -103,7 +103,10 @@ async fn claims(rate: &str, burst: &str) {
     let state = dir.path().join("state");
     let daemon = sandman_testkit::static_daemon_built();
     let daemon_arg = daemon.as_ref().map(|d| d.display().to_string()).unwrap_or_default();
-    let mut args = vec!["--create-rate", rate, "--create-burst", burst, "--default-lease-s", "3600"];
+    // Hundreds of sandboxes held, each with the default memory limit: not what the machine's
+    // memory admits, which this does not measure.
+    let mut args =
+        vec!["--create-rate", rate, "--create-burst", burst, "--default-lease-s", "3600", "--memory-overcommit", "0"];
     if daemon.is_some() {
         args.extend(["--daemon", daemon_arg.as_str()]);
     }

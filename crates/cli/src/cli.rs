@@ -17,7 +17,8 @@ pub struct Cli {
 /// token is its own); the environment is read only when these are absent.
 #[derive(Debug, Args)]
 pub struct Connection {
-    /// The server's URL [default: $SANDMAN_URL, else http://127.0.0.1:7777]
+    /// The server's URL, `http://host:port` or `unix:/path` [default: $SANDMAN_URL, else the Unix
+    /// socket in the server's state directory when there is one, else http://127.0.0.1:7777]
     #[arg(long, value_name = "URL")]
     pub url: Option<String>,
     /// The server's token [default: $SANDMAN_TOKEN, else the token file in the server's state

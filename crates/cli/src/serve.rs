@@ -19,6 +19,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let provider = args.provider.clone();
     runtime.block_on(sandman_server::run(args, sandman_server::shutdown_signal(), |started| {
         eprintln!("sandman serving on http://{} (provider {provider}, state {})", started.listen, state_dir.display());
+        if let Some(socket) = &started.socket {
+            eprintln!("and on unix:{} (where the CLI on this machine looks first)", socket.display());
+        }
         match &started.token {
             TokenSource::Env => eprintln!("token: from SANDMAN_TOKEN"),
             TokenSource::File(p) => eprintln!("token: {} (the CLI reads it from there)", p.display()),

@@ -50,6 +50,109 @@ fn message(v: &Value) -> String {
     v["message"].as_str().unwrap_or_default().to_string()
 }
 
+/// Regression (issue 29): nothing bounded a default create's memory: a sandbox held 6 GiB and
+/// the host's available memory fell by as much. A create that names no limits gets the
+/// server's default (2 GiB), which its info and conditions record show, and a command that
+/// passes it is killed, not the sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_sandbox_is_stopped_at_the_default_memory() {
+    sandman_testkit::require_root();
+    let server = Server::start();
+    let http = server.client();
+    let sb = http.create(json!({"image": "host"})).await;
+    assert_eq!(sb["resources"]["memory"], "2Gi", "{sb}");
+    let id = sb["id"].as_str().unwrap().to_string();
+    // 6 GiB in 256 MiB steps, each page touched; it says how far it got.
+    let grab = "import sys\nheld = []\nfor i in range(24):\n    held.append(bytearray(256 << 20))\n    print((i + 1) * 256, flush=True)\n";
+    let out = http.exec(&id, json!({"argv": ["python3", "-c", grab], "timeout_ms": 120_000})).await;
+    assert_eq!(out["signal"], 9, "the allocation was not stopped: {out}");
+    let reached: u64 = out["stdout"].as_str().unwrap().lines().last().unwrap_or("0").parse().unwrap();
+    assert!(reached < 2048, "it held {reached} MiB, past the 2 GiB default: {out}");
+    assert_eq!(http.exec(&id, json!({"argv": ["echo", "alive"]})).await["stdout"], "alive\n");
+    let record = http.get(&format!("/v1/sandboxes/{id}/conditions")).await.ok();
+    assert_eq!(record["record"]["applied"]["memory"], 2u64 << 30, "{record}");
+    http.release(&id).await;
+}
+
+/// Regression (issue 29): nothing bounded a default create's disk: 4 GiB went into `/tmp` on the
+/// host's disk, and `/` was a tmpfs of half the machine's memory. Everything a sandbox writes
+/// (its root, `/tmp`, its home) is one layer of the default disk (1 GiB), and no file may
+/// pass it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_sandbox_is_stopped_at_the_default_disk() {
+    sandman_testkit::require_root();
+    let server = Server::start();
+    let http = server.client();
+    let sb = http.create(json!({"image": "host"})).await;
+    assert_eq!(sb["resources"]["disk"], "1Gi", "{sb}");
+    let id = sb["id"].as_str().unwrap().to_string();
+    for target in ["/tmp/fill", "/fill", "/home/user/fill"] {
+        let script = format!(
+            "dd if=/dev/zero of={target} bs=1M count=4096 2>&1 | tail -n 1; ls -l {target} | awk '{{print $5}}'; rm -f {target}; ulimit -f"
+        );
+        let out = http.exec(&id, json!({"argv": ["sh", "-c", script], "timeout_ms": 120_000})).await;
+        let text = out["stdout"].as_str().unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        let written: u64 =
+            lines.get(lines.len().saturating_sub(2)).and_then(|l| l.trim().parse().ok()).unwrap_or(u64::MAX);
+        assert!(written <= 1 << 30, "{target}: {written} bytes written past the 1 GiB default: {out}");
+        assert_ne!(lines.last().copied(), Some("unlimited"), "no file size limit: {out}");
+    }
+    assert_eq!(http.exec(&id, json!({"argv": ["echo", "alive"]})).await["stdout"], "alive\n");
+    http.release(&id).await;
+}
+
+/// The machine's memory admits creates: with room for two, a third waits (told why) until one
+/// is released, and one bigger than the room is refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_wait_for_the_machines_memory_and_one_too_big_is_refused() {
+    sandman_testkit::require_root();
+    let total_kib: u64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    // The room is a tenth of the machine's memory; each create asks two fifths of it.
+    let room = total_kib * 1024 / 10;
+    let each = (room * 2 / 5).to_string();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let server = Server::start_in(&dir.path().join("state"), &["--memory-overcommit", "0.1"]);
+    let http = server.client();
+    let ask = json!({"image": "host", "resources": {"memory": each.as_str()}});
+    let (a, b) = (http.create(ask.clone()).await, http.create(ask.clone()).await);
+    assert_eq!((a["state"].as_str(), b["state"].as_str()), (Some("ready"), Some("ready")), "{a} {b}");
+    let mut third = ask.clone();
+    third["wait"] = json!(false);
+    let c = http.create(third).await;
+    let c_id = c["id"].as_str().unwrap().to_string();
+    let told = eventually(Duration::from_secs(20), async || {
+        let events = http.get("/v1/events").await.json();
+        let events = events["events"].as_array().cloned().unwrap_or_default();
+        events.iter().any(|e| {
+            e["sandbox"] == c_id.as_str() && e["message"].as_str().unwrap_or_default().contains("waiting for memory")
+        })
+    })
+    .await;
+    assert!(told, "the waiting create was never told why it waits");
+    assert_eq!(http.get(&format!("/v1/sandboxes/{c_id}")).await.ok()["state"], "creating");
+    http.release(a["id"].as_str().unwrap()).await;
+    let ready = eventually(Duration::from_secs(30), async || {
+        http.get(&format!("/v1/sandboxes/{c_id}")).await.ok()["state"] == "ready"
+    })
+    .await;
+    assert!(ready, "the waiting create did not start when memory was given back");
+    let too_big =
+        http.post("/v1/sandboxes", json!({"image": "host", "resources": {"memory": (room + 1).to_string()}})).await;
+    let failed = too_big.json();
+    assert!(
+        failed.to_string().contains("resource_exhausted") && failed.to_string().contains("can never start here"),
+        "{failed}"
+    );
+    http.release(b["id"].as_str().unwrap()).await;
+    http.release(&c_id).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_of_u64_max_is_refused_naming_its_range() {
     let server = Server::start();

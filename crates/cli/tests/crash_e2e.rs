@@ -14,6 +14,8 @@ use std::time::Duration;
 use e2e::{Http, Server, eventually, processes_mentioning, scratch};
 use serde_json::{Value, json};
 
+/// More sandboxes at once than the machine's memory admits with the default memory limit: the
+/// servers run with `--memory-overcommit 0`, since what this is about is keys, not memory.
 const CREATES: usize = 300;
 
 /// One create of the burst: the key's own label lets the test count its sandboxes.
@@ -40,7 +42,7 @@ fn cgroups_of(ids: &[String]) -> Vec<String> {
 
 /// One round: the burst, a `kill -9` after `after`, a restart, the retries, the release.
 async fn round(state: &Path, job: &str, after: Duration) -> BTreeMap<&'static str, usize> {
-    let server = Server::start_in(state, &["--create-rate", "0"]);
+    let server = Server::start_in(state, &["--create-rate", "0", "--memory-overcommit", "0"]);
     let http = server.client();
     let keys: Vec<String> = (0..CREATES).map(|i| format!("{job}-{i}")).collect();
     let mut burst = Vec::new();
@@ -76,7 +78,7 @@ async fn round(state: &Path, job: &str, after: Duration) -> BTreeMap<&'static st
         }
     }
 
-    let server = Server::start_in(state, &["--create-rate", "0"]);
+    let server = Server::start_in(state, &["--create-rate", "0", "--memory-overcommit", "0"]);
     let http = server.client();
     let mut retries = Vec::new();
     for key in &keys {
@@ -160,7 +162,8 @@ async fn kill_9_during_a_keyed_burst_leaves_every_key_served_and_nothing_behind(
     // printed to replay one.
     let calibration = tempfile::tempdir_in(scratch()).unwrap();
     let took = {
-        let server = Server::start_in(&calibration.path().join("state"), &["--create-rate", "0"]);
+        let server =
+            Server::start_in(&calibration.path().join("state"), &["--create-rate", "0", "--memory-overcommit", "0"]);
         let http = server.client();
         let start = std::time::Instant::now();
         let burst: Vec<_> = (0..CREATES)

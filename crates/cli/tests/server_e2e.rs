@@ -14,7 +14,10 @@ use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hundred_sandboxes_at_once_each_used_then_nothing_left() {
-    let server = Server::start();
+    // A hundred at once, each with the default memory limit: more than the machine's memory
+    // admits, which is not what this is about.
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let server = Server::start_in(&dir.path().join("state"), &["--memory-overcommit", "0"]);
     let http = server.client();
     let mut tasks = Vec::new();
     for i in 0..100 {
@@ -476,4 +479,37 @@ async fn a_creates_user_runs_every_command_that_names_none() {
     let bad = http.post("/v1/sandboxes", json!({"image": "host", "user": "a b"})).await;
     bad.error(400, "invalid_argument");
     http.release(&id).await;
+}
+
+/// Regression (issue 29): the CLI sent the server's token to whatever listened on the server's
+/// TCP address, a squatter included. Without a URL it now finds a server on this machine on
+/// the Unix socket in its state directory, where only the server's user can make one.
+#[tokio::test]
+async fn the_cli_finds_a_local_server_on_its_socket_and_a_second_server_is_refused() {
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let state = dir.path().join("state");
+    let server = Server::start_in(&state, &[]);
+    let socket = state.join("sandman.sock");
+    let meta = std::fs::metadata(&socket).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()));
+    // No URL: the server listens on a port the CLI cannot guess, so only the socket reaches it.
+    let out = std::process::Command::new(e2e::sandman_bin())
+        .args(["ls", "-q"])
+        .env_remove("SANDMAN_URL")
+        .env("SANDMAN_STATE_DIR", &state)
+        .env("SANDMAN_TOKEN", e2e::TOKEN)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // A second server on the same state directory would take the first one's sandboxes for its own.
+    let second = std::process::Command::new(e2e::sandman_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(&state)
+        .env("SANDMAN_TOKEN", e2e::TOKEN)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(2), "{said}");
+    assert!(said.contains("another server runs on this state directory"), "{said}");
+    drop(server);
 }

@@ -89,6 +89,13 @@ async fn exec_it_in_tmux_types_resizes_interrupts_and_exits_with_the_code() {
     assert!(seen, "`stty size` never showed {resized}:\n{}", tmux.screen());
     // Ctrl-C stops the command in the sandbox; the shell (and the CLI) carry on.
     tmux.keys(&["sleep 100", "Enter"]);
+    // Only once it runs: a Ctrl-C the shell takes while it is still reading the line is not
+    // the command's (on a loaded machine the keys can arrive together).
+    let running = eventually(Duration::from_secs(20), async || {
+        http.exec(&id, serde_json::json!({"argv": ["pgrep", "-x", "sleep"]})).await["exit_code"] == 0
+    })
+    .await;
+    assert!(running, "`sleep 100` never started:\n{}", tmux.screen());
     tmux.keys(&["C-c"]);
     tmux.keys(&["echo after''int", "Enter"]);
     tmux.shows("afterint").await;

@@ -25,6 +25,37 @@ use crate::body::{self, ByteStream, NdjsonStream, RequestBody, UploadBody};
 use crate::env;
 use crate::error::ClientError;
 
+/// How the client reaches its server.
+#[derive(Clone)]
+enum Transport {
+    Tcp(HyperClient<HttpConnector, RequestBody>),
+    Unix(HyperClient<UnixConnector, RequestBody>),
+}
+
+/// Connects to one Unix socket, whatever the request's URI names.
+#[derive(Clone, Debug)]
+struct UnixConnector(std::sync::Arc<std::path::PathBuf>);
+
+impl tower_service::Service<Uri> for UnixConnector {
+    type Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<Box<dyn Future<Output = std::io::Result<Self::Response>> + Send + 'static>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Uri) -> Self::Future {
+        let path = self.0.clone();
+        Box::pin(async move {
+            let stream = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(&*path))
+                .await
+                .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+            Ok(hyper_util::rt::TokioIo::new(stream))
+        })
+    }
+}
+
 /// How long a connect may take before the call fails.
 /// How long an idle connection is kept for reuse: under the server's header-read timeout.
 const POOL_IDLE: Duration = Duration::from_secs(20);
@@ -43,9 +74,11 @@ const TAR: &str = "application/x-tar";
 /// [`ByteStream`]) are read as the server sends them, and dropping one closes its connection.
 #[derive(Clone)]
 pub struct Client {
-    http: HyperClient<HttpConnector, RequestBody>,
-    /// `http://host:port` plus any path prefix, without a trailing slash.
+    http: Transport,
+    /// `http://host:port` plus any path prefix, without a trailing slash; or `unix:/path`.
     base: String,
+    /// What requests' URIs start with: `base`, or for a Unix socket `http://localhost`.
+    origin: String,
     /// `Bearer <token>`, marked sensitive.
     auth: HeaderValue,
 }
@@ -59,22 +92,30 @@ impl fmt::Debug for Client {
 impl Client {
     /// A client of the server at `base_url` (`http://127.0.0.1:7777`), authenticating with
     /// `token`. Nothing is sent until the first call.
+    /// `base_url` may also be `unix:/path/to/sandman.sock`, the Unix socket a server on this
+    /// machine serves on too.
     pub fn new(base_url: &str, token: &str) -> Result<Client, ClientError> {
         let base = base_url.trim().trim_end_matches('/').to_owned();
+        let mut auth = HeaderValue::from_str(&format!("{} {token}", sandman_wire::AUTHORIZATION_SCHEME))
+            .map_err(|source| ClientError::InvalidToken { source })?;
+        auth.set_sensitive(true);
+        // Idle connections are dropped before the server's header-read timeout (30 s by
+        // default) closes them, so that a request never goes out on one being closed.
+        let mut builder = HyperClient::builder(TokioExecutor::new());
+        builder.pool_idle_timeout(POOL_IDLE);
+        if let Some(path) = base.strip_prefix("unix:").filter(|p| p.starts_with('/')) {
+            let http = Transport::Unix(builder.build(UnixConnector(std::sync::Arc::new(path.into()))));
+            return Ok(Client { http, origin: "http://localhost".into(), base, auth });
+        }
         let uri: Uri = base.parse().map_err(|source| ClientError::InvalidUrl { url: base.clone(), source })?;
         if uri.scheme_str() != Some("http") || uri.authority().is_none() || uri.query().is_some() {
             return Err(ClientError::UnsupportedUrl { url: base });
         }
-        let mut auth = HeaderValue::from_str(&format!("{} {token}", sandman_wire::AUTHORIZATION_SCHEME))
-            .map_err(|source| ClientError::InvalidToken { source })?;
-        auth.set_sensitive(true);
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
         connector.set_nodelay(true);
-        // Idle connections are dropped before the server's header-read timeout (30 s by
-        // default) closes them, so that a request never goes out on one being closed.
-        let http = HyperClient::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE).build(connector);
-        Ok(Client { http, base, auth })
+        let http = Transport::Tcp(builder.build(connector));
+        Ok(Client { http, origin: base.clone(), base, auth })
     }
 
     /// A client configured from the environment: `SANDMAN_URL` (default
@@ -210,7 +251,7 @@ impl Client {
     /// Sends `req`; answers the response when its status is a success, the error otherwise.
     async fn send(&self, req: Req) -> Result<(String, Response<Incoming>), ClientError> {
         let call = req.call();
-        let url = format!("{}{}{}", self.base, req.path, req.query);
+        let url = format!("{}{}{}", self.origin, req.path, req.query);
         let uri: Uri = url.parse().map_err(|source| ClientError::InvalidUrl { url: url.clone(), source })?;
         let mut builder = Request::builder()
             .method(req.method)
@@ -223,11 +264,11 @@ impl Client {
         }
         let request =
             builder.body(req.body).map_err(|source| ClientError::BuildRequest { call: call.clone(), source })?;
-        let response = self
-            .http
-            .request(request)
-            .await
-            .map_err(|source| ClientError::Request { url: self.base.clone(), source })?;
+        let sent = match &self.http {
+            Transport::Tcp(c) => c.request(request).await,
+            Transport::Unix(c) => c.request(request).await,
+        };
+        let response = sent.map_err(|source| ClientError::Request { url: self.base.clone(), source })?;
         if response.status().is_success() {
             return Ok((call, response));
         }

@@ -1,5 +1,5 @@
-//! Where a client finds its server and token: `SANDMAN_URL`, `SANDMAN_TOKEN`, and the token file
-//! the server writes into its state directory ([`default_state_dir`]).
+//! Where a client finds its server and token: `SANDMAN_URL`, `SANDMAN_TOKEN`, and the Unix
+//! socket and token file the server keeps in its state directory ([`default_state_dir`]).
 
 use std::io;
 use std::path::PathBuf;
@@ -19,9 +19,26 @@ pub fn default_token_file() -> PathBuf {
     default_state_dir().join(TOKEN_FILE)
 }
 
-/// The server's URL: `$SANDMAN_URL`, else [`DEFAULT_URL`].
+/// The name of the Unix socket, in the state directory, the server serves on too.
+pub const SOCKET_FILE: &str = "sandman.sock";
+
+/// The server's URL: `$SANDMAN_URL`; else its Unix socket in the default state directory, where
+/// a server on this machine serves (`unix:<state dir>/sandman.sock`: a directory only the
+/// server's user may enter, so nobody else can stand in for it there); else [`DEFAULT_URL`].
 pub fn url_from_env() -> String {
-    std::env::var("SANDMAN_URL").ok().filter(|u| !u.is_empty()).unwrap_or_else(|| DEFAULT_URL.to_owned())
+    if let Some(url) = std::env::var("SANDMAN_URL").ok().filter(|u| !u.is_empty()) {
+        return url;
+    }
+    let socket = default_state_dir().join(SOCKET_FILE);
+    if is_socket(&socket) {
+        return format!("unix:{}", socket.display());
+    }
+    DEFAULT_URL.to_owned()
+}
+
+fn is_socket(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_socket())
 }
 
 /// The token: `$SANDMAN_TOKEN`, else the contents of [`default_token_file`] (trimmed).

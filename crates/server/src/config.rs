@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use sandman_wire::bounds;
+use sandman_wire::server::Quantity;
 
 /// Flags of `sandman serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -40,6 +41,36 @@ pub struct ServeArgs {
     /// by default (the host's private, loopback and link-local ranges); repeatable.
     #[arg(long = "egress-allow", value_name = "CIDR", value_parser = clap::value_parser!(sandman_provider_process::net::Cidr))]
     pub egress_allow: Vec<sandman_provider_process::net::Cidr>,
+    /// A Unix socket to serve on too, where the CLI and SDKs on this machine find the server
+    /// (default: `sandman.sock` in the state directory, which only the server's user may enter,
+    /// so no one else can stand in for the server there); `none` for none.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<String>,
+    /// Process provider: a registry (`host` or `host:port`) to reach over plain HTTP although it
+    /// is not on loopback (a local mirror); repeatable. Credentials come from
+    /// `$REGISTRY_AUTH_FILE`, else `$DOCKER_CONFIG/config.json` or `~/.docker/config.json`.
+    #[arg(long = "insecure-registry", value_name = "HOST")]
+    pub insecure_registries: Vec<String>,
+    /// Process provider: the bound of the image store (unpacked layers, under the state
+    /// directory); images no sandbox runs go, least recently used first, past it. `none`: no bound.
+    #[arg(long, value_name = "BYTES", default_value = "64Gi", value_parser = bytes_or_none)]
+    pub image_store_max_size: Bound,
+    /// Process provider: the memory limit of a create that names none (`resources.memory`), as
+    /// `2Gi`; `none` leaves such creates unbounded.
+    #[arg(long, value_name = "BYTES", default_value = "2Gi", value_parser = bytes_or_none)]
+    pub default_memory: Bound,
+    /// Process provider: the disk of a create that names none (`resources.disk`: its writable
+    /// layer, /tmp and working directory, and the largest file it may write), as `1Gi`; `none`
+    /// leaves such creates unbounded. On this provider disk is memory: keep it below memory.
+    #[arg(long, value_name = "BYTES", default_value = "1Gi", value_parser = bytes_or_none)]
+    pub default_disk: Bound,
+    /// Process provider: creates wait while the memory limits of the sandboxes held would pass the
+    /// machine's memory times this (0: no such admission).
+    #[arg(long, value_name = "FACTOR", default_value_t = 4.0, value_parser = overcommit)]
+    pub memory_overcommit: f64,
+    /// Process provider: how long a create may wait for memory, in seconds.
+    #[arg(long, default_value_t = 600, value_parser = seconds(1, bounds::DAY_S))]
+    pub capacity_wait_s: u64,
     /// Process provider, isolated: a resolver for sandboxes (their /etc/resolv.conf); repeatable.
     /// Default: the host's own, less those on loopback.
     #[arg(long = "dns", value_name = "ADDR")]
@@ -100,6 +131,34 @@ fn seconds(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<u64> {
 /// A count within `min..=max`.
 fn count(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::<usize>::new().range(min..=max)
+}
+
+/// A default bound: a quantity, or none.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bound(pub Option<Quantity>);
+
+/// A byte quantity (`2Gi`, `512Mi`, `1073741824`), or `none`.
+fn bytes_or_none(text: &str) -> Result<Bound, String> {
+    if text == "none" {
+        return Ok(Bound(None));
+    }
+    let q = Quantity::Text(text.to_string());
+    match q.value() {
+        Ok(v) if (1.0..1e18).contains(&v) => Ok(Bound(Some(q))),
+        Ok(_) => Err(format!("`{text}` must be at least one byte and less than an exabyte")),
+        Err(e) => Err(e),
+    }
+}
+
+/// How far the sandboxes' memory limits may add up past the machine's memory: 0 (no admission)
+/// or from 0.1 to 100,000.
+fn overcommit(text: &str) -> Result<f64, String> {
+    let f: f64 = text.parse().map_err(|_| format!("`{text}` is not a number"))?;
+    if f == 0.0 || (0.1..=100_000.0).contains(&f) {
+        Ok(f)
+    } else {
+        Err(format!("`{text}` must be 0 (no admission) or between 0.1 and 100000"))
+    }
 }
 
 /// A rate of creates a second: 0 (unlimited) up to the most a job may ask for.

@@ -78,9 +78,19 @@ pub const EMBEDDED_DAEMON_ARG: &str = "__sandmand";
 #[derive(Debug, Clone)]
 pub struct Started {
     pub listen: String,
+    /// The Unix socket it serves on too, if any.
+    pub socket: Option<PathBuf>,
     pub token: auth::TokenSource,
     pub recovered: usize,
     pub found_dead: usize,
+}
+
+/// The process provider's image store: under the state directory, bounded as told.
+fn image_store(args: &ServeArgs, state_dir: &std::path::Path) -> sandman_image::StoreConfig {
+    let mut store = sandman_image::StoreConfig::new(state_dir.join("images"));
+    store.max_size = args.image_store_max_size.0.as_ref().and_then(|q| q.value().ok()).map(|b| b as u64);
+    store.insecure_registries = args.insecure_registries.clone();
+    store
 }
 
 /// Builds the provider named by `args`.
@@ -105,8 +115,26 @@ pub async fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Re
                 allow: args.egress_allow.clone(),
                 dns: (!args.dns.is_empty()).then(|| args.dns.clone()),
             };
-            let config =
-                ProcessConfig { state_dir: state_dir.to_path_buf(), daemon_bin, daemon_args, isolation, hide, network };
+            let defaults = sandman_wire::server::Resources {
+                memory: args.default_memory.0.clone(),
+                disk: args.default_disk.0.clone(),
+                ..Default::default()
+            };
+            let capacity = (args.memory_overcommit > 0.0).then(|| sandman_provider_process::Capacity {
+                overcommit: args.memory_overcommit,
+                wait: Duration::from_secs(args.capacity_wait_s),
+            });
+            let config = ProcessConfig {
+                state_dir: state_dir.to_path_buf(),
+                daemon_bin,
+                daemon_args,
+                isolation,
+                hide,
+                network,
+                defaults,
+                capacity,
+                images: Some(image_store(args, state_dir)),
+            };
             ProcessProvider::new(config)
                 .map(|p| AnyProvider::Process(Box::new(p)))
                 .map_err(|source| ServeError::Provider { name: "process".into(), source })
@@ -145,6 +173,27 @@ pub async fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Re
     }
 }
 
+/// The Unix socket's name in the state directory, where clients on this machine look first.
+pub const SOCKET_FILE: &str = "sandman.sock";
+
+/// Binds the Unix socket at `path`, replacing one a server that is gone left; refuses when a
+/// server still answers there (two servers on one state directory would each take the other's
+/// sandboxes for their own).
+async fn bind_socket(path: &std::path::Path) -> Result<tokio::net::UnixListener, ServeError> {
+    if tokio::net::UnixStream::connect(path).await.is_ok() {
+        return Err(ServeError::Listen {
+            addr: format!("unix:{}", path.display()),
+            source: std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                "a server already answers there: another server runs on this state directory",
+            ),
+        });
+    }
+    let _ = std::fs::remove_file(path);
+    tokio::net::UnixListener::bind(path)
+        .map_err(|source| ServeError::Listen { addr: format!("unix:{}", path.display()), source })
+}
+
 /// Makes the state directory (and its missing parents) 0700, or makes an existing one so: it
 /// holds the server's token, its conditions key and every sandbox's records, which no other
 /// host user may list, read or write. One that belongs to another user is refused.
@@ -180,6 +229,17 @@ pub async fn run(
     own_state_dir(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     let (token, source) = auth::load_or_generate(std::env::var("SANDMAN_TOKEN").ok(), &state_dir)
         .map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
+    // Before the provider: a second server on this state directory stops here, before it
+    // touches the first one's sandboxes.
+    let socket = match args.socket.as_deref() {
+        Some("none") => None,
+        Some(path) => Some(PathBuf::from(path)),
+        None => Some(state_dir.join(SOCKET_FILE)),
+    };
+    let unix = match &socket {
+        Some(path) => Some(bind_socket(path).await?),
+        None => None,
+    };
     let provider = build_provider(&args, &state_dir).await?;
     let settings = Settings {
         default_lease: Duration::from_secs(args.default_lease_s.max(1)),
@@ -210,13 +270,28 @@ pub async fn run(
         max_connections,
         drain: SHUTDOWN_DRAIN,
     };
-    on_start(&Started { listen, token: source, recovered, found_dead });
+    on_start(&Started { listen, socket: socket.clone(), token: source, recovered, found_dead });
     // No Nagle: a stream's small events (a command's start, its end) go out at once, not
     // 40 ms later behind the client's delayed ACK.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    sandman_http::serve::serve(listener, app, edge, shutdown).await;
+    // Both listeners stop together, at the one shutdown.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let tcp = sandman_http::serve::serve(listener, app.clone(), edge, stop.clone().cancelled_owned());
+    let on_socket = async {
+        if let Some(unix) = unix {
+            sandman_http::serve::serve(unix, app, edge, stop.clone().cancelled_owned()).await;
+        }
+    };
+    let asked = async {
+        shutdown.await;
+        stop.cancel();
+    };
+    tokio::join!(tcp, on_socket, asked);
+    if let Some(path) = &socket {
+        let _ = std::fs::remove_file(path);
+    }
     // Sandboxes outlive the server on purpose: their records stay with the provider and a
     // restarted server finds them again; their daemons' leases end them if it never returns.
     service.cancel.cancel();

@@ -43,6 +43,15 @@ impl Provider for AnyProvider {
         }
     }
 
+    fn defaults(&self) -> sandman_wire::server::Resources {
+        match self {
+            AnyProvider::Process(p) => p.defaults(),
+            AnyProvider::Docker(p) => p.defaults(),
+            AnyProvider::Kube(p) => p.defaults(),
+            AnyProvider::Fake(p) => p.defaults(),
+        }
+    }
+
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {
         match self {
             AnyProvider::Process(p) => p.check(spec),

@@ -87,7 +87,8 @@ __all__ = [
 class Sandman:
     """A client of one Sandman server.
 
-    `url` defaults to `$SANDMAN_URL` (else `http://127.0.0.1:7777`); `token` to `$SANDMAN_TOKEN`,
+    `url` defaults to `$SANDMAN_URL` (else the server's Unix socket in its state directory,
+    `unix:<state dir>/sandman.sock`, when there is one, else `http://127.0.0.1:7777`); `token` to `$SANDMAN_TOKEN`,
     else the token file the server writes (`$SANDMAN_STATE_DIR/token`, else
     `~/.local/state/sandman/token`). `timeout` is the read timeout of control calls in seconds
     (calls that run commands wait as long as their own `timeout`). Calls are sent again, up to
@@ -118,16 +119,18 @@ class Sandman:
         # Kept for what goes around the pools: a sandbox's ports (`Sandbox.port_client`).
         self._token = token
         self._verify = _core.verify(verify)
+        self._base, self._uds = _core.split_url(self.url)
         # Several small connection pools rather than one big one (see `_core.shards`).
         n_shards = 1 if transport is not None else _core.shards(max_connections)
+        limits = _core.limits(max_connections, n_shards)
         self._pools = [
             httpx.Client(
-                base_url=self.url,
+                base_url=self._base,
                 headers=_core.headers(token),
                 timeout=_core.timeout(timeout),
-                limits=_core.limits(max_connections, n_shards),
+                limits=limits,
                 verify=_core.verify(verify),
-                transport=transport,
+                transport=transport or (httpx.HTTPTransport(uds=self._uds, limits=limits) if self._uds else None),
             )
             for _ in range(n_shards)
         ]
@@ -737,7 +740,7 @@ class Sandbox:
         (`/v1/sandboxes/{id}/ports/{port}/{path}`): HTTP and WebSockets, on every provider.
         Requests to it need the server's token: send `port_headers()` along (or use
         `port_client`)."""
-        return self.client.url.rstrip("/") + _core.port_path(self.id, port, path)
+        return self.client._base.rstrip("/") + _core.port_path(self.id, port, path)
 
     def port_headers(self) -> Dict[str, str]:
         """The headers a request to `port_url` needs: the server's bearer token."""
@@ -748,6 +751,8 @@ class Sandbox:
         server's token: `client.get("/index.html")`. Close it when done (it is a context
         manager); extra arguments go to httpx."""
         headers = {**self.port_headers(), **dict(kwargs.pop("headers", None) or {})}
+        if self.client._uds and "transport" not in kwargs:
+            kwargs["transport"] = httpx.HTTPTransport(uds=self.client._uds)
         return httpx.Client(base_url=self.port_url(port), headers=headers, verify=self.client._verify, **kwargs)
 
     def process(self, id_or_tag: str) -> "Process":

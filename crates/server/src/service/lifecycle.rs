@@ -247,8 +247,7 @@ impl Service {
                 _ = state.wait_for(|s| *s != SandboxState::Creating) => return,
             }
         }
-        // The ready timeout counts from here: a hold is not the provider's slowness.
-        let started = Instant::now();
+        let asked = Instant::now();
         let endpoint = match self.provider.create(&sb.spec).await {
             Ok(e) => e,
             // Released while the provider was making it: the release removes it and says why.
@@ -259,6 +258,9 @@ impl Service {
                 return;
             }
         };
+        // The ready timeout counts from here: the daemon's start. What the provider waited for
+        // before (a hold, an image's pull, memory on the machine) is bounded by its own limits.
+        let started = Instant::now();
         sb.lock().endpoint = Some(endpoint.clone());
         self.learn_image_config(&sb).await;
         if sb.state() != SandboxState::Creating {
@@ -317,7 +319,7 @@ impl Service {
                     inner.daemon_touched = now;
                 }
                 self.metrics.moved(Some(prev), SandboxState::Ready);
-                self.metrics.create_to_ready.observe(started.elapsed().as_secs_f64());
+                self.metrics.create_to_ready.observe(asked.elapsed().as_secs_f64());
                 self.events.emit(sb.id(), sb.spec.job.as_deref(), SandboxState::Ready, None, None);
                 self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
                 if let Some(name) = sb.pool().filter(|_| sb.claimed_ms.is_none())

@@ -67,6 +67,23 @@ impl Service {
         }
     }
 
+    /// What the create asked, with the provider's defaults where it named none: every sandbox
+    /// is bounded, and its info says by what. Eval's memory is what it asks or nothing (eval
+    /// refuses a create without it).
+    fn with_defaults(
+        &self,
+        asked: &sandman_wire::server::Resources,
+        profile: Profile,
+    ) -> sandman_wire::server::Resources {
+        let d = self.provider.defaults();
+        sandman_wire::server::Resources {
+            cpu: asked.cpu.clone(),
+            memory: asked.memory.clone().or(d.memory.filter(|_| profile != Profile::Eval)),
+            disk: asked.disk.clone().or(d.disk),
+            pids: asked.pids.or(d.pids),
+        }
+    }
+
     /// Checks a create request and turns it into a spec.
     pub(super) fn parse_create(&self, req: &CreateSandbox) -> ServerResult<Parsed> {
         // Every number first: nothing below may add, multiply or convert one out of range.
@@ -115,7 +132,7 @@ impl Service {
         let spec = SandboxSpec {
             id: new_id(),
             image: req.image.clone(),
-            resources: req.resources.clone(),
+            resources: self.with_defaults(&req.resources, req.profile),
             env: req.env.clone(),
             labels: req.labels.clone(),
             job: req.job.clone(),
