@@ -62,6 +62,8 @@ pub enum Command {
     Pool(PoolCmd),
     /// Make images ready ahead of the creates that need them, printing each as it is done.
     Prepare(PrepareCmd),
+    /// The process provider's image store: list (the default), remove, prune.
+    Images(ImagesCmd),
     /// Show a sandbox's signed conditions record: what was asked, what the provider applied and
     /// what the daemon observes from inside, with every difference flagged.
     Conditions(ConditionsCmd),
@@ -447,6 +449,32 @@ impl PoolCmd {
             PoolCmd::Get(cmd) | PoolCmd::Rm(cmd) => &cmd.conn,
         }
     }
+}
+
+#[derive(Debug, Args)]
+pub struct ImagesCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    #[command(subcommand)]
+    pub action: Option<ImagesAction>,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImagesAction {
+    /// List the images, most recently used first, with the sandboxes that run each.
+    Ls,
+    /// Remove images no sandbox runs, by reference or id (a reference other references share
+    /// the image with is only untagged).
+    Rm {
+        #[arg(required = true, value_name = "IMAGE")]
+        images: Vec<String>,
+    },
+    /// Remove the images no sandbox runs, least recently used first, down to the store's bound
+    /// (all of them without one), and the layers no image keeps.
+    Prune,
 }
 
 #[derive(Debug, Args)]

@@ -9,6 +9,7 @@ mod cp;
 mod eval;
 mod exec;
 mod format;
+mod images;
 mod jobs;
 mod pools;
 mod prepare;
@@ -66,6 +67,7 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Job(cmd) => jobs::job(&connect(cmd.conn())?, cmd).await,
         Command::Pool(cmd) => pools::pool(&connect(cmd.conn())?, cmd).await,
         Command::Prepare(cmd) => prepare::prepare(&connect(&cmd.conn)?, cmd).await,
+        Command::Images(cmd) => images::images(&connect(&cmd.conn)?, cmd).await,
         Command::Conditions(cmd) => eval::conditions(&connect(&cmd.conn)?, cmd).await,
         Command::Verify(cmd) => eval::verify(cmd).await,
         Command::Determinism(cmd) => eval::determinism(&connect(&cmd.conn)?, cmd).await,

@@ -14,9 +14,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use sandman_wire::ErrorBody;
 use sandman_wire::server::{
-    CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool,
-    PoolList, PoolSpec, PrepareRequest, PrepareResult, Sandbox, SandboxList, ServerHealth, SignedConditions,
-    Verification,
+    CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, ImageList, ImageQuery, ImagesRemoved, Job,
+    JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolList, PoolSpec, PrepareRequest, PrepareResult, Sandbox,
+    SandboxList, ServerHealth, SignedConditions, Verification,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -213,6 +213,24 @@ impl Client {
     /// has failed.
     pub async fn prepare(&self, req: &PrepareRequest) -> Result<PrepareResult, ClientError> {
         self.json(Req::new(Method::POST, "/v1/prepare".into()).json(req)?).await
+    }
+
+    /// `GET /v1/images`: the process provider's image store.
+    pub async fn images(&self) -> Result<ImageList, ClientError> {
+        self.json(Req::new(Method::GET, "/v1/images".into())).await
+    }
+
+    /// `DELETE /v1/images?image=`: removes an image no sandbox runs (or untags a reference
+    /// other references share its image with).
+    pub async fn remove_image(&self, image: &str) -> Result<ImagesRemoved, ClientError> {
+        let query = ImageQuery { image: image.to_string() };
+        self.json(Req::new(Method::DELETE, "/v1/images".into()).query(&query)?).await
+    }
+
+    /// `POST /v1/images/prune`: removes the images no sandbox runs, least recently used first,
+    /// down to the store's bound (all of them without one).
+    pub async fn prune_images(&self) -> Result<ImagesRemoved, ClientError> {
+        self.json(Req::new(Method::POST, "/v1/images/prune".into())).await
     }
 
     /// `GET /v1/sandboxes/{id}/conditions`: the sandbox's signed conditions record (asked,

@@ -318,6 +318,80 @@ impl ProcessProvider {
         })
     }
 
+    /// The image store (`GET /v1/images`): each image with how many sandboxes run it, the
+    /// store's size and its bound. Unsupported without one (isolation off).
+    pub async fn images(&self) -> Result<sandman_wire::server::ImageList, ProviderError> {
+        let (images, in_use) = self.store_and_use().await?;
+        let store = images.store();
+        let list = store
+            .list()
+            .into_iter()
+            .map(|i| sandman_wire::server::StoredImage {
+                sandboxes: in_use.count(&i.id) as u64,
+                id: i.id,
+                manifest_digest: i.manifest_digest,
+                references: i.references,
+                size: i.size,
+                layers: i.layers as u64,
+                last_used_ms: i
+                    .last_used
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+            })
+            .collect();
+        let max_size = self.config.images.as_ref().and_then(|c| c.max_size);
+        Ok(sandman_wire::server::ImageList { images: list, size: store.size(), max_size })
+    }
+
+    /// Removes an image no sandbox runs (by reference, id, or 12+ hex digits of it): one that
+    /// other references still name is only untagged.
+    pub async fn remove_image(&self, what: &str) -> Result<sandman_wire::server::ImagesRemoved, ProviderError> {
+        let (images, in_use) = self.store_and_use().await?;
+        let (store, what) = (images.clone(), what.to_string());
+        let removed = tokio::task::spawn_blocking(move || store.store().remove(&what, &in_use))
+            .await
+            .map_err(|e| ProviderError::io("cannot remove an image", std::io::Error::other(e)))?
+            .map_err(image_error)?;
+        Ok(match removed {
+            sandman_image::Removed::Untagged { reference } => {
+                sandman_wire::server::ImagesRemoved { untagged: Some(reference), ..Default::default() }
+            }
+            sandman_image::Removed::Deleted { id, freed } => {
+                sandman_wire::server::ImagesRemoved { images: vec![id], untagged: None, freed }
+            }
+        })
+    }
+
+    /// Removes every image no sandbox runs, least recently used first, until the store is under
+    /// its bound (without one, all of them), and the layers no image keeps.
+    pub async fn prune_images(&self) -> Result<sandman_wire::server::ImagesRemoved, ProviderError> {
+        let (images, in_use) = self.store_and_use().await?;
+        let store = images.clone();
+        let pruned = tokio::task::spawn_blocking(move || store.store().prune(&in_use))
+            .await
+            .map_err(|e| ProviderError::io("cannot prune the image store", std::io::Error::other(e)))?
+            .map_err(image_error)?;
+        Ok(sandman_wire::server::ImagesRemoved { images: pruned.images, untagged: None, freed: pruned.freed })
+    }
+
+    /// The store, and the images the sandboxes (and creates under way) run.
+    async fn store_and_use(&self) -> Result<(image::Images, sandman_image::InUse), ProviderError> {
+        let Some(lazy) = &self.images else {
+            return Err(ProviderError::Unsupported(
+                "this server runs no image store: the process provider's isolation is off (--isolation none)".into(),
+            ));
+        };
+        let images = lazy.get().await?.clone();
+        let creating: Vec<String> =
+            self.resolved.lock().unwrap_or_else(PoisonError::into_inner).values().cloned().collect();
+        let sandboxes = self.sandboxes.clone();
+        let in_use = tokio::task::spawn_blocking(move || image::in_use(&sandboxes, &creating))
+            .await
+            .map_err(|e| ProviderError::io("cannot read the sandboxes' images", std::io::Error::other(e)))?;
+        Ok((images, in_use))
+    }
+
     /// How this provider's sandboxes are isolated.
     pub fn isolation_mode(&self) -> Isolation {
         self.config.isolation
@@ -682,6 +756,15 @@ impl ProcessProvider {
         records::remove_dir(dir).await;
         self.free_ids(ids);
         Ok(())
+    }
+}
+
+/// An image store's refusal: what is in use or unknown is the caller's to fix.
+fn image_error(e: sandman_image::ImageError) -> ProviderError {
+    match e {
+        sandman_image::ImageError::NotInStore { .. } => ProviderError::NotFound(e.to_string()),
+        sandman_image::ImageError::InUse { .. } => ProviderError::Claimed(e.to_string()),
+        other => ProviderError::Unsupported(other.to_string()),
     }
 }
 

@@ -18,9 +18,9 @@ use sandman_http::extract::{ApiJson, ApiQuery};
 use sandman_provider::Provider;
 use sandman_wire::ErrorCode;
 use sandman_wire::server::{
-    CreateSandbox, EventList, EventStreamItem, EventsQuery, Job, JobAction, JobSpec, JobUsage, ListQuery, Pool,
-    PoolList, PoolSpec, PrepareRequest, PrepareResult, Reason, Sandbox, SandboxList, ServerHealth, SignedConditions,
-    Verification,
+    CreateSandbox, EventList, EventStreamItem, EventsQuery, ImageList, ImageQuery, ImagesRemoved, Job, JobAction,
+    JobSpec, JobUsage, ListQuery, Pool, PoolList, PoolSpec, PrepareRequest, PrepareResult, Reason, Sandbox,
+    SandboxList, ServerHealth, SignedConditions, Verification,
 };
 use tokio::sync::{broadcast, mpsc};
 use tower::ServiceBuilder;
@@ -58,6 +58,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/pools/{name}"),
     ("DELETE", "/v1/pools/{name}"),
     ("POST", "/v1/prepare"),
+    ("GET", "/v1/images"),
+    ("DELETE", "/v1/images"),
+    ("POST", "/v1/images/prune"),
     ("POST", "/v1/verify"),
     ("GET", "/v1/events"),
 ];
@@ -75,6 +78,8 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .route("/v1/pools", get(list_pools))
         .route("/v1/pools/{name}", get(get_pool).put(put_pool).delete(delete_pool))
         .route("/v1/prepare", post(prepare))
+        .route("/v1/images", get(list_images).delete(remove_image))
+        .route("/v1/images/prune", post(prune_images))
         .route("/v1/verify", post(verify))
         .route("/v1/events", get(events))
         .merge(crate::ui::api())
@@ -218,6 +223,21 @@ async fn prepare(
     ApiJson(req): ApiJson<PrepareRequest>,
 ) -> ServerResult<Json<PrepareResult>> {
     service.prepare(req).await.map(Json)
+}
+
+async fn list_images(State(service): State<Arc<Service>>) -> ServerResult<Json<ImageList>> {
+    service.images().await.map(Json)
+}
+
+async fn remove_image(
+    State(service): State<Arc<Service>>,
+    ApiQuery(q): ApiQuery<ImageQuery>,
+) -> ServerResult<Json<ImagesRemoved>> {
+    service.remove_image(&q.image).await.map(Json)
+}
+
+async fn prune_images(State(service): State<Arc<Service>>) -> ServerResult<Json<ImagesRemoved>> {
+    service.prune_images().await.map(Json)
 }
 
 async fn conditions(

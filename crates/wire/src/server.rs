@@ -690,6 +690,57 @@ pub struct PrepareResult {
     pub images: Vec<PreparedImage>,
 }
 
+/// One image in the process provider's image store (`GET /v1/images`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StoredImage {
+    /// Its config's digest (`sha256:…`).
+    pub id: String,
+    pub manifest_digest: String,
+    /// The canonical references that name it (`docker.io/library/python:3.12`).
+    pub references: Vec<String>,
+    /// Unpacked bytes of its layers' files (layers shared with other images counted in each).
+    pub size: u64,
+    pub layers: u64,
+    pub last_used_ms: u64,
+    /// Sandboxes that run it now: while any does, it is not removed.
+    pub sandboxes: u64,
+}
+
+/// `GET /v1/images`: the image store, most recently used first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ImageList {
+    pub images: Vec<StoredImage>,
+    /// Unpacked bytes of every layer in the store, each counted once.
+    pub size: u64,
+    /// The store's bound (`--image-store-max-size`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_size: Option<u64>,
+}
+
+/// Query of `DELETE /v1/images`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+#[serde(deny_unknown_fields)]
+pub struct ImageQuery {
+    /// A reference, an image id, or 12 or more of its hex digits.
+    pub image: String,
+}
+
+/// What `DELETE /v1/images?image=` and `POST /v1/images/prune` removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ImagesRemoved {
+    /// Ids of the images removed.
+    pub images: Vec<String>,
+    /// A reference that no longer names its image, which other references still name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub untagged: Option<String>,
+    /// Bytes freed.
+    pub freed: u64,
+}
+
 /// The accounting record of one sandbox, written when it ends: one JSON line of
 /// `<state-dir>/accounting.jsonl`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -16,6 +16,7 @@
 //! - [`prepare`]: preparing images and holding creates until enough nodes have them.
 
 mod conditions;
+mod images;
 mod jobs;
 mod leases;
 mod lifecycle;
