@@ -472,8 +472,7 @@ pub enum ImagesAction {
         #[arg(required = true, value_name = "IMAGE")]
         images: Vec<String>,
     },
-    /// Remove the images no sandbox runs, least recently used first, down to the store's bound
-    /// (all of them without one), and the layers no image keeps.
+    /// Remove every image no sandbox runs, and the layers no image keeps.
     Prune,
 }
 

@@ -25,6 +25,9 @@ async fn an_image_runs_as_it_says_and_the_store_keeps_what_sandboxes_run() {
     let registry = Registry::start(Auth::Anonymous, dir.path());
     registry.push("test/app", "1", &app_image()).await;
     let reference = registry.reference("test/app", "1");
+    let other = LayerBuilder::new().file("other.txt", b"other\n").build(Compression::Gzip);
+    registry.push("test/other", "1", &TestImage::with_config(vec![busybox_layer(), other], host_arch(), json!({}))).await;
+    let unused = registry.reference("test/other", "1");
     let server = Server::start_in(&dir.path().join("state"), &[]);
     let http = server.client();
 
@@ -49,13 +52,16 @@ async fn an_image_runs_as_it_says_and_the_store_keeps_what_sandboxes_run() {
     assert_eq!(listed["images"][0]["sandboxes"], 1, "{listed}");
     let refused = http.call("DELETE", &format!("/v1/images?image={reference}"), e2e::Body::Empty).await;
     refused.error(409, "conflict");
-    let (code, _, err) = cli(&server, &["images", "prune"]);
+    // A prune takes what no sandbox runs (the other image, pulled ahead), never what one does.
+    let (code, _, err) = cli(&server, &["prepare", &unused]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(
-        http.get("/v1/images").await.ok()["images"].as_array().unwrap().len(),
-        1,
-        "a prune took a running image"
-    );
+    assert_eq!(http.get("/v1/images").await.ok()["images"].as_array().unwrap().len(), 2);
+    let (code, out, err) = cli(&server, &["images", "prune"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.matches("removed sha256:").count(), 1, "{out}");
+    let left = http.get("/v1/images").await.ok();
+    assert_eq!(left["images"].as_array().unwrap().len(), 1, "{left}");
+    assert!(left.to_string().contains("test/app:1"), "a prune took a running image: {left}");
 
     // Once released, it goes.
     http.release(&id).await;

@@ -227,8 +227,7 @@ impl Client {
         self.json(Req::new(Method::DELETE, "/v1/images".into()).query(&query)?).await
     }
 
-    /// `POST /v1/images/prune`: removes the images no sandbox runs, least recently used first,
-    /// down to the store's bound (all of them without one).
+    /// `POST /v1/images/prune`: removes every image no sandbox runs.
     pub async fn prune_images(&self) -> Result<ImagesRemoved, ClientError> {
         self.json(Req::new(Method::POST, "/v1/images/prune".into())).await
     }

@@ -363,16 +363,29 @@ impl ProcessProvider {
         })
     }
 
-    /// Removes every image no sandbox runs, least recently used first, until the store is under
-    /// its bound (without one, all of them), and the layers no image keeps.
+    /// Removes every image no sandbox runs (as `docker image prune -a`), with the layers no
+    /// other image keeps. The store's own pruning, after each pull, stops at its bound instead.
     pub async fn prune_images(&self) -> Result<sandman_wire::server::ImagesRemoved, ProviderError> {
         let (images, in_use) = self.store_and_use().await?;
         let store = images.clone();
-        let pruned = tokio::task::spawn_blocking(move || store.store().prune(&in_use))
-            .await
-            .map_err(|e| ProviderError::io("cannot prune the image store", std::io::Error::other(e)))?
-            .map_err(image_error)?;
-        Ok(sandman_wire::server::ImagesRemoved { images: pruned.images, untagged: None, freed: pruned.freed })
+        tokio::task::spawn_blocking(move || {
+            let mut removed = sandman_wire::server::ImagesRemoved::default();
+            for image in store.store().list().into_iter().filter(|i| in_use.count(&i.id) == 0) {
+                match store.store().remove(&image.id, &in_use) {
+                    Ok(sandman_image::Removed::Deleted { id, freed }) => {
+                        removed.images.push(id);
+                        removed.freed += freed;
+                    }
+                    Ok(sandman_image::Removed::Untagged { .. }) => {}
+                    // Taken by a create meanwhile, or gone already: not this prune's.
+                    Err(sandman_image::ImageError::InUse { .. } | sandman_image::ImageError::NotInStore(_)) => {}
+                    Err(e) => return Err(image_error(e)),
+                }
+            }
+            Ok(removed)
+        })
+        .await
+        .map_err(|e| ProviderError::io("cannot prune the image store", std::io::Error::other(e)))?
     }
 
     /// The store, and the images the sandboxes (and creates under way) run.
