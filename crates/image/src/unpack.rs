@@ -23,6 +23,10 @@ use crate::{ImageError, Limits};
 const MAX_TAR_METADATA: u64 = 1 << 20;
 /// How much of a file is copied per write.
 const COPY_BUFFER: usize = 256 << 10;
+/// How many parent directories an unpack keeps open: enough for the directories a tar visits in
+/// turn (a language runtime's package directories, a tar of sorted names going down and back up),
+/// few enough that unpacks at once stay well within the process's descriptors.
+const OPEN_PARENTS: usize = 64;
 /// The xattr that marks a directory opaque for overlayfs.
 pub(crate) const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 
@@ -350,9 +354,9 @@ struct Extract<'a> {
     root: Rc<OwnedFd>,
     layer: &'a str,
     max_entries: u64,
-    /// The last parent directory opened, by its path in the layer: entries come grouped by
+    /// The parent directories opened last, by their paths in the layer: entries come grouped by
     /// directory, so most find their parent here. Dropped whenever a directory is removed.
-    parent: Option<(Vec<u8>, Rc<OwnedFd>)>,
+    parents: Parents,
     /// Directories' times, set at the end (writing into a directory changes its mtime).
     dir_times: Vec<(Vec<u8>, Timestamps)>,
     buffer: Vec<u8>,
@@ -364,6 +368,55 @@ struct Extract<'a> {
     own_ids: (u32, u32),
     /// The directories the layer made setgid (their new files take their group).
     setgid_dirs: std::collections::HashSet<Vec<u8>>,
+    /// The permission bits a new file gets as asked at its creation (those the umask leaves), when
+    /// nothing else decides them (no default ACL on the layer's root): a file whose mode is
+    /// within them is created with it and needs no chmod. Empty when unknown.
+    creation_bits: u32,
+}
+
+/// The parent directories an unpack keeps open, by path in the layer, the least recently used
+/// closed first past [`OPEN_PARENTS`].
+#[derive(Default)]
+struct Parents {
+    open: std::collections::HashMap<Vec<u8>, (Rc<OwnedFd>, u64)>,
+    uses: u64,
+}
+
+impl Parents {
+    fn get(&mut self, path: &[u8]) -> Option<Rc<OwnedFd>> {
+        self.uses += 1;
+        let (fd, used) = self.open.get_mut(path)?;
+        *used = self.uses;
+        Some(fd.clone())
+    }
+
+    fn insert(&mut self, path: &[u8], fd: Rc<OwnedFd>) {
+        if self.open.len() >= OPEN_PARENTS
+            && let Some(oldest) = self.open.iter().min_by_key(|(_, (_, used))| *used).map(|(p, _)| p.clone())
+        {
+            self.open.remove(&oldest);
+        }
+        self.uses += 1;
+        self.open.insert(path.to_vec(), (fd, self.uses));
+    }
+
+    fn clear(&mut self) {
+        self.open.clear();
+    }
+}
+
+/// The permission bits this process's umask leaves to a new file (from `/proc/self/status`,
+/// where reading it changes nothing), unless a default ACL on `dir` decides them instead; empty
+/// when either is unknown.
+fn creation_bits(dir: &Path) -> u32 {
+    match rustix::fs::getxattr(dir, "system.posix_acl_default", &mut [0u8; 0][..]) {
+        Err(Errno::NODATA | Errno::OPNOTSUPP) => {}
+        _ => return 0,
+    }
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    let umask =
+        status.lines().find_map(|line| line.strip_prefix("Umask:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok());
+    umask.map_or(0, |umask| 0o777 & !umask)
 }
 
 /// What an entry's header and PAX records say about it.
@@ -383,7 +436,7 @@ impl<'a> Extract<'a> {
             root: Rc::new(root),
             layer,
             max_entries,
-            parent: None,
+            parents: Parents::default(),
             dir_times: Vec::new(),
             buffer: vec![0; COPY_BUFFER],
             size: 0,
@@ -391,6 +444,7 @@ impl<'a> Extract<'a> {
             devices: 0,
             own_ids: (rustix::process::geteuid().as_raw(), rustix::process::getegid().as_raw()),
             setgid_dirs: std::collections::HashSet::new(),
+            creation_bits: creation_bits(into),
         })
     }
 
@@ -442,22 +496,30 @@ impl<'a> Extract<'a> {
         }
         let parent_fd = self.parent(&raw, &parent, true)?;
         let parent_fd = parent_fd.as_fd();
+        // What this process makes is its own, unless its directory is setgid.
+        let owned = !self.setgid_dirs.contains(&parent) && (meta.uid, meta.gid) == self.own_ids;
         if kind.is_file() || kind.is_contiguous() {
-            let owned = !self.setgid_dirs.contains(&parent) && (meta.uid, meta.gid) == self.own_ids;
             self.file(parent_fd, &raw, name, &meta, owned, &mut entry)
         } else if kind.is_dir() {
             self.dir(parent_fd, &raw, &parent, name, meta)
         } else if kind.is_symlink() {
             let target = entry.link_name_bytes().ok_or_else(|| self.hostile(&raw, "a symlink without a target"))?;
-            self.clear(parent_fd, &raw, name, false)?;
-            rustix::fs::symlinkat(OsStr::from_bytes(&target), parent_fd, OsStr::from_bytes(name))
-                .map_err(|e| self.io(&raw, "make the symlink", e))?;
-            self.owner_and_times_at(parent_fd, &raw, name, &meta, false)
+            let make = || rustix::fs::symlinkat(OsStr::from_bytes(&target), parent_fd, OsStr::from_bytes(name));
+            // Most names are new: made first, and what is there cleared only when something is.
+            match make() {
+                Err(Errno::EXIST) => {
+                    self.clear(parent_fd, &raw, name, false)?;
+                    make()
+                }
+                made => made,
+            }
+            .map_err(|e| self.io(&raw, "make the symlink", e))?;
+            self.owner_and_times_at(parent_fd, &raw, name, &meta, !owned, false)
         } else if kind.is_fifo() {
             self.clear(parent_fd, &raw, name, false)?;
             rustix::fs::mknodat(parent_fd, OsStr::from_bytes(name), FileType::Fifo, Mode::from_raw_mode(0o600), 0)
                 .map_err(|e| self.io(&raw, "make the fifo", e))?;
-            self.owner_and_times_at(parent_fd, &raw, name, &meta, true)
+            self.owner_and_times_at(parent_fd, &raw, name, &meta, true, true)
         } else {
             Err(self.hostile(&raw, format!("entry type `{}` is not a file system object", kind.as_byte() as char)))
         }
@@ -508,13 +570,11 @@ impl<'a> Extract<'a> {
         if parent.is_empty() {
             return Ok(self.root.clone());
         }
-        if let Some((path, fd)) = &self.parent
-            && path == parent
-        {
-            return Ok(fd.clone());
+        if let Some(fd) = self.parents.get(parent) {
+            return Ok(fd);
         }
         let fd = Rc::new(self.open_dir(raw, parent, create)?);
-        self.parent = Some((parent.to_vec(), fd.clone()));
+        self.parents.insert(parent, fd.clone());
         Ok(fd)
     }
 
@@ -607,8 +667,8 @@ impl<'a> Extract<'a> {
             if keep_dir {
                 return Ok(true);
             }
-            // The cached parent may be in it.
-            self.parent = None;
+            // Cached parents may be in it.
+            self.parents.clear();
             remove_tree(parent, name).map_err(|e| self.io(raw, "remove the directory already at", e))?;
         } else {
             rustix::fs::unlinkat(parent, name, AtFlags::empty()).map_err(|e| self.io(raw, "replace", e))?;
@@ -626,7 +686,11 @@ impl<'a> Extract<'a> {
         data: &mut tar::Entry<'_, R>,
     ) -> Result<(), ImageError> {
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let create = || rustix::fs::openat(parent, OsStr::from_bytes(name), flags, Mode::from_raw_mode(0o600));
+        // Made with its mode when the umask leaves it whole (no chmod then), unless it has
+        // setuid, setgid or sticky bits: a chown clears the first two, and the umask never has them.
+        let mode_at_creation = meta.mode & !self.creation_bits == 0;
+        let mode = Mode::from_raw_mode(if mode_at_creation { meta.mode } else { 0o600 });
+        let create = || rustix::fs::openat(parent, OsStr::from_bytes(name), flags, mode);
         // Most names are new: create first, and clear what is there only when something is.
         let fd = match create() {
             Err(Errno::EXIST) => {
@@ -647,25 +711,28 @@ impl<'a> Extract<'a> {
                 .map_err(|e| ImageError::io(format!("layer {}: cannot write `{}`", self.layer, lossy(raw)), e))?;
             self.size += n as u64;
         }
-        self.finish_fd(file.as_fd(), raw, meta, !owned, true)
+        self.finish_fd(file.as_fd(), raw, meta, !owned, !mode_at_creation, true)
     }
 
-    /// Owner (when `chown`: a new file may have it already), then mode (a chown clears setuid
-    /// bits), xattrs and times of an open file or directory; times only when `times` (a
-    /// directory's are set at the end).
+    /// Owner (when `chown`: a new file may have it already), then mode (when `chmod`: a new file
+    /// may have it already; after the owner, since a chown clears setuid bits), xattrs and times
+    /// of an open file or directory; times only when `times` (a directory's are set at the end).
     fn finish_fd(
         &self,
         fd: BorrowedFd<'_>,
         raw: &[u8],
         meta: &Meta,
         chown: bool,
+        chmod: bool,
         times: bool,
     ) -> Result<(), ImageError> {
         if chown {
             let (uid, gid) = ids(meta);
             rustix::fs::fchown(fd, Some(uid), Some(gid)).map_err(|e| self.io(raw, "set the owner of", e))?;
         }
-        rustix::fs::fchmod(fd, Mode::from_raw_mode(meta.mode)).map_err(|e| self.io(raw, "set the mode of", e))?;
+        if chmod {
+            rustix::fs::fchmod(fd, Mode::from_raw_mode(meta.mode)).map_err(|e| self.io(raw, "set the mode of", e))?;
+        }
         for (name, value) in &meta.xattrs {
             rustix::fs::fsetxattr(fd, OsStr::from_bytes(name), value, XattrFlags::empty())
                 .map_err(|e| self.io(raw, &format!("set the xattr `{}` of", lossy(name)), e))?;
@@ -676,19 +743,23 @@ impl<'a> Extract<'a> {
         Ok(())
     }
 
-    /// Owner, mode (unless a symlink's) and times of `name` in `parent`, not following it.
+    /// Owner (when `chown`: a new symlink may have it already), mode (unless a symlink's) and
+    /// times of `name` in `parent`, not following it.
     fn owner_and_times_at(
         &self,
         parent: BorrowedFd<'_>,
         raw: &[u8],
         name: &[u8],
         meta: &Meta,
+        chown: bool,
         mode: bool,
     ) -> Result<(), ImageError> {
         let name = OsStr::from_bytes(name);
-        let (uid, gid) = ids(meta);
-        rustix::fs::chownat(parent, name, Some(uid), Some(gid), AtFlags::SYMLINK_NOFOLLOW)
-            .map_err(|e| self.io(raw, "set the owner of", e))?;
+        if chown {
+            let (uid, gid) = ids(meta);
+            rustix::fs::chownat(parent, name, Some(uid), Some(gid), AtFlags::SYMLINK_NOFOLLOW)
+                .map_err(|e| self.io(raw, "set the owner of", e))?;
+        }
         if mode {
             // Only a fifo gets here with `mode`: chmodat follows symlinks, and this is none.
             rustix::fs::chmodat(parent, name, Mode::from_raw_mode(meta.mode), AtFlags::empty())
@@ -713,7 +784,7 @@ impl<'a> Extract<'a> {
         let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = rustix::fs::openat(parent_fd, OsStr::from_bytes(name), flags, Mode::empty())
             .map_err(|e| self.io(raw, "open the directory", e))?;
-        self.finish_fd(fd.as_fd(), raw, &meta, true, false)?;
+        self.finish_fd(fd.as_fd(), raw, &meta, true, true, false)?;
         let mut path = parent.to_vec();
         if !path.is_empty() {
             path.push(b'/');
@@ -732,7 +803,7 @@ impl<'a> Extract<'a> {
         let fd =
             rustix::fs::openat(&*self.root, c".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
                 .map_err(|e| self.io(raw, "open the layer's root for", e))?;
-        self.finish_fd(fd.as_fd(), raw, &meta, true, false)?;
+        self.finish_fd(fd.as_fd(), raw, &meta, true, true, false)?;
         if meta.mode & 0o2000 != 0 {
             self.setgid_dirs.insert(Vec::new());
         } else {
@@ -1267,6 +1338,74 @@ mod tests {
     }
 
     #[test]
+    fn a_symlink_replaces_a_file_or_a_directory_already_there() {
+        sandman_testkit::require_root();
+        let layer =
+            Layer::new().file("f", b"1").dir("d/").file("d/in", b"2").symlink("f", "t1").symlink("d", "t2").bytes();
+        let (_d, fs, _) = unpacked(&layer);
+        assert_eq!(std::fs::read_link(fs.join("f")).ok(), Some(PathBuf::from("t1")));
+        assert_eq!(std::fs::read_link(fs.join("d")).ok(), Some(PathBuf::from("t2")));
+    }
+
+    #[test]
+    fn a_directory_made_again_is_the_one_its_entries_land_in() {
+        sandman_testkit::require_root();
+        // `d` is opened for `d/a`, then removed: `d/b` must go into the new `d`, not the old one.
+        let layer = Layer::new().dir("d/").file("d/a", b"1").file("d", b"a file").dir("d/").file("d/b", b"2").bytes();
+        let (_d, fs, _) = unpacked(&layer);
+        assert_eq!(std::fs::read(fs.join("d/b")).unwrap_or_default(), b"2");
+        assert!(!fs.join("d/a").exists());
+    }
+
+    #[test]
+    fn entries_in_more_directories_than_are_kept_open_land_in_theirs() {
+        sandman_testkit::require_root();
+        let dirs = OPEN_PARENTS * 2 + 1;
+        let mut layer = Layer::new();
+        for round in 0..3 {
+            for d in 0..dirs {
+                layer.file(&format!("d{d}/f{round}"), format!("{d}.{round}").as_bytes());
+            }
+        }
+        let (_d, fs, _) = unpacked(&layer.bytes());
+        for round in 0..3 {
+            for d in 0..dirs {
+                let found = std::fs::read(fs.join(format!("d{d}/f{round}"))).unwrap_or_default();
+                assert_eq!(found, format!("{d}.{round}").as_bytes(), "d{d}/f{round}");
+            }
+        }
+    }
+
+    #[test]
+    fn files_get_their_modes_exactly_whatever_the_umask_leaves() {
+        sandman_testkit::require_root();
+        let modes = [0o644, 0o755, 0o777, 0o666, 0o600, 0o000, 0o444, 0o4755, 0o2711, 0o1777];
+        let mut layer = Layer::new();
+        for (i, mode) in modes.iter().enumerate() {
+            // Both the tar's owner and this process's (which takes no chown).
+            for uid in [0, 1000] {
+                let mut header = Header::new_gnu();
+                header.set_entry_type(EntryType::Regular);
+                header.set_size(1);
+                header.set_mode(*mode);
+                header.set_uid(uid);
+                header.set_gid(uid);
+                header.set_path(format!("m{i}-{uid}")).unwrap_or_else(|e| panic!("{e}"));
+                header.set_cksum();
+                layer.0.append(&header, &b"x"[..]).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+        let (_d, fs, _) = unpacked(&layer.bytes());
+        for (i, mode) in modes.iter().enumerate() {
+            for uid in [0, 1000] {
+                let meta = std::fs::metadata(fs.join(format!("m{i}-{uid}"))).unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(meta.mode() & 0o7777, *mode, "m{i}-{uid}: {mode:o}");
+                assert_eq!((meta.uid(), meta.gid()), (uid as u32, uid as u32));
+            }
+        }
+    }
+
+    #[test]
     fn a_root_file_in_a_setgid_directory_still_gets_its_group() {
         sandman_testkit::require_root();
         let mut layer = Layer::new();
@@ -1281,11 +1420,24 @@ mod tests {
         header.as_old_mut().name[..8].copy_from_slice(b"shared/f");
         header.set_cksum();
         layer.0.append(&header, &b"x"[..]).unwrap_or_else(|e| panic!("{e}"));
+        let mut header = Header::new_gnu();
+        header.set_entry_type(EntryType::Symlink);
+        header.set_size(0);
+        header.set_mode(0o777);
+        header.set_mtime(0);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_path("shared/l").unwrap_or_else(|e| panic!("{e}"));
+        header.set_link_name("f").unwrap_or_else(|e| panic!("{e}"));
+        header.set_cksum();
+        layer.0.append(&header, &b""[..]).unwrap_or_else(|e| panic!("{e}"));
         let (_d, fs, _) = unpacked(&layer.bytes());
         let shared = std::fs::metadata(fs.join("shared")).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((shared.gid(), shared.mode() & 0o7777), (1001, 0o2775));
         let file = std::fs::metadata(fs.join("shared/f")).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((file.uid(), file.gid()), (0, 0), "the tar's group, not the directory's");
+        let link = std::fs::symlink_metadata(fs.join("shared/l")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((link.uid(), link.gid()), (0, 0), "a symlink's too");
     }
 
     #[test]
