@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use futures_util::StreamExt;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::archive::BlobAt;
 use crate::manifest::{Config, Descriptor};
@@ -172,7 +172,7 @@ async fn fetch(
     progress: Progress,
 ) -> Result<LayerRecord, ImageError> {
     // Downloads wait for a turn here, not for each other's bytes.
-    let _turn = inner.downloads.acquire().await;
+    let turn = inner.downloads.clone().acquire_owned().await.ok();
     if let Some(record) = inner.disk.layer(&layer.diff_id) {
         return Ok(record);
     }
@@ -193,18 +193,21 @@ async fn fetch(
             progress.report(&LayerProgress { image: image.clone(), layer: name.clone(), done, total, state })
         }
     };
-    let expected = Expected { diff_id: layer.diff_id.clone(), blob: layer.blob.clone() };
+    let unpack = Unpack {
+        disk: inner.disk.clone(),
+        expected: Expected { diff_id: layer.diff_id.clone(), blob: layer.blob.clone() },
+        limits: inner.limits.clone(),
+        budget,
+        turn,
+    };
     match blobs {
         Blobs::Local(list) => {
             let at = list.get(index).cloned().ok_or_else(|| ImageError::malformed(image, "fewer blobs than layers"))?;
-            let (disk, limits) = (inner.disk.clone(), inner.limits.clone());
             report(LayerState::Unpacking, 0);
             let unpack_report = report.clone();
             blocking(move || {
                 let reader = at.open()?;
-                unpack_into_store(&disk, reader, &expected, &limits, &budget, &|done| {
-                    unpack_report(LayerState::Unpacking, done)
-                })
+                unpack.run(reader, &|done| unpack_report(LayerState::Unpacking, done))
             })
             .await
         }
@@ -212,19 +215,17 @@ async fn fetch(
             let Some(descriptor) = layer.descriptor.clone() else {
                 return Err(ImageError::malformed(image, "a registry layer without a descriptor"));
             };
-            stream_layer(inner, &remote, image, &descriptor, expected, budget, &report).await
+            stream_layer(&remote, image, &descriptor, unpack, &report).await
         }
     }
 }
 
 /// A registry layer: its bytes go to an unpack on a blocking thread as they arrive.
 async fn stream_layer(
-    inner: &Arc<Inner>,
     remote: &Remote,
     image: &str,
     descriptor: &Descriptor,
-    expected: Expected,
-    budget: Arc<Budget>,
+    unpack: Unpack,
     report: &(impl Fn(LayerState, u64) + Clone + Send + 'static),
 ) -> Result<LayerRecord, ImageError> {
     let stall = remote.stall();
@@ -232,10 +233,7 @@ async fn stream_layer(
     report(LayerState::Downloading, 0);
     let mut stream = remote.blob(descriptor).await?;
     let (tx, rx) = mpsc::channel::<Bytes>(CHUNKS_IN_FLIGHT);
-    let (disk, limits) = (inner.disk.clone(), inner.limits.clone());
-    let unpack = tokio::task::spawn_blocking(move || {
-        unpack_into_store(&disk, ChannelReader { rx, chunk: Bytes::new() }, &expected, &limits, &budget, &|_| {})
-    });
+    let unpack = tokio::task::spawn_blocking(move || unpack.run(ChannelReader { rx, chunk: Bytes::new() }, &|_| {}));
     // One byte past the descriptor's size is sent on, for the unpack to see the blob is longer;
     // nothing after it is read.
     let cap = descriptor.size.saturating_add(1);
@@ -287,27 +285,37 @@ async fn stream_layer(
     unpacked?
 }
 
-/// Unpacks into a new directory of the store's `tmp/` and moves it into place.
-fn unpack_into_store(
-    disk: &crate::store::Disk,
-    reader: impl std::io::Read,
-    expected: &Expected,
-    limits: &crate::Limits,
-    budget: &Budget,
-    progress: &(dyn Fn(u64) + Sync),
-) -> Result<LayerRecord, ImageError> {
-    let work = disk.layer_workspace()?;
-    let unpacked = crate::unpack::unpack(reader, &work.path().join("fs"), expected, limits, budget, progress)?;
-    let record = LayerRecord {
-        diff_id: expected.diff_id.clone(),
-        blob_digest: unpacked.blob_digest,
-        blob_size: unpacked.blob_size,
-        size: unpacked.size,
-        entries: unpacked.entries,
-        devices_skipped: unpacked.devices,
-    };
-    disk.commit_layer(work, record.clone())?;
-    Ok(record)
+/// What one layer's unpack into the store needs, besides its blob.
+struct Unpack {
+    disk: Arc<crate::store::Disk>,
+    expected: Expected,
+    limits: crate::Limits,
+    budget: Arc<Budget>,
+    /// The layer's turn, given back once its files are written: its sync waits for other layers'
+    /// writes too, and the next layer need not.
+    turn: Option<OwnedSemaphorePermit>,
+}
+
+impl Unpack {
+    /// Unpacks the blob `reader` gives into a new directory of the store's `tmp/` and moves it
+    /// into place.
+    fn run(self, reader: impl std::io::Read, progress: &(dyn Fn(u64) + Sync)) -> Result<LayerRecord, ImageError> {
+        let Unpack { disk, expected, limits, budget, turn } = self;
+        let work = disk.layer_workspace()?;
+        let unpacked = crate::unpack::unpack(reader, &work.path().join("fs"), &expected, &limits, &budget, progress);
+        drop(turn);
+        let unpacked = unpacked?;
+        let record = LayerRecord {
+            diff_id: expected.diff_id.clone(),
+            blob_digest: unpacked.blob_digest,
+            blob_size: unpacked.blob_size,
+            size: unpacked.size,
+            entries: unpacked.entries,
+            devices_skipped: unpacked.devices,
+        };
+        disk.commit_layer(work, record.clone())?;
+        Ok(record)
+    }
 }
 
 /// The chunks a download sends, as a `Read` for the unpack's thread.

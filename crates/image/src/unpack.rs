@@ -890,8 +890,8 @@ impl<'a> Extract<'a> {
             .map_err(|e| self.io(raw, "set the owner of the whiteout", e))
     }
 
-    /// Sets the directories' times, then makes the layer durable: it is renamed into the store
-    /// next, and must not be there half written after a crash of the machine.
+    /// Sets the directories' times. The layer is not durable yet: the store syncs it before it
+    /// renames it into place ([`crate::store::Disk::commit_layer`]).
     fn finish(&mut self) -> Result<(), ImageError> {
         let dir_times = std::mem::take(&mut self.dir_times);
         for (path, times) in dir_times {
@@ -914,10 +914,7 @@ impl<'a> Extract<'a> {
                 Err(e) => return Err(self.io(&raw, "set the times of", e)),
             }
         }
-        let fd =
-            rustix::fs::openat(&*self.root, c".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
-                .map_err(|e| ImageError::io(format!("layer {}: cannot open its root", self.layer), e.into()))?;
-        rustix::fs::syncfs(&fd).map_err(|e| ImageError::io(format!("layer {}: cannot sync it", self.layer), e.into()))
+        Ok(())
     }
 }
 
