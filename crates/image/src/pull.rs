@@ -22,6 +22,8 @@ use crate::{Image, ImageError, Inner, LayerProgress, LayerState, Progress};
 const CHUNKS_IN_FLIGHT: usize = 256;
 /// How often (in blob bytes) a layer's progress is reported.
 const REPORT_EVERY: u64 = 1 << 20;
+/// How much of a blob on this machine's disk is read at once.
+const LOCAL_READ: usize = 256 << 10;
 
 /// An image as its source describes it, before any layer is fetched.
 #[derive(Debug, Clone)]
@@ -206,7 +208,7 @@ async fn fetch(
             report(LayerState::Unpacking, 0);
             let unpack_report = report.clone();
             blocking(move || {
-                let reader = at.open()?;
+                let reader = std::io::BufReader::with_capacity(LOCAL_READ, at.open()?);
                 unpack.run(reader, &|done| unpack_report(LayerState::Unpacking, done))
             })
             .await
@@ -299,7 +301,11 @@ struct Unpack {
 impl Unpack {
     /// Unpacks the blob `reader` gives into a new directory of the store's `tmp/` and moves it
     /// into place.
-    fn run(self, reader: impl std::io::Read, progress: &(dyn Fn(u64) + Sync)) -> Result<LayerRecord, ImageError> {
+    fn run(
+        self,
+        reader: impl std::io::BufRead + Send,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<LayerRecord, ImageError> {
         let Unpack { disk, expected, limits, budget, turn } = self;
         let work = disk.layer_workspace()?;
         let unpacked = crate::unpack::unpack(reader, &work.path().join("fs"), &expected, &limits, &budget, progress);
@@ -318,22 +324,33 @@ impl Unpack {
     }
 }
 
-/// The chunks a download sends, as a `Read` for the unpack's thread.
+/// The chunks a download sends, read in place by the unpack's thread.
 struct ChannelReader {
     rx: mpsc::Receiver<Bytes>,
     chunk: Bytes,
 }
 
-impl std::io::Read for ChannelReader {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+impl std::io::BufRead for ChannelReader {
+    fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
         while self.chunk.is_empty() {
             match self.rx.blocking_recv() {
                 Some(chunk) => self.chunk = chunk,
-                None => return Ok(0),
+                None => break,
             }
         }
-        let n = buf.len().min(self.chunk.len());
-        buf[..n].copy_from_slice(&self.chunk[..n]);
+        Ok(&self.chunk)
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.chunk.advance(n);
+    }
+}
+
+impl std::io::Read for ChannelReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let chunk = std::io::BufRead::fill_buf(self)?;
+        let n = buf.len().min(chunk.len());
+        buf[..n].copy_from_slice(&chunk[..n]);
         self.chunk.advance(n);
         Ok(n)
     }

@@ -1,15 +1,17 @@
 //! Unpacking one layer blob into a directory for overlayfs: [`unpack`] streams the blob through
-//! its digest check, the decompressor, the diff_id check and the tar reader, and writes each entry
-//! with `*at` calls relative to directories opened without following symlinks, so no entry can
-//! land outside the layer. Whiteouts become overlay whiteouts; hostile entries are refused.
+//! its digest check and the decompressor on a thread of its own, and the uncompressed stream
+//! through the diff_id check and the tar reader on the caller's, which writes each entry with
+//! `*at` calls relative to directories opened without following symlinks, so no entry can land
+//! outside the layer. Whiteouts become overlay whiteouts; hostile entries are refused.
 
 use std::ffi::OsStr;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Timespec, Timestamps, XattrFlags};
 use rustix::io::Errno;
@@ -23,6 +25,13 @@ use crate::{ImageError, Limits};
 const MAX_TAR_METADATA: u64 = 1 << 20;
 /// How much of a file is copied per write.
 const COPY_BUFFER: usize = 256 << 10;
+/// How much of the uncompressed stream the decompressing thread hands over at once: large enough
+/// that inflating runs in its fast loop and a hand-over (a wake-up of the other thread) is rare,
+/// small enough that the blocks in flight stay in the caches.
+const BLOCK: usize = 256 << 10;
+/// How many blocks may wait for the tar reader: a few, so that neither thread waits for the other
+/// on each block; an unpack holds six at most (one being filled, one being read).
+const BLOCKS_IN_FLIGHT: usize = 4;
 /// How many parent directories an unpack keeps open: enough for the directories a tar visits in
 /// turn (a language runtime's package directories, a tar of sorted names going down and back up),
 /// few enough that unpacks at once stay well within the process's descriptors.
@@ -65,8 +74,13 @@ impl Budget {
 
 /// Unpacks the blob `reader` gives into the existing empty directory `into`, checking its digests
 /// against `expected` and its sizes against `limits`; `progress` hears the blob bytes read so far.
+///
+/// Two threads share the work: a scoped one reads the blob (hashing it) and decompresses it, and
+/// hands the uncompressed stream over in blocks; the caller's hashes that stream, reads the tar
+/// and writes the files. So inflating one block overlaps writing the one before, and a layer of
+/// large files takes the time of the slower half rather than of both.
 pub(crate) fn unpack(
-    reader: impl Read,
+    reader: impl BufRead + Send,
     into: &Path,
     expected: &Expected,
     limits: &Limits,
@@ -78,6 +92,7 @@ pub(crate) fn unpack(
         inner: reader,
         hasher: Hasher::new(),
         read: 0,
+        hashed: 0,
         reported: 0,
         size: expected.blob.as_ref().map(|(_, size)| *size),
         limit: limits.max_layer_compressed,
@@ -87,30 +102,42 @@ pub(crate) fn unpack(
     let mut extract = Extract::open(into, layer, limits.max_layer_entries)?;
     let what = || format!("cannot read layer {layer}");
     let read = |blob: &mut BlobReader<'_, _>, extract: &mut Extract<'_>| -> Result<String, ImageError> {
-        let mut buffered = BufReader::with_capacity(128 << 10, blob);
-        let head = buffered.fill_buf().map_err(|e| from_io(e, what))?;
-        let decoder: Box<dyn Read + '_> = match Compression::sniff(head) {
-            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buffered)),
-            Compression::Zstd => Box::new(zstd::Decoder::with_buffer(buffered).map_err(|e| from_io(e, what))?),
-            Compression::None => Box::new(buffered),
-        };
-        let mut diff = DiffReader {
-            inner: decoder,
-            hasher: Hasher::new(),
-            guard: TarGuard::default(),
-            layer,
-            budget,
-            limit: limits.max_image_uncompressed,
-        };
-        let mut archive = tar::Archive::new(&mut diff);
-        let entries = archive.entries().map_err(|e| from_io(e, what))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| from_io(e, what))?;
-            extract.entry(entry)?;
-        }
-        // The diff_id covers the whole stream, the end-of-archive blocks and any padding after.
-        io::copy(&mut diff, &mut io::sink()).map_err(|e| from_io(e, what))?;
-        Ok(diff.hasher.finish())
+        std::thread::scope(|scope| {
+            let (blocks, received) = mpsc::sync_channel(BLOCKS_IN_FLIGHT);
+            // Blocks the tar reader is done with, for the decompressor to fill again: room for all
+            // there are, so that none is freed and made anew.
+            let (spent, spare) = mpsc::sync_channel(BLOCKS_IN_FLIGHT + 2);
+            let inflating = std::thread::Builder::new()
+                .name("sandman-inflate".into())
+                .spawn_scoped(scope, move || decompress(blob, &blocks, &spare))
+                .map_err(|e| ImageError::io("cannot start a thread to decompress a layer", e))?;
+            let mut diff = DiffReader {
+                inner: Blocks { received, block: Vec::new(), at: 0, spent },
+                hasher: Hasher::new(),
+                guard: TarGuard::default(),
+                layer,
+                budget,
+                limit: limits.max_image_uncompressed,
+            };
+            let read = (|| {
+                let mut archive = tar::Archive::new(&mut diff);
+                let entries = archive.entries().map_err(|e| from_io(e, what))?;
+                for entry in entries {
+                    let entry = entry.map_err(|e| from_io(e, what))?;
+                    extract.entry(entry)?;
+                }
+                // The diff_id covers the whole stream, the end-of-archive blocks and any padding
+                // after.
+                io::copy(&mut diff, &mut io::sink()).map_err(|e| from_io(e, what))?;
+                Ok(std::mem::replace(&mut diff.hasher, Hasher::new()).finish())
+            })();
+            // Stops the decompressor if it is still at work (the read failed).
+            drop(diff);
+            if let Err(panic) = inflating.join() {
+                std::panic::resume_unwind(panic);
+            }
+            read
+        })
     };
     let diff = match read(&mut blob, &mut extract) {
         Ok(diff) => diff,
@@ -120,7 +147,7 @@ pub(crate) fn unpack(
             // it, never past the blob's size). A bound's refusal is not read further.
             if let Some((digest, _)) = &expected.blob
                 && !matches!(e, ImageError::TooLarge { .. } | ImageError::Digest { .. })
-                && io::copy(&mut blob, &mut io::sink()).is_ok()
+                && blob.drain().is_ok()
             {
                 let actual = std::mem::replace(&mut blob.hasher, Hasher::new()).finish();
                 if actual != *digest {
@@ -135,7 +162,7 @@ pub(crate) fn unpack(
         }
     };
     // As does the blob's digest, past the end of the compressed stream.
-    io::copy(&mut blob, &mut io::sink()).map_err(|e| from_io(e, what))?;
+    blob.drain().map_err(|e| from_io(e, what))?;
     let blob_size = blob.read;
     let blob_digest = blob.hasher.finish();
     if let Some((digest, size)) = &expected.blob {
@@ -165,12 +192,104 @@ pub(crate) fn unpack(
     Ok(Unpacked { size: extract.size, entries: extract.entries, devices: extract.devices, blob_digest, blob_size })
 }
 
+/// Decompresses the blob into blocks for the tar reader, until the stream ends, the blob cannot be
+/// read (the error is the last thing sent), or the tar reader has stopped. Runs on its own thread.
+fn decompress<R: BufRead>(
+    blob: &mut BlobReader<'_, R>,
+    blocks: &mpsc::SyncSender<io::Result<Vec<u8>>>,
+    spare: &mpsc::Receiver<Vec<u8>>,
+) {
+    let sent = (|| {
+        // Enough of the blob to tell its compression, gathered when its first bytes come in pieces.
+        let mut head = Vec::new();
+        loop {
+            let buf = blob.fill_buf()?;
+            if (head.is_empty() && buf.len() >= Compression::MAGIC)
+                || buf.is_empty()
+                || head.len() == Compression::MAGIC
+            {
+                break;
+            }
+            let n = buf.len().min(Compression::MAGIC - head.len());
+            head.extend_from_slice(&buf[..n]);
+            blob.consume(n);
+        }
+        let compression = Compression::sniff(if head.is_empty() { blob.fill_buf()? } else { &head });
+        let stream = io::Cursor::new(head).chain(blob);
+        let mut decoder: Box<dyn Read + '_> = match compression {
+            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(stream)),
+            Compression::Zstd => Box::new(zstd::Decoder::with_buffer(stream)?),
+            Compression::None => Box::new(stream),
+        };
+        loop {
+            let mut block = spare.try_recv().unwrap_or_default();
+            block.resize(BLOCK, 0);
+            let mut filled = 0;
+            while filled < BLOCK {
+                match decoder.read(&mut block[filled..]) {
+                    Ok(0) => break,
+                    Ok(n) => filled += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if filled == 0 {
+                return Ok(());
+            }
+            block.truncate(filled);
+            if blocks.send(Ok(block)).is_err() {
+                // The tar reader has stopped: what it says is what matters.
+                return Ok(());
+            }
+        }
+    })();
+    if let Err(e) = sent {
+        let _ = blocks.send(Err(e));
+    }
+}
+
+/// The uncompressed stream as the decompressing thread hands it over.
+struct Blocks {
+    received: mpsc::Receiver<io::Result<Vec<u8>>>,
+    block: Vec<u8>,
+    at: usize,
+    /// Where a block read to its end goes back, to be filled again.
+    spent: mpsc::SyncSender<Vec<u8>>,
+}
+
+impl Read for Blocks {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.at == self.block.len() {
+            match self.received.recv() {
+                Ok(Ok(block)) => {
+                    let spent = std::mem::replace(&mut self.block, block);
+                    self.at = 0;
+                    if spent.capacity() > 0 {
+                        let _ = self.spent.try_send(spent);
+                    }
+                }
+                Ok(Err(e)) => return Err(e),
+                // The decompressor is done: the stream has ended.
+                Err(mpsc::RecvError) => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.block.len() - self.at);
+        buf[..n].copy_from_slice(&self.block[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
+}
+
 /// The blob as read: hashed, counted, never read past the size its descriptor gives (an endless
 /// blob is cut there and refused), nor past the per-layer limit.
 struct BlobReader<'a, R> {
     inner: R,
     hasher: Hasher,
+    /// Bytes consumed.
     read: u64,
+    /// Bytes hashed: all that the inner reader has shown (consumed or not; the blob is read to
+    /// its end before its digest is taken).
+    hashed: u64,
     reported: u64,
     size: Option<u64>,
     limit: u64,
@@ -178,15 +297,26 @@ struct BlobReader<'a, R> {
     progress: &'a (dyn Fn(u64) + Sync),
 }
 
-impl<R: Read> Read for BlobReader<'_, R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        // One byte past the size is asked for, so a longer blob is seen to be longer.
-        let cap = self.size.map_or(self.limit, |size| size.min(self.limit)).saturating_add(1);
-        let room = cap.saturating_sub(self.read).min(buf.len() as u64) as usize;
-        let n = self.inner.read(&mut buf[..room])?;
-        self.read += n as u64;
+impl<R: BufRead> BlobReader<'_, R> {
+    /// Reads the rest of the blob, for its digest.
+    fn drain(&mut self) -> io::Result<()> {
+        loop {
+            let n = self.fill_buf()?.len();
+            if n == 0 {
+                return Ok(());
+            }
+            self.consume(n);
+        }
+    }
+}
+
+impl<R: BufRead> BufRead for BlobReader<'_, R> {
+    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        let buf = self.inner.fill_buf()?;
+        // A byte past the size is a longer blob, refused as soon as it is seen.
+        let seen = self.read + buf.len() as u64;
         if let Some(size) = self.size
-            && self.read > size
+            && seen > size
         {
             return Err(carry(ImageError::Digest {
                 what: format!("the size of layer {}'s blob", self.layer),
@@ -194,18 +324,40 @@ impl<R: Read> Read for BlobReader<'_, R> {
                 actual: "more (the rest is not read)".into(),
             }));
         }
-        if self.read > self.limit {
+        if seen > self.limit {
             return Err(carry(ImageError::TooLarge {
                 what: format!("the compressed blob of layer {}", self.layer),
                 limit: self.limit,
                 unit: "bytes",
             }));
         }
-        self.hasher.update(&buf[..n]);
-        if self.read - self.reported >= 1 << 20 || n == 0 {
+        if seen > self.hashed {
+            self.hasher.update(&buf[(self.hashed - self.read) as usize..]);
+            self.hashed = seen;
+        }
+        if buf.is_empty() && self.reported != self.read {
             self.reported = self.read;
             (self.progress)(self.read);
         }
+        Ok(buf)
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.inner.consume(n);
+        self.read += n as u64;
+        if self.read - self.reported >= 1 << 20 {
+            self.reported = self.read;
+            (self.progress)(self.read);
+        }
+    }
+}
+
+impl<R: BufRead> Read for BlobReader<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let available = self.fill_buf()?;
+        let n = available.len().min(buf.len());
+        buf[..n].copy_from_slice(&available[..n]);
+        self.consume(n);
         Ok(n)
     }
 }
@@ -1254,7 +1406,7 @@ mod tests {
     fn an_endless_blob_is_cut_at_its_size_and_refused() {
         let (_d, fs) = root_dir();
         let expected = Expected { diff_id: sha256(b""), blob: Some((sha256(b""), 4096)) };
-        let endless = io::repeat(0);
+        let endless = io::BufReader::new(io::repeat(0));
         let err = unpack(endless, &fs, &expected, &Limits::default(), &Budget::default(), &|_| {}).err();
         assert!(matches!(&err, Some(ImageError::Digest { what, .. }) if what.contains("size")), "{err:?}");
     }
@@ -1400,6 +1552,36 @@ mod tests {
                 assert_eq!((meta.uid(), meta.gid()), (uid as u32, uid as u32));
             }
         }
+    }
+
+    #[test]
+    fn a_blob_whose_first_bytes_come_one_at_a_time_is_still_read_as_gzip() {
+        sandman_testkit::require_root();
+        let layer = Layer::new().file("f", b"x").bytes();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&layer).unwrap_or_else(|e| panic!("{e}"));
+        let gz = gz.finish().unwrap_or_else(|e| panic!("{e}"));
+        let (_d, fs) = root_dir();
+        let expected = Expected { diff_id: sha256(&layer), blob: Some((sha256(&gz), gz.len() as u64)) };
+        let trickle = io::BufReader::with_capacity(1, &gz[..]);
+        let done = unpack(trickle, &fs, &expected, &Limits::default(), &Budget::default(), &|_| {})
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(done.blob_size, gz.len() as u64);
+        assert_eq!(std::fs::read(fs.join("f")).unwrap_or_default(), b"x");
+    }
+
+    #[test]
+    fn a_refusal_early_in_a_large_layer_stops_its_decompressor() {
+        // Refused at its first entry, with megabytes still to inflate: the unpack ends with the
+        // refusal, its decompressor stopped rather than left waiting to hand over more.
+        let layer = Layer::new().file("../escape", b"x").file("big", &vec![7; 16 << 20]).bytes();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&layer).unwrap_or_else(|e| panic!("{e}"));
+        let gz = gz.finish().unwrap_or_else(|e| panic!("{e}"));
+        let (_d, fs) = root_dir();
+        let expected = Expected { diff_id: sha256(&layer), blob: Some((sha256(&gz), gz.len() as u64)) };
+        let err = unpack(&gz[..], &fs, &expected, &Limits::default(), &Budget::default(), &|_| {}).err();
+        assert!(matches!(&err, Some(ImageError::HostileLayer { why, .. }) if why.contains("..")), "{err:?}");
     }
 
     #[test]
