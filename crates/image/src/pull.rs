@@ -10,7 +10,7 @@ use futures_util::StreamExt;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::archive::BlobAt;
-use crate::manifest::{Config, Descriptor};
+use crate::manifest::{Config, Descriptor, Hasher};
 use crate::registry::Remote;
 use crate::store::LayerRecord;
 use crate::unpack::{Budget, Expected};
@@ -234,8 +234,12 @@ async fn stream_layer(
     let what = format!("layer {} of `{image}`", descriptor.digest);
     report(LayerState::Downloading, 0);
     let mut stream = remote.blob(descriptor).await?;
-    let (tx, rx) = mpsc::channel::<Bytes>(CHUNKS_IN_FLIGHT);
-    let unpack = tokio::task::spawn_blocking(move || unpack.run(ChannelReader { rx, chunk: Bytes::new() }, &|_| {}));
+    let (tx, rx) = mpsc::channel::<Sent>(CHUNKS_IN_FLIGHT);
+    let unpack = tokio::task::spawn_blocking(move || {
+        unpack.run(ChannelReader { rx, chunk: Bytes::new(), digest: None }, &|_| {})
+    });
+    // The blob's digest, taken here as the chunks pass, off the unpack's threads.
+    let mut hasher = Hasher::new();
     // One byte past the descriptor's size is sent on, for the unpack to see the blob is longer;
     // nothing after it is read.
     let cap = descriptor.size.saturating_add(1);
@@ -261,7 +265,8 @@ async fn stream_layer(
                     reported = sent;
                     report(LayerState::Downloading, sent);
                 }
-                match tokio::time::timeout(stall, tx.send(chunk)).await {
+                hasher.update(&chunk);
+                match tokio::time::timeout(stall, tx.send(Sent::Chunk(chunk))).await {
                     Err(_) => {
                         failure = Some(ImageError::Stalled { what: format!("the unpack of {what}"), after: stall });
                         break;
@@ -276,8 +281,13 @@ async fn stream_layer(
             }
         }
     }
-    drop(tx);
     drop(stream);
+    if failure.is_none() && tokio::time::timeout(stall, tx.send(Sent::End(hasher.finish()))).await.is_err() {
+        // The digest waits as a chunk would; a send that fails finds the unpack ended, and its
+        // result says why.
+        failure = Some(ImageError::Stalled { what: format!("the unpack of {what}"), after: stall });
+    }
+    drop(tx);
     report(LayerState::Unpacking, sent);
     let unpacked =
         unpack.await.map_err(|e| ImageError::io(format!("the unpack of {what} died"), std::io::Error::other(e)));
@@ -301,11 +311,7 @@ struct Unpack {
 impl Unpack {
     /// Unpacks the blob `reader` gives into a new directory of the store's `tmp/` and moves it
     /// into place.
-    fn run(
-        self,
-        reader: impl std::io::BufRead + Send,
-        progress: &(dyn Fn(u64) + Sync),
-    ) -> Result<LayerRecord, ImageError> {
+    fn run(self, reader: impl crate::unpack::Blob, progress: &(dyn Fn(u64) + Sync)) -> Result<LayerRecord, ImageError> {
         let Unpack { disk, expected, limits, budget, turn } = self;
         let work = disk.layer_workspace()?;
         let unpacked = crate::unpack::unpack(reader, &work.path().join("fs"), &expected, &limits, &budget, progress);
@@ -324,17 +330,36 @@ impl Unpack {
     }
 }
 
+/// What a download sends its unpack.
+enum Sent {
+    Chunk(Bytes),
+    /// The digest of all the chunks, after the last.
+    End(String),
+}
+
 /// The chunks a download sends, read in place by the unpack's thread.
 struct ChannelReader {
-    rx: mpsc::Receiver<Bytes>,
+    rx: mpsc::Receiver<Sent>,
     chunk: Bytes,
+    digest: Option<String>,
+}
+
+impl crate::unpack::Blob for ChannelReader {
+    fn hashes_itself(&self) -> bool {
+        true
+    }
+
+    fn digest(&mut self) -> Option<String> {
+        self.digest.take()
+    }
 }
 
 impl std::io::BufRead for ChannelReader {
     fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
-        while self.chunk.is_empty() {
+        while self.chunk.is_empty() && self.digest.is_none() {
             match self.rx.blocking_recv() {
-                Some(chunk) => self.chunk = chunk,
+                Some(Sent::Chunk(chunk)) => self.chunk = chunk,
+                Some(Sent::End(digest)) => self.digest = Some(digest),
                 None => break,
             }
         }

@@ -75,12 +75,12 @@ impl Budget {
 /// Unpacks the blob `reader` gives into the existing empty directory `into`, checking its digests
 /// against `expected` and its sizes against `limits`; `progress` hears the blob bytes read so far.
 ///
-/// Two threads share the work: a scoped one reads the blob (hashing it) and decompresses it, and
-/// hands the uncompressed stream over in blocks; the caller's hashes that stream, reads the tar
-/// and writes the files. So inflating one block overlaps writing the one before, and a layer of
-/// large files takes the time of the slower half rather than of both.
+/// Two threads share the work: a scoped one reads the blob (hashing it, unless its source does)
+/// and decompresses it, and hands the uncompressed stream over in blocks; the caller's hashes
+/// that stream, reads the tar and writes the files. So inflating one block overlaps writing the
+/// one before, and a layer of large files takes the time of the slower half rather than of both.
 pub(crate) fn unpack(
-    reader: impl BufRead + Send,
+    reader: impl Blob,
     into: &Path,
     expected: &Expected,
     limits: &Limits,
@@ -89,8 +89,8 @@ pub(crate) fn unpack(
 ) -> Result<Unpacked, ImageError> {
     let layer = expected.diff_id.as_str();
     let mut blob = BlobReader {
+        hasher: (!reader.hashes_itself()).then(Hasher::new),
         inner: reader,
-        hasher: Hasher::new(),
         read: 0,
         hashed: 0,
         reported: 0,
@@ -148,15 +148,14 @@ pub(crate) fn unpack(
             if let Some((digest, _)) = &expected.blob
                 && !matches!(e, ImageError::TooLarge { .. } | ImageError::Digest { .. })
                 && blob.drain().is_ok()
+                && let Some(actual) = blob.digest()
+                && actual != *digest
             {
-                let actual = std::mem::replace(&mut blob.hasher, Hasher::new()).finish();
-                if actual != *digest {
-                    return Err(ImageError::Digest {
-                        what: format!("the digest of blob {digest} (layer {layer})"),
-                        expected: digest.clone(),
-                        actual,
-                    });
-                }
+                return Err(ImageError::Digest {
+                    what: format!("the digest of blob {digest} (layer {layer})"),
+                    expected: digest.clone(),
+                    actual,
+                });
             }
             return Err(e);
         }
@@ -164,7 +163,9 @@ pub(crate) fn unpack(
     // As does the blob's digest, past the end of the compressed stream.
     blob.drain().map_err(|e| from_io(e, what))?;
     let blob_size = blob.read;
-    let blob_digest = blob.hasher.finish();
+    let blob_digest = blob.digest().ok_or_else(|| {
+        ImageError::io(what(), io::Error::new(io::ErrorKind::UnexpectedEof, "the blob ended without its digest"))
+    })?;
     if let Some((digest, size)) = &expected.blob {
         if blob_size != *size {
             return Err(ImageError::Digest {
@@ -280,11 +281,29 @@ impl Read for Blocks {
     }
 }
 
-/// The blob as read: hashed, counted, never read past the size its descriptor gives (an endless
-/// blob is cut there and refused), nor past the per-layer limit.
+/// A layer blob as an unpack reads it.
+pub(crate) trait Blob: BufRead + Send {
+    /// Whether the source takes the blob's digest itself, as the bytes pass (a download hashes
+    /// its chunks as they arrive, on its own thread); when not, the unpack does.
+    fn hashes_itself(&self) -> bool {
+        false
+    }
+
+    /// The digest of all the bytes given, once the last is, when the source takes it.
+    fn digest(&mut self) -> Option<String> {
+        None
+    }
+}
+
+impl Blob for &[u8] {}
+
+impl<R: Read + Send> Blob for io::BufReader<R> {}
+
+/// The blob as read: hashed (unless its source does), counted, never read past the size its
+/// descriptor gives (an endless blob is cut there and refused), nor past the per-layer limit.
 struct BlobReader<'a, R> {
     inner: R,
-    hasher: Hasher,
+    hasher: Option<Hasher>,
     /// Bytes consumed.
     read: u64,
     /// Bytes hashed: all that the inner reader has shown (consumed or not; the blob is read to
@@ -295,6 +314,16 @@ struct BlobReader<'a, R> {
     limit: u64,
     layer: &'a str,
     progress: &'a (dyn Fn(u64) + Sync),
+}
+
+impl<R: Blob> BlobReader<'_, R> {
+    /// The blob's digest, once it is read to its end.
+    fn digest(&mut self) -> Option<String> {
+        match self.hasher.take() {
+            Some(hasher) => Some(hasher.finish()),
+            None => self.inner.digest(),
+        }
+    }
 }
 
 impl<R: BufRead> BlobReader<'_, R> {
@@ -332,7 +361,9 @@ impl<R: BufRead> BufRead for BlobReader<'_, R> {
             }));
         }
         if seen > self.hashed {
-            self.hasher.update(&buf[(self.hashed - self.read) as usize..]);
+            if let Some(hasher) = &mut self.hasher {
+                hasher.update(&buf[(self.hashed - self.read) as usize..]);
+            }
             self.hashed = seen;
         }
         if buf.is_empty() && self.reported != self.read {
