@@ -16,10 +16,11 @@ use crate::store::LayerRecord;
 use crate::unpack::{Budget, Expected};
 use crate::{Image, ImageError, Inner, LayerProgress, LayerState, Progress};
 
-/// How many chunks of a layer's download may wait for its unpack: a few MiB, enough to keep the
-/// network busy while the unpack writes a large file, little enough that a stalled unpack stops
-/// the download (and so is seen as a stall).
-const CHUNKS_IN_FLIGHT: usize = 256;
+/// How many chunks of a layer's download may wait for its unpack: with hyper's chunks of up to
+/// about 400 KiB, some 12 MiB a layer, enough to keep the network busy while the unpack writes a
+/// large file, little enough that pulls at once hold little memory and that a stalled unpack
+/// stops the download (and so is seen as a stall).
+const CHUNKS_IN_FLIGHT: usize = 32;
 /// How often (in blob bytes) a layer's progress is reported.
 const REPORT_EVERY: u64 = 1 << 20;
 /// How much of a blob on this machine's disk is read at once.

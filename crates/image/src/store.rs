@@ -205,6 +205,18 @@ impl Disk {
                 }
             }
         }
+        // Blobs no image names: what a pull that failed, or was killed, left. Nothing pulls yet
+        // (the store is locked to this process and not handed out), so none is a pull's.
+        let kept: HashSet<String> = state
+            .images
+            .values()
+            .flat_map(|r| [hex_of(&r.id).to_string(), hex_of(&r.manifest_digest).to_string()])
+            .collect();
+        for blob in read_dir(&self.root.join("blobs/sha256"))? {
+            if blob.file_name().is_some_and(|n| !kept.contains(&*n.to_string_lossy())) {
+                remove_any(&blob);
+            }
+        }
         Ok(())
     }
 
@@ -482,7 +494,7 @@ impl Disk {
     }
 
     /// Removes images no sandbox uses, least recently used first, until the store is under
-    /// `max_size` (none when `None`), then every layer and blob no image names.
+    /// `max_size` (none when `None`), then every layer no image names.
     pub(crate) fn prune(&self, max_size: Option<u64>, in_use: &InUse) -> Result<Pruned, ImageError> {
         let mut state = self.state();
         let mut removed = Vec::new();
@@ -504,20 +516,13 @@ impl Disk {
                 removed.push(id);
             }
         }
+        // An image's manifest and config go with its record (`forget_image`). Blobs no record
+        // names are not swept here: a pull under way has written its own and not yet its
+        // record. What a failed pull or a crash left is swept when the store is opened.
         let (layers, freed) = self.take_unused_layers(&mut state);
-        let kept_blobs: HashSet<String> = state
-            .images
-            .values()
-            .flat_map(|r| [hex_of(&r.id).to_string(), hex_of(&r.manifest_digest).to_string()])
-            .collect();
         drop(state);
         let layer_count = layers.len();
         self.finish_removal(layers);
-        for blob in read_dir(&self.root.join("blobs/sha256"))? {
-            if blob.file_name().is_some_and(|n| !kept_blobs.contains(&*n.to_string_lossy())) {
-                remove_any(&blob);
-            }
-        }
         Ok(Pruned { images: removed, layers: layer_count, freed })
     }
 
