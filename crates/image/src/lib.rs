@@ -241,8 +241,9 @@ pub(crate) struct Inner {
     max_size: Option<u64>,
     stall: Duration,
     docker_socket: Option<PathBuf>,
-    /// Turns to download a layer: `concurrent_layers` at once over all pulls.
-    downloads: tokio::sync::Semaphore,
+    /// Turns to download a layer (and write it as it streams): `concurrent_layers` at once over
+    /// all pulls. A layer gives its turn back once its files are written, before it is synced.
+    downloads: Arc<tokio::sync::Semaphore>,
     /// Resolves under way, by reference and by manifest digest.
     images: flight::Flights<Image>,
     /// Layer unpacks under way, by diff_id.
@@ -269,7 +270,7 @@ impl ImageStore {
             max_size: config.max_size,
             stall: config.stall,
             docker_socket: config.docker_socket,
-            downloads: tokio::sync::Semaphore::new(config.concurrent_layers.max(1)),
+            downloads: Arc::new(tokio::sync::Semaphore::new(config.concurrent_layers.max(1))),
             images: flight::Flights::default(),
             layers: flight::Flights::default(),
         };

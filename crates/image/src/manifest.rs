@@ -245,6 +245,9 @@ pub(crate) enum Compression {
 }
 
 impl Compression {
+    /// How many first bytes [`Compression::sniff`] needs (fewer only when the blob is shorter).
+    pub(crate) const MAGIC: usize = 4;
+
     pub(crate) fn sniff(head: &[u8]) -> Compression {
         if head.starts_with(&[0x1f, 0x8b]) {
             Compression::Gzip

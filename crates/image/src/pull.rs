@@ -7,21 +7,24 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use futures_util::StreamExt;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::archive::BlobAt;
-use crate::manifest::{Config, Descriptor};
+use crate::manifest::{Config, Descriptor, Hasher};
 use crate::registry::Remote;
 use crate::store::LayerRecord;
 use crate::unpack::{Budget, Expected};
 use crate::{Image, ImageError, Inner, LayerProgress, LayerState, Progress};
 
-/// How many chunks of a layer's download may wait for its unpack: a few MiB, enough to keep the
-/// network busy while the unpack writes a large file, little enough that a stalled unpack stops
-/// the download (and so is seen as a stall).
-const CHUNKS_IN_FLIGHT: usize = 256;
+/// How many chunks of a layer's download may wait for its unpack: with hyper's chunks of up to
+/// about 400 KiB, some 12 MiB a layer, enough to keep the network busy while the unpack writes a
+/// large file, little enough that pulls at once hold little memory and that a stalled unpack
+/// stops the download (and so is seen as a stall).
+const CHUNKS_IN_FLIGHT: usize = 32;
 /// How often (in blob bytes) a layer's progress is reported.
 const REPORT_EVERY: u64 = 1 << 20;
+/// How much of a blob on this machine's disk is read at once.
+const LOCAL_READ: usize = 256 << 10;
 
 /// An image as its source describes it, before any layer is fetched.
 #[derive(Debug, Clone)]
@@ -172,7 +175,7 @@ async fn fetch(
     progress: Progress,
 ) -> Result<LayerRecord, ImageError> {
     // Downloads wait for a turn here, not for each other's bytes.
-    let _turn = inner.downloads.acquire().await;
+    let turn = inner.downloads.clone().acquire_owned().await.ok();
     if let Some(record) = inner.disk.layer(&layer.diff_id) {
         return Ok(record);
     }
@@ -193,18 +196,21 @@ async fn fetch(
             progress.report(&LayerProgress { image: image.clone(), layer: name.clone(), done, total, state })
         }
     };
-    let expected = Expected { diff_id: layer.diff_id.clone(), blob: layer.blob.clone() };
+    let unpack = Unpack {
+        disk: inner.disk.clone(),
+        expected: Expected { diff_id: layer.diff_id.clone(), blob: layer.blob.clone() },
+        limits: inner.limits.clone(),
+        budget,
+        turn,
+    };
     match blobs {
         Blobs::Local(list) => {
             let at = list.get(index).cloned().ok_or_else(|| ImageError::malformed(image, "fewer blobs than layers"))?;
-            let (disk, limits) = (inner.disk.clone(), inner.limits.clone());
             report(LayerState::Unpacking, 0);
             let unpack_report = report.clone();
             blocking(move || {
-                let reader = at.open()?;
-                unpack_into_store(&disk, reader, &expected, &limits, &budget, &|done| {
-                    unpack_report(LayerState::Unpacking, done)
-                })
+                let reader = std::io::BufReader::with_capacity(LOCAL_READ, at.open()?);
+                unpack.run(reader, &|done| unpack_report(LayerState::Unpacking, done))
             })
             .await
         }
@@ -212,30 +218,29 @@ async fn fetch(
             let Some(descriptor) = layer.descriptor.clone() else {
                 return Err(ImageError::malformed(image, "a registry layer without a descriptor"));
             };
-            stream_layer(inner, &remote, image, &descriptor, expected, budget, &report).await
+            stream_layer(&remote, image, &descriptor, unpack, &report).await
         }
     }
 }
 
 /// A registry layer: its bytes go to an unpack on a blocking thread as they arrive.
 async fn stream_layer(
-    inner: &Arc<Inner>,
     remote: &Remote,
     image: &str,
     descriptor: &Descriptor,
-    expected: Expected,
-    budget: Arc<Budget>,
+    unpack: Unpack,
     report: &(impl Fn(LayerState, u64) + Clone + Send + 'static),
 ) -> Result<LayerRecord, ImageError> {
     let stall = remote.stall();
     let what = format!("layer {} of `{image}`", descriptor.digest);
     report(LayerState::Downloading, 0);
     let mut stream = remote.blob(descriptor).await?;
-    let (tx, rx) = mpsc::channel::<Bytes>(CHUNKS_IN_FLIGHT);
-    let (disk, limits) = (inner.disk.clone(), inner.limits.clone());
+    let (tx, rx) = mpsc::channel::<Sent>(CHUNKS_IN_FLIGHT);
     let unpack = tokio::task::spawn_blocking(move || {
-        unpack_into_store(&disk, ChannelReader { rx, chunk: Bytes::new() }, &expected, &limits, &budget, &|_| {})
+        unpack.run(ChannelReader { rx, chunk: Bytes::new(), digest: None }, &|_| {})
     });
+    // The blob's digest, taken here as the chunks pass, off the unpack's threads.
+    let mut hasher = Hasher::new();
     // One byte past the descriptor's size is sent on, for the unpack to see the blob is longer;
     // nothing after it is read.
     let cap = descriptor.size.saturating_add(1);
@@ -261,7 +266,8 @@ async fn stream_layer(
                     reported = sent;
                     report(LayerState::Downloading, sent);
                 }
-                match tokio::time::timeout(stall, tx.send(chunk)).await {
+                hasher.update(&chunk);
+                match tokio::time::timeout(stall, tx.send(Sent::Chunk(chunk))).await {
                     Err(_) => {
                         failure = Some(ImageError::Stalled { what: format!("the unpack of {what}"), after: stall });
                         break;
@@ -276,8 +282,13 @@ async fn stream_layer(
             }
         }
     }
-    drop(tx);
     drop(stream);
+    if failure.is_none() && tokio::time::timeout(stall, tx.send(Sent::End(hasher.finish()))).await.is_err() {
+        // The digest waits as a chunk would; a send that fails finds the unpack ended, and its
+        // result says why.
+        failure = Some(ImageError::Stalled { what: format!("the unpack of {what}"), after: stall });
+    }
+    drop(tx);
     report(LayerState::Unpacking, sent);
     let unpacked =
         unpack.await.map_err(|e| ImageError::io(format!("the unpack of {what} died"), std::io::Error::other(e)));
@@ -287,45 +298,85 @@ async fn stream_layer(
     unpacked?
 }
 
-/// Unpacks into a new directory of the store's `tmp/` and moves it into place.
-fn unpack_into_store(
-    disk: &crate::store::Disk,
-    reader: impl std::io::Read,
-    expected: &Expected,
-    limits: &crate::Limits,
-    budget: &Budget,
-    progress: &(dyn Fn(u64) + Sync),
-) -> Result<LayerRecord, ImageError> {
-    let work = disk.layer_workspace()?;
-    let unpacked = crate::unpack::unpack(reader, &work.path().join("fs"), expected, limits, budget, progress)?;
-    let record = LayerRecord {
-        diff_id: expected.diff_id.clone(),
-        blob_digest: unpacked.blob_digest,
-        blob_size: unpacked.blob_size,
-        size: unpacked.size,
-        entries: unpacked.entries,
-        devices_skipped: unpacked.devices,
-    };
-    disk.commit_layer(work, record.clone())?;
-    Ok(record)
+/// What one layer's unpack into the store needs, besides its blob.
+struct Unpack {
+    disk: Arc<crate::store::Disk>,
+    expected: Expected,
+    limits: crate::Limits,
+    budget: Arc<Budget>,
+    /// The layer's turn, given back once its files are written: its sync waits for other layers'
+    /// writes too, and the next layer need not.
+    turn: Option<OwnedSemaphorePermit>,
 }
 
-/// The chunks a download sends, as a `Read` for the unpack's thread.
+impl Unpack {
+    /// Unpacks the blob `reader` gives into a new directory of the store's `tmp/` and moves it
+    /// into place.
+    fn run(self, reader: impl crate::unpack::Blob, progress: &(dyn Fn(u64) + Sync)) -> Result<LayerRecord, ImageError> {
+        let Unpack { disk, expected, limits, budget, turn } = self;
+        let work = disk.layer_workspace()?;
+        let unpacked = crate::unpack::unpack(reader, &work.path().join("fs"), &expected, &limits, &budget, progress);
+        drop(turn);
+        let unpacked = unpacked?;
+        let record = LayerRecord {
+            diff_id: expected.diff_id.clone(),
+            blob_digest: unpacked.blob_digest,
+            blob_size: unpacked.blob_size,
+            size: unpacked.size,
+            entries: unpacked.entries,
+            devices_skipped: unpacked.devices,
+        };
+        disk.commit_layer(work, record.clone())?;
+        Ok(record)
+    }
+}
+
+/// What a download sends its unpack.
+enum Sent {
+    Chunk(Bytes),
+    /// The digest of all the chunks, after the last.
+    End(String),
+}
+
+/// The chunks a download sends, read in place by the unpack's thread.
 struct ChannelReader {
-    rx: mpsc::Receiver<Bytes>,
+    rx: mpsc::Receiver<Sent>,
     chunk: Bytes,
+    digest: Option<String>,
+}
+
+impl crate::unpack::Blob for ChannelReader {
+    fn hashes_itself(&self) -> bool {
+        true
+    }
+
+    fn digest(&mut self) -> Option<String> {
+        self.digest.take()
+    }
+}
+
+impl std::io::BufRead for ChannelReader {
+    fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+        while self.chunk.is_empty() && self.digest.is_none() {
+            match self.rx.blocking_recv() {
+                Some(Sent::Chunk(chunk)) => self.chunk = chunk,
+                Some(Sent::End(digest)) => self.digest = Some(digest),
+                None => break,
+            }
+        }
+        Ok(&self.chunk)
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.chunk.advance(n);
+    }
 }
 
 impl std::io::Read for ChannelReader {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        while self.chunk.is_empty() {
-            match self.rx.blocking_recv() {
-                Some(chunk) => self.chunk = chunk,
-                None => return Ok(0),
-            }
-        }
-        let n = buf.len().min(self.chunk.len());
-        buf[..n].copy_from_slice(&self.chunk[..n]);
+        let chunk = std::io::BufRead::fill_buf(self)?;
+        let n = buf.len().min(chunk.len());
+        buf[..n].copy_from_slice(&chunk[..n]);
         self.chunk.advance(n);
         Ok(n)
     }

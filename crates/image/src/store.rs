@@ -22,7 +22,7 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -68,8 +68,10 @@ pub(crate) struct LayerRecord {
 #[derive(Debug)]
 pub(crate) struct Disk {
     root: PathBuf,
-    /// The flock that keeps a second process out; held as long as the store is open.
-    _lock: File,
+    /// The flock that keeps a second process out; held as long as the store is open. Also the
+    /// file the store's syncs of its file system go through.
+    lock: File,
+    syncs: Syncs,
     /// The index of what is on disk. A std mutex: held for lookups and for the small record
     /// writes and renames that must agree with it, never across an await; the slow removals of
     /// layer trees happen after it is released.
@@ -143,7 +145,13 @@ impl Disk {
                 return Err(ImageError::io(format!("cannot lock {}", lock_path.display()), e));
             }
         }
-        let disk = Disk { root: root.to_path_buf(), _lock: lock, state: Mutex::default(), counter: AtomicU64::new(0) };
+        let disk = Disk {
+            root: root.to_path_buf(),
+            lock,
+            syncs: Syncs::default(),
+            state: Mutex::default(),
+            counter: AtomicU64::new(0),
+        };
         disk.recover()?;
         Ok(disk)
     }
@@ -195,6 +203,18 @@ impl Disk {
                     tracing::warn!(image = %record.id, "dropping an image whose layers or blobs are missing");
                     remove_any(&file);
                 }
+            }
+        }
+        // Blobs no image names: what a pull that failed, or was killed, left. Nothing pulls yet
+        // (the store is locked to this process and not handed out), so none is a pull's.
+        let kept: HashSet<String> = state
+            .images
+            .values()
+            .flat_map(|r| [hex_of(&r.id).to_string(), hex_of(&r.manifest_digest).to_string()])
+            .collect();
+        for blob in read_dir(&self.root.join("blobs/sha256"))? {
+            if blob.file_name().is_some_and(|n| !kept.contains(&*n.to_string_lossy())) {
+                remove_any(&blob);
             }
         }
         Ok(())
@@ -254,10 +274,19 @@ impl Disk {
         self.state().layers.get(diff_id).cloned()
     }
 
-    /// Moves an unpacked, verified layer into the store.
+    /// Moves an unpacked, verified layer into the store: its files and record are synced first,
+    /// so that after a crash of the machine it is either whole in `layers/` or not there.
     pub(crate) fn commit_layer(&self, work: tempfile::TempDir, record: LayerRecord) -> Result<(), ImageError> {
+        if self.state().layers.contains_key(&record.diff_id) {
+            return Ok(());
+        }
         let json = serde_json::to_vec_pretty(&record).map_err(|e| ImageError::malformed("a layer record", e))?;
-        write_synced(&work.path().join("layer.json"), &json)?;
+        let path = work.path().join("layer.json");
+        // The sync below makes it durable with the layer's files.
+        fs::write(&path, &json).map_err(|e| ImageError::io(format!("cannot write {}", path.display()), e))?;
+        self.syncs.sync(&self.lock).map_err(|e| {
+            ImageError::io(format!("layer {}: cannot sync the store's file system", record.diff_id), e.into())
+        })?;
         let target = self.layer_dir(&record.diff_id);
         let mut state = self.state();
         if state.layers.contains_key(&record.diff_id) {
@@ -465,7 +494,7 @@ impl Disk {
     }
 
     /// Removes images no sandbox uses, least recently used first, until the store is under
-    /// `max_size` (none when `None`), then every layer and blob no image names.
+    /// `max_size` (none when `None`), then every layer no image names.
     pub(crate) fn prune(&self, max_size: Option<u64>, in_use: &InUse) -> Result<Pruned, ImageError> {
         let mut state = self.state();
         let mut removed = Vec::new();
@@ -487,20 +516,13 @@ impl Disk {
                 removed.push(id);
             }
         }
+        // An image's manifest and config go with its record (`forget_image`). Blobs no record
+        // names are not swept here: a pull under way has written its own and not yet its
+        // record. What a failed pull or a crash left is swept when the store is opened.
         let (layers, freed) = self.take_unused_layers(&mut state);
-        let kept_blobs: HashSet<String> = state
-            .images
-            .values()
-            .flat_map(|r| [hex_of(&r.id).to_string(), hex_of(&r.manifest_digest).to_string()])
-            .collect();
         drop(state);
         let layer_count = layers.len();
         self.finish_removal(layers);
-        for blob in read_dir(&self.root.join("blobs/sha256"))? {
-            if blob.file_name().is_some_and(|n| !kept_blobs.contains(&*n.to_string_lossy())) {
-                remove_any(&blob);
-            }
-        }
         Ok(Pruned { images: removed, layers: layer_count, freed })
     }
 
@@ -592,6 +614,57 @@ fn remove_any(path: &Path) {
     }
 }
 
+/// The syncs of the store's file system (`syncfs`), one at a time: a caller waits for one that
+/// begins after it asks, which is as good as its own, so layers finishing together share one
+/// instead of each waiting in turn for all the others' writes.
+#[derive(Debug, Default)]
+struct Syncs {
+    /// What has begun and ended. A std mutex: held only to read and count, never across a sync.
+    state: Mutex<SyncState>,
+    /// Signalled when a sync ends.
+    ended: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncState {
+    /// Syncs begun and ended, counted from 1.
+    begun: u64,
+    ended: u64,
+    /// The last sync that failed, and how.
+    failed: Option<(u64, rustix::io::Errno)>,
+}
+
+impl Syncs {
+    /// Returns once a sync that began after this call has ended (made by this caller, or by
+    /// another while this one waited); its error if it, or one after it, failed.
+    fn sync(&self, fd: &File) -> Result<(), rustix::io::Errno> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let wanted = state.begun + 1;
+        loop {
+            if state.ended >= wanted {
+                return match state.failed {
+                    Some((sync, e)) if sync >= wanted => Err(e),
+                    _ => Ok(()),
+                };
+            }
+            if state.begun == state.ended {
+                state.begun += 1;
+                let this = state.begun;
+                drop(state);
+                let result = rustix::fs::syncfs(fd);
+                state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                state.ended = this;
+                if let Err(e) = result {
+                    state.failed = Some((this, e));
+                }
+                self.ended.notify_all();
+                continue;
+            }
+            state = self.ended.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
     let mut file = File::create(path).map_err(|e| ImageError::io(format!("cannot create {}", path.display()), e))?;
     file.write_all(bytes).map_err(|e| ImageError::io(format!("cannot write {}", path.display()), e))?;
@@ -601,5 +674,30 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
 fn sync_dir(dir: &Path) {
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn syncs_asked_for_at_once_are_all_answered_sharing_what_they_can() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let file = File::create(dir.path().join("f")).unwrap_or_else(|e| panic!("{e}"));
+        let syncs = Syncs::default();
+        std::thread::scope(|scope| {
+            for _ in 0..8 {
+                scope.spawn(|| assert_eq!(syncs.sync(&file), Ok(())));
+            }
+        });
+        let state = syncs.state.lock().unwrap_or_else(|e| e.into_inner());
+        assert_eq!(state.begun, state.ended, "none left running");
+        assert!((1..=8).contains(&state.ended), "{} syncs for 8 callers", state.ended);
+        drop(state);
+        // One asked for after those have ended is a sync of its own.
+        assert_eq!(syncs.sync(&file), Ok(()));
+        let ended = syncs.state.lock().unwrap_or_else(|e| e.into_inner()).ended;
+        assert!(ended >= 2);
     }
 }

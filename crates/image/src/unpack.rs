@@ -1,15 +1,17 @@
 //! Unpacking one layer blob into a directory for overlayfs: [`unpack`] streams the blob through
-//! its digest check, the decompressor, the diff_id check and the tar reader, and writes each entry
-//! with `*at` calls relative to directories opened without following symlinks, so no entry can
-//! land outside the layer. Whiteouts become overlay whiteouts; hostile entries are refused.
+//! its digest check and the decompressor on a thread of its own, and the uncompressed stream
+//! through the diff_id check and the tar reader on the caller's, which writes each entry with
+//! `*at` calls relative to directories opened without following symlinks, so no entry can land
+//! outside the layer. Whiteouts become overlay whiteouts; hostile entries are refused.
 
 use std::ffi::OsStr;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Timespec, Timestamps, XattrFlags};
 use rustix::io::Errno;
@@ -23,6 +25,17 @@ use crate::{ImageError, Limits};
 const MAX_TAR_METADATA: u64 = 1 << 20;
 /// How much of a file is copied per write.
 const COPY_BUFFER: usize = 256 << 10;
+/// How much of the uncompressed stream the decompressing thread hands over at once: large enough
+/// that inflating runs in its fast loop and a hand-over (a wake-up of the other thread) is rare,
+/// small enough that the blocks in flight stay in the caches.
+const BLOCK: usize = 256 << 10;
+/// How many blocks may wait for the tar reader: a few, so that neither thread waits for the other
+/// on each block; an unpack holds six at most (one being filled, one being read).
+const BLOCKS_IN_FLIGHT: usize = 4;
+/// How many parent directories an unpack keeps open: enough for the directories a tar visits in
+/// turn (a language runtime's package directories, a tar of sorted names going down and back up),
+/// few enough that unpacks at once stay well within the process's descriptors.
+const OPEN_PARENTS: usize = 64;
 /// The xattr that marks a directory opaque for overlayfs.
 pub(crate) const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 
@@ -61,8 +74,13 @@ impl Budget {
 
 /// Unpacks the blob `reader` gives into the existing empty directory `into`, checking its digests
 /// against `expected` and its sizes against `limits`; `progress` hears the blob bytes read so far.
+///
+/// Two threads share the work: a scoped one reads the blob (hashing it, unless its source does)
+/// and decompresses it, and hands the uncompressed stream over in blocks; the caller's hashes
+/// that stream, reads the tar and writes the files. So inflating one block overlaps writing the
+/// one before, and a layer of large files takes the time of the slower half rather than of both.
 pub(crate) fn unpack(
-    reader: impl Read,
+    reader: impl Blob,
     into: &Path,
     expected: &Expected,
     limits: &Limits,
@@ -71,9 +89,10 @@ pub(crate) fn unpack(
 ) -> Result<Unpacked, ImageError> {
     let layer = expected.diff_id.as_str();
     let mut blob = BlobReader {
+        hasher: (!reader.hashes_itself()).then(Hasher::new),
         inner: reader,
-        hasher: Hasher::new(),
         read: 0,
+        hashed: 0,
         reported: 0,
         size: expected.blob.as_ref().map(|(_, size)| *size),
         limit: limits.max_layer_compressed,
@@ -83,30 +102,42 @@ pub(crate) fn unpack(
     let mut extract = Extract::open(into, layer, limits.max_layer_entries)?;
     let what = || format!("cannot read layer {layer}");
     let read = |blob: &mut BlobReader<'_, _>, extract: &mut Extract<'_>| -> Result<String, ImageError> {
-        let mut buffered = BufReader::with_capacity(128 << 10, blob);
-        let head = buffered.fill_buf().map_err(|e| from_io(e, what))?;
-        let decoder: Box<dyn Read + '_> = match Compression::sniff(head) {
-            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buffered)),
-            Compression::Zstd => Box::new(zstd::Decoder::with_buffer(buffered).map_err(|e| from_io(e, what))?),
-            Compression::None => Box::new(buffered),
-        };
-        let mut diff = DiffReader {
-            inner: decoder,
-            hasher: Hasher::new(),
-            guard: TarGuard::default(),
-            layer,
-            budget,
-            limit: limits.max_image_uncompressed,
-        };
-        let mut archive = tar::Archive::new(&mut diff);
-        let entries = archive.entries().map_err(|e| from_io(e, what))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| from_io(e, what))?;
-            extract.entry(entry)?;
-        }
-        // The diff_id covers the whole stream, the end-of-archive blocks and any padding after.
-        io::copy(&mut diff, &mut io::sink()).map_err(|e| from_io(e, what))?;
-        Ok(diff.hasher.finish())
+        std::thread::scope(|scope| {
+            let (blocks, received) = mpsc::sync_channel(BLOCKS_IN_FLIGHT);
+            // Blocks the tar reader is done with, for the decompressor to fill again: room for all
+            // there are, so that none is freed and made anew.
+            let (spent, spare) = mpsc::sync_channel(BLOCKS_IN_FLIGHT + 2);
+            let inflating = std::thread::Builder::new()
+                .name("sandman-inflate".into())
+                .spawn_scoped(scope, move || decompress(blob, &blocks, &spare))
+                .map_err(|e| ImageError::io("cannot start a thread to decompress a layer", e))?;
+            let mut diff = DiffReader {
+                inner: Blocks { received, block: Vec::new(), at: 0, spent },
+                hasher: Hasher::new(),
+                guard: TarGuard::default(),
+                layer,
+                budget,
+                limit: limits.max_image_uncompressed,
+            };
+            let read = (|| {
+                let mut archive = tar::Archive::new(&mut diff);
+                let entries = archive.entries().map_err(|e| from_io(e, what))?;
+                for entry in entries {
+                    let entry = entry.map_err(|e| from_io(e, what))?;
+                    extract.entry(entry)?;
+                }
+                // The diff_id covers the whole stream, the end-of-archive blocks and any padding
+                // after.
+                io::copy(&mut diff, &mut io::sink()).map_err(|e| from_io(e, what))?;
+                Ok(std::mem::replace(&mut diff.hasher, Hasher::new()).finish())
+            })();
+            // Stops the decompressor if it is still at work (the read failed).
+            drop(diff);
+            if let Err(panic) = inflating.join() {
+                std::panic::resume_unwind(panic);
+            }
+            read
+        })
     };
     let diff = match read(&mut blob, &mut extract) {
         Ok(diff) => diff,
@@ -116,24 +147,25 @@ pub(crate) fn unpack(
             // it, never past the blob's size). A bound's refusal is not read further.
             if let Some((digest, _)) = &expected.blob
                 && !matches!(e, ImageError::TooLarge { .. } | ImageError::Digest { .. })
-                && io::copy(&mut blob, &mut io::sink()).is_ok()
+                && blob.drain().is_ok()
+                && let Some(actual) = blob.digest()
+                && actual != *digest
             {
-                let actual = std::mem::replace(&mut blob.hasher, Hasher::new()).finish();
-                if actual != *digest {
-                    return Err(ImageError::Digest {
-                        what: format!("the digest of blob {digest} (layer {layer})"),
-                        expected: digest.clone(),
-                        actual,
-                    });
-                }
+                return Err(ImageError::Digest {
+                    what: format!("the digest of blob {digest} (layer {layer})"),
+                    expected: digest.clone(),
+                    actual,
+                });
             }
             return Err(e);
         }
     };
     // As does the blob's digest, past the end of the compressed stream.
-    io::copy(&mut blob, &mut io::sink()).map_err(|e| from_io(e, what))?;
+    blob.drain().map_err(|e| from_io(e, what))?;
     let blob_size = blob.read;
-    let blob_digest = blob.hasher.finish();
+    let blob_digest = blob.digest().ok_or_else(|| {
+        ImageError::io(what(), io::Error::new(io::ErrorKind::UnexpectedEof, "the blob ended without its digest"))
+    })?;
     if let Some((digest, size)) = &expected.blob {
         if blob_size != *size {
             return Err(ImageError::Digest {
@@ -161,12 +193,122 @@ pub(crate) fn unpack(
     Ok(Unpacked { size: extract.size, entries: extract.entries, devices: extract.devices, blob_digest, blob_size })
 }
 
-/// The blob as read: hashed, counted, never read past the size its descriptor gives (an endless
-/// blob is cut there and refused), nor past the per-layer limit.
+/// Decompresses the blob into blocks for the tar reader, until the stream ends, the blob cannot be
+/// read (the error is the last thing sent), or the tar reader has stopped. Runs on its own thread.
+fn decompress<R: BufRead>(
+    blob: &mut BlobReader<'_, R>,
+    blocks: &mpsc::SyncSender<io::Result<Vec<u8>>>,
+    spare: &mpsc::Receiver<Vec<u8>>,
+) {
+    let sent = (|| {
+        // Enough of the blob to tell its compression, gathered when its first bytes come in pieces.
+        let mut head = Vec::new();
+        loop {
+            let buf = blob.fill_buf()?;
+            if (head.is_empty() && buf.len() >= Compression::MAGIC)
+                || buf.is_empty()
+                || head.len() == Compression::MAGIC
+            {
+                break;
+            }
+            let n = buf.len().min(Compression::MAGIC - head.len());
+            head.extend_from_slice(&buf[..n]);
+            blob.consume(n);
+        }
+        let compression = Compression::sniff(if head.is_empty() { blob.fill_buf()? } else { &head });
+        let stream = io::Cursor::new(head).chain(blob);
+        let mut decoder: Box<dyn Read + '_> = match compression {
+            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(stream)),
+            Compression::Zstd => Box::new(zstd::Decoder::with_buffer(stream)?),
+            Compression::None => Box::new(stream),
+        };
+        loop {
+            let mut block = spare.try_recv().unwrap_or_default();
+            block.resize(BLOCK, 0);
+            let mut filled = 0;
+            while filled < BLOCK {
+                match decoder.read(&mut block[filled..]) {
+                    Ok(0) => break,
+                    Ok(n) => filled += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if filled == 0 {
+                return Ok(());
+            }
+            block.truncate(filled);
+            if blocks.send(Ok(block)).is_err() {
+                // The tar reader has stopped: what it says is what matters.
+                return Ok(());
+            }
+        }
+    })();
+    if let Err(e) = sent {
+        let _ = blocks.send(Err(e));
+    }
+}
+
+/// The uncompressed stream as the decompressing thread hands it over.
+struct Blocks {
+    received: mpsc::Receiver<io::Result<Vec<u8>>>,
+    block: Vec<u8>,
+    at: usize,
+    /// Where a block read to its end goes back, to be filled again.
+    spent: mpsc::SyncSender<Vec<u8>>,
+}
+
+impl Read for Blocks {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.at == self.block.len() {
+            match self.received.recv() {
+                Ok(Ok(block)) => {
+                    let spent = std::mem::replace(&mut self.block, block);
+                    self.at = 0;
+                    if spent.capacity() > 0 {
+                        let _ = self.spent.try_send(spent);
+                    }
+                }
+                Ok(Err(e)) => return Err(e),
+                // The decompressor is done: the stream has ended.
+                Err(mpsc::RecvError) => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.block.len() - self.at);
+        buf[..n].copy_from_slice(&self.block[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
+}
+
+/// A layer blob as an unpack reads it.
+pub(crate) trait Blob: BufRead + Send {
+    /// Whether the source takes the blob's digest itself, as the bytes pass (a download hashes
+    /// its chunks as they arrive, on its own thread); when not, the unpack does.
+    fn hashes_itself(&self) -> bool {
+        false
+    }
+
+    /// The digest of all the bytes given, once the last is, when the source takes it.
+    fn digest(&mut self) -> Option<String> {
+        None
+    }
+}
+
+impl Blob for &[u8] {}
+
+impl<R: Read + Send> Blob for io::BufReader<R> {}
+
+/// The blob as read: hashed (unless its source does), counted, never read past the size its
+/// descriptor gives (an endless blob is cut there and refused), nor past the per-layer limit.
 struct BlobReader<'a, R> {
     inner: R,
-    hasher: Hasher,
+    hasher: Option<Hasher>,
+    /// Bytes consumed.
     read: u64,
+    /// Bytes hashed: all that the inner reader has shown (consumed or not; the blob is read to
+    /// its end before its digest is taken).
+    hashed: u64,
     reported: u64,
     size: Option<u64>,
     limit: u64,
@@ -174,15 +316,36 @@ struct BlobReader<'a, R> {
     progress: &'a (dyn Fn(u64) + Sync),
 }
 
-impl<R: Read> Read for BlobReader<'_, R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        // One byte past the size is asked for, so a longer blob is seen to be longer.
-        let cap = self.size.map_or(self.limit, |size| size.min(self.limit)).saturating_add(1);
-        let room = cap.saturating_sub(self.read).min(buf.len() as u64) as usize;
-        let n = self.inner.read(&mut buf[..room])?;
-        self.read += n as u64;
+impl<R: Blob> BlobReader<'_, R> {
+    /// The blob's digest, once it is read to its end.
+    fn digest(&mut self) -> Option<String> {
+        match self.hasher.take() {
+            Some(hasher) => Some(hasher.finish()),
+            None => self.inner.digest(),
+        }
+    }
+}
+
+impl<R: BufRead> BlobReader<'_, R> {
+    /// Reads the rest of the blob, for its digest.
+    fn drain(&mut self) -> io::Result<()> {
+        loop {
+            let n = self.fill_buf()?.len();
+            if n == 0 {
+                return Ok(());
+            }
+            self.consume(n);
+        }
+    }
+}
+
+impl<R: BufRead> BufRead for BlobReader<'_, R> {
+    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        let buf = self.inner.fill_buf()?;
+        // A byte past the size is a longer blob, refused as soon as it is seen.
+        let seen = self.read + buf.len() as u64;
         if let Some(size) = self.size
-            && self.read > size
+            && seen > size
         {
             return Err(carry(ImageError::Digest {
                 what: format!("the size of layer {}'s blob", self.layer),
@@ -190,18 +353,42 @@ impl<R: Read> Read for BlobReader<'_, R> {
                 actual: "more (the rest is not read)".into(),
             }));
         }
-        if self.read > self.limit {
+        if seen > self.limit {
             return Err(carry(ImageError::TooLarge {
                 what: format!("the compressed blob of layer {}", self.layer),
                 limit: self.limit,
                 unit: "bytes",
             }));
         }
-        self.hasher.update(&buf[..n]);
-        if self.read - self.reported >= 1 << 20 || n == 0 {
+        if seen > self.hashed {
+            if let Some(hasher) = &mut self.hasher {
+                hasher.update(&buf[(self.hashed - self.read) as usize..]);
+            }
+            self.hashed = seen;
+        }
+        if buf.is_empty() && self.reported != self.read {
             self.reported = self.read;
             (self.progress)(self.read);
         }
+        Ok(buf)
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.inner.consume(n);
+        self.read += n as u64;
+        if self.read - self.reported >= 1 << 20 {
+            self.reported = self.read;
+            (self.progress)(self.read);
+        }
+    }
+}
+
+impl<R: BufRead> Read for BlobReader<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let available = self.fill_buf()?;
+        let n = available.len().min(buf.len());
+        buf[..n].copy_from_slice(&available[..n]);
+        self.consume(n);
         Ok(n)
     }
 }
@@ -350,9 +537,9 @@ struct Extract<'a> {
     root: Rc<OwnedFd>,
     layer: &'a str,
     max_entries: u64,
-    /// The last parent directory opened, by its path in the layer: entries come grouped by
+    /// The parent directories opened last, by their paths in the layer: entries come grouped by
     /// directory, so most find their parent here. Dropped whenever a directory is removed.
-    parent: Option<(Vec<u8>, Rc<OwnedFd>)>,
+    parents: Parents,
     /// Directories' times, set at the end (writing into a directory changes its mtime).
     dir_times: Vec<(Vec<u8>, Timestamps)>,
     buffer: Vec<u8>,
@@ -364,6 +551,55 @@ struct Extract<'a> {
     own_ids: (u32, u32),
     /// The directories the layer made setgid (their new files take their group).
     setgid_dirs: std::collections::HashSet<Vec<u8>>,
+    /// The permission bits a new file gets as asked at its creation (those the umask leaves), when
+    /// nothing else decides them (no default ACL on the layer's root): a file whose mode is
+    /// within them is created with it and needs no chmod. Empty when unknown.
+    creation_bits: u32,
+}
+
+/// The parent directories an unpack keeps open, by path in the layer, the least recently used
+/// closed first past [`OPEN_PARENTS`].
+#[derive(Default)]
+struct Parents {
+    open: std::collections::HashMap<Vec<u8>, (Rc<OwnedFd>, u64)>,
+    uses: u64,
+}
+
+impl Parents {
+    fn get(&mut self, path: &[u8]) -> Option<Rc<OwnedFd>> {
+        self.uses += 1;
+        let (fd, used) = self.open.get_mut(path)?;
+        *used = self.uses;
+        Some(fd.clone())
+    }
+
+    fn insert(&mut self, path: &[u8], fd: Rc<OwnedFd>) {
+        if self.open.len() >= OPEN_PARENTS
+            && let Some(oldest) = self.open.iter().min_by_key(|(_, (_, used))| *used).map(|(p, _)| p.clone())
+        {
+            self.open.remove(&oldest);
+        }
+        self.uses += 1;
+        self.open.insert(path.to_vec(), (fd, self.uses));
+    }
+
+    fn clear(&mut self) {
+        self.open.clear();
+    }
+}
+
+/// The permission bits this process's umask leaves to a new file (from `/proc/self/status`,
+/// where reading it changes nothing), unless a default ACL on `dir` decides them instead; empty
+/// when either is unknown.
+fn creation_bits(dir: &Path) -> u32 {
+    match rustix::fs::getxattr(dir, "system.posix_acl_default", &mut [0u8; 0][..]) {
+        Err(Errno::NODATA | Errno::OPNOTSUPP) => {}
+        _ => return 0,
+    }
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    let umask =
+        status.lines().find_map(|line| line.strip_prefix("Umask:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok());
+    umask.map_or(0, |umask| 0o777 & !umask)
 }
 
 /// What an entry's header and PAX records say about it.
@@ -383,7 +619,7 @@ impl<'a> Extract<'a> {
             root: Rc::new(root),
             layer,
             max_entries,
-            parent: None,
+            parents: Parents::default(),
             dir_times: Vec::new(),
             buffer: vec![0; COPY_BUFFER],
             size: 0,
@@ -391,6 +627,7 @@ impl<'a> Extract<'a> {
             devices: 0,
             own_ids: (rustix::process::geteuid().as_raw(), rustix::process::getegid().as_raw()),
             setgid_dirs: std::collections::HashSet::new(),
+            creation_bits: creation_bits(into),
         })
     }
 
@@ -442,22 +679,30 @@ impl<'a> Extract<'a> {
         }
         let parent_fd = self.parent(&raw, &parent, true)?;
         let parent_fd = parent_fd.as_fd();
+        // What this process makes is its own, unless its directory is setgid.
+        let owned = !self.setgid_dirs.contains(&parent) && (meta.uid, meta.gid) == self.own_ids;
         if kind.is_file() || kind.is_contiguous() {
-            let owned = !self.setgid_dirs.contains(&parent) && (meta.uid, meta.gid) == self.own_ids;
             self.file(parent_fd, &raw, name, &meta, owned, &mut entry)
         } else if kind.is_dir() {
             self.dir(parent_fd, &raw, &parent, name, meta)
         } else if kind.is_symlink() {
             let target = entry.link_name_bytes().ok_or_else(|| self.hostile(&raw, "a symlink without a target"))?;
-            self.clear(parent_fd, &raw, name, false)?;
-            rustix::fs::symlinkat(OsStr::from_bytes(&target), parent_fd, OsStr::from_bytes(name))
-                .map_err(|e| self.io(&raw, "make the symlink", e))?;
-            self.owner_and_times_at(parent_fd, &raw, name, &meta, false)
+            let make = || rustix::fs::symlinkat(OsStr::from_bytes(&target), parent_fd, OsStr::from_bytes(name));
+            // Most names are new: made first, and what is there cleared only when something is.
+            match make() {
+                Err(Errno::EXIST) => {
+                    self.clear(parent_fd, &raw, name, false)?;
+                    make()
+                }
+                made => made,
+            }
+            .map_err(|e| self.io(&raw, "make the symlink", e))?;
+            self.owner_and_times_at(parent_fd, &raw, name, &meta, !owned, false)
         } else if kind.is_fifo() {
             self.clear(parent_fd, &raw, name, false)?;
             rustix::fs::mknodat(parent_fd, OsStr::from_bytes(name), FileType::Fifo, Mode::from_raw_mode(0o600), 0)
                 .map_err(|e| self.io(&raw, "make the fifo", e))?;
-            self.owner_and_times_at(parent_fd, &raw, name, &meta, true)
+            self.owner_and_times_at(parent_fd, &raw, name, &meta, true, true)
         } else {
             Err(self.hostile(&raw, format!("entry type `{}` is not a file system object", kind.as_byte() as char)))
         }
@@ -508,13 +753,11 @@ impl<'a> Extract<'a> {
         if parent.is_empty() {
             return Ok(self.root.clone());
         }
-        if let Some((path, fd)) = &self.parent
-            && path == parent
-        {
-            return Ok(fd.clone());
+        if let Some(fd) = self.parents.get(parent) {
+            return Ok(fd);
         }
         let fd = Rc::new(self.open_dir(raw, parent, create)?);
-        self.parent = Some((parent.to_vec(), fd.clone()));
+        self.parents.insert(parent, fd.clone());
         Ok(fd)
     }
 
@@ -607,8 +850,8 @@ impl<'a> Extract<'a> {
             if keep_dir {
                 return Ok(true);
             }
-            // The cached parent may be in it.
-            self.parent = None;
+            // Cached parents may be in it.
+            self.parents.clear();
             remove_tree(parent, name).map_err(|e| self.io(raw, "remove the directory already at", e))?;
         } else {
             rustix::fs::unlinkat(parent, name, AtFlags::empty()).map_err(|e| self.io(raw, "replace", e))?;
@@ -626,7 +869,11 @@ impl<'a> Extract<'a> {
         data: &mut tar::Entry<'_, R>,
     ) -> Result<(), ImageError> {
         let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-        let create = || rustix::fs::openat(parent, OsStr::from_bytes(name), flags, Mode::from_raw_mode(0o600));
+        // Made with its mode when the umask leaves it whole (no chmod then), unless it has
+        // setuid, setgid or sticky bits: a chown clears the first two, and the umask never has them.
+        let mode_at_creation = meta.mode & !self.creation_bits == 0;
+        let mode = Mode::from_raw_mode(if mode_at_creation { meta.mode } else { 0o600 });
+        let create = || rustix::fs::openat(parent, OsStr::from_bytes(name), flags, mode);
         // Most names are new: create first, and clear what is there only when something is.
         let fd = match create() {
             Err(Errno::EXIST) => {
@@ -647,25 +894,28 @@ impl<'a> Extract<'a> {
                 .map_err(|e| ImageError::io(format!("layer {}: cannot write `{}`", self.layer, lossy(raw)), e))?;
             self.size += n as u64;
         }
-        self.finish_fd(file.as_fd(), raw, meta, !owned, true)
+        self.finish_fd(file.as_fd(), raw, meta, !owned, !mode_at_creation, true)
     }
 
-    /// Owner (when `chown`: a new file may have it already), then mode (a chown clears setuid
-    /// bits), xattrs and times of an open file or directory; times only when `times` (a
-    /// directory's are set at the end).
+    /// Owner (when `chown`: a new file may have it already), then mode (when `chmod`: a new file
+    /// may have it already; after the owner, since a chown clears setuid bits), xattrs and times
+    /// of an open file or directory; times only when `times` (a directory's are set at the end).
     fn finish_fd(
         &self,
         fd: BorrowedFd<'_>,
         raw: &[u8],
         meta: &Meta,
         chown: bool,
+        chmod: bool,
         times: bool,
     ) -> Result<(), ImageError> {
         if chown {
             let (uid, gid) = ids(meta);
             rustix::fs::fchown(fd, Some(uid), Some(gid)).map_err(|e| self.io(raw, "set the owner of", e))?;
         }
-        rustix::fs::fchmod(fd, Mode::from_raw_mode(meta.mode)).map_err(|e| self.io(raw, "set the mode of", e))?;
+        if chmod {
+            rustix::fs::fchmod(fd, Mode::from_raw_mode(meta.mode)).map_err(|e| self.io(raw, "set the mode of", e))?;
+        }
         for (name, value) in &meta.xattrs {
             rustix::fs::fsetxattr(fd, OsStr::from_bytes(name), value, XattrFlags::empty())
                 .map_err(|e| self.io(raw, &format!("set the xattr `{}` of", lossy(name)), e))?;
@@ -676,19 +926,23 @@ impl<'a> Extract<'a> {
         Ok(())
     }
 
-    /// Owner, mode (unless a symlink's) and times of `name` in `parent`, not following it.
+    /// Owner (when `chown`: a new symlink may have it already), mode (unless a symlink's) and
+    /// times of `name` in `parent`, not following it.
     fn owner_and_times_at(
         &self,
         parent: BorrowedFd<'_>,
         raw: &[u8],
         name: &[u8],
         meta: &Meta,
+        chown: bool,
         mode: bool,
     ) -> Result<(), ImageError> {
         let name = OsStr::from_bytes(name);
-        let (uid, gid) = ids(meta);
-        rustix::fs::chownat(parent, name, Some(uid), Some(gid), AtFlags::SYMLINK_NOFOLLOW)
-            .map_err(|e| self.io(raw, "set the owner of", e))?;
+        if chown {
+            let (uid, gid) = ids(meta);
+            rustix::fs::chownat(parent, name, Some(uid), Some(gid), AtFlags::SYMLINK_NOFOLLOW)
+                .map_err(|e| self.io(raw, "set the owner of", e))?;
+        }
         if mode {
             // Only a fifo gets here with `mode`: chmodat follows symlinks, and this is none.
             rustix::fs::chmodat(parent, name, Mode::from_raw_mode(meta.mode), AtFlags::empty())
@@ -713,7 +967,7 @@ impl<'a> Extract<'a> {
         let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = rustix::fs::openat(parent_fd, OsStr::from_bytes(name), flags, Mode::empty())
             .map_err(|e| self.io(raw, "open the directory", e))?;
-        self.finish_fd(fd.as_fd(), raw, &meta, true, false)?;
+        self.finish_fd(fd.as_fd(), raw, &meta, true, true, false)?;
         let mut path = parent.to_vec();
         if !path.is_empty() {
             path.push(b'/');
@@ -732,7 +986,7 @@ impl<'a> Extract<'a> {
         let fd =
             rustix::fs::openat(&*self.root, c".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
                 .map_err(|e| self.io(raw, "open the layer's root for", e))?;
-        self.finish_fd(fd.as_fd(), raw, &meta, true, false)?;
+        self.finish_fd(fd.as_fd(), raw, &meta, true, true, false)?;
         if meta.mode & 0o2000 != 0 {
             self.setgid_dirs.insert(Vec::new());
         } else {
@@ -819,8 +1073,8 @@ impl<'a> Extract<'a> {
             .map_err(|e| self.io(raw, "set the owner of the whiteout", e))
     }
 
-    /// Sets the directories' times, then makes the layer durable: it is renamed into the store
-    /// next, and must not be there half written after a crash of the machine.
+    /// Sets the directories' times. The layer is not durable yet: the store syncs it before it
+    /// renames it into place ([`crate::store::Disk::commit_layer`]).
     fn finish(&mut self) -> Result<(), ImageError> {
         let dir_times = std::mem::take(&mut self.dir_times);
         for (path, times) in dir_times {
@@ -843,10 +1097,7 @@ impl<'a> Extract<'a> {
                 Err(e) => return Err(self.io(&raw, "set the times of", e)),
             }
         }
-        let fd =
-            rustix::fs::openat(&*self.root, c".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
-                .map_err(|e| ImageError::io(format!("layer {}: cannot open its root", self.layer), e.into()))?;
-        rustix::fs::syncfs(&fd).map_err(|e| ImageError::io(format!("layer {}: cannot sync it", self.layer), e.into()))
+        Ok(())
     }
 }
 
@@ -1186,7 +1437,7 @@ mod tests {
     fn an_endless_blob_is_cut_at_its_size_and_refused() {
         let (_d, fs) = root_dir();
         let expected = Expected { diff_id: sha256(b""), blob: Some((sha256(b""), 4096)) };
-        let endless = io::repeat(0);
+        let endless = io::BufReader::new(io::repeat(0));
         let err = unpack(endless, &fs, &expected, &Limits::default(), &Budget::default(), &|_| {}).err();
         assert!(matches!(&err, Some(ImageError::Digest { what, .. }) if what.contains("size")), "{err:?}");
     }
@@ -1267,6 +1518,104 @@ mod tests {
     }
 
     #[test]
+    fn a_symlink_replaces_a_file_or_a_directory_already_there() {
+        sandman_testkit::require_root();
+        let layer =
+            Layer::new().file("f", b"1").dir("d/").file("d/in", b"2").symlink("f", "t1").symlink("d", "t2").bytes();
+        let (_d, fs, _) = unpacked(&layer);
+        assert_eq!(std::fs::read_link(fs.join("f")).ok(), Some(PathBuf::from("t1")));
+        assert_eq!(std::fs::read_link(fs.join("d")).ok(), Some(PathBuf::from("t2")));
+    }
+
+    #[test]
+    fn a_directory_made_again_is_the_one_its_entries_land_in() {
+        sandman_testkit::require_root();
+        // `d` is opened for `d/a`, then removed: `d/b` must go into the new `d`, not the old one.
+        let layer = Layer::new().dir("d/").file("d/a", b"1").file("d", b"a file").dir("d/").file("d/b", b"2").bytes();
+        let (_d, fs, _) = unpacked(&layer);
+        assert_eq!(std::fs::read(fs.join("d/b")).unwrap_or_default(), b"2");
+        assert!(!fs.join("d/a").exists());
+    }
+
+    #[test]
+    fn entries_in_more_directories_than_are_kept_open_land_in_theirs() {
+        sandman_testkit::require_root();
+        let dirs = OPEN_PARENTS * 2 + 1;
+        let mut layer = Layer::new();
+        for round in 0..3 {
+            for d in 0..dirs {
+                layer.file(&format!("d{d}/f{round}"), format!("{d}.{round}").as_bytes());
+            }
+        }
+        let (_d, fs, _) = unpacked(&layer.bytes());
+        for round in 0..3 {
+            for d in 0..dirs {
+                let found = std::fs::read(fs.join(format!("d{d}/f{round}"))).unwrap_or_default();
+                assert_eq!(found, format!("{d}.{round}").as_bytes(), "d{d}/f{round}");
+            }
+        }
+    }
+
+    #[test]
+    fn files_get_their_modes_exactly_whatever_the_umask_leaves() {
+        sandman_testkit::require_root();
+        let modes = [0o644, 0o755, 0o777, 0o666, 0o600, 0o000, 0o444, 0o4755, 0o2711, 0o1777];
+        let mut layer = Layer::new();
+        for (i, mode) in modes.iter().enumerate() {
+            // Both the tar's owner and this process's (which takes no chown).
+            for uid in [0, 1000] {
+                let mut header = Header::new_gnu();
+                header.set_entry_type(EntryType::Regular);
+                header.set_size(1);
+                header.set_mode(*mode);
+                header.set_uid(uid);
+                header.set_gid(uid);
+                header.set_path(format!("m{i}-{uid}")).unwrap_or_else(|e| panic!("{e}"));
+                header.set_cksum();
+                layer.0.append(&header, &b"x"[..]).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+        let (_d, fs, _) = unpacked(&layer.bytes());
+        for (i, mode) in modes.iter().enumerate() {
+            for uid in [0, 1000] {
+                let meta = std::fs::metadata(fs.join(format!("m{i}-{uid}"))).unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(meta.mode() & 0o7777, *mode, "m{i}-{uid}: {mode:o}");
+                assert_eq!((meta.uid(), meta.gid()), (uid as u32, uid as u32));
+            }
+        }
+    }
+
+    #[test]
+    fn a_blob_whose_first_bytes_come_one_at_a_time_is_still_read_as_gzip() {
+        sandman_testkit::require_root();
+        let layer = Layer::new().file("f", b"x").bytes();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&layer).unwrap_or_else(|e| panic!("{e}"));
+        let gz = gz.finish().unwrap_or_else(|e| panic!("{e}"));
+        let (_d, fs) = root_dir();
+        let expected = Expected { diff_id: sha256(&layer), blob: Some((sha256(&gz), gz.len() as u64)) };
+        let trickle = io::BufReader::with_capacity(1, &gz[..]);
+        let done = unpack(trickle, &fs, &expected, &Limits::default(), &Budget::default(), &|_| {})
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(done.blob_size, gz.len() as u64);
+        assert_eq!(std::fs::read(fs.join("f")).unwrap_or_default(), b"x");
+    }
+
+    #[test]
+    fn a_refusal_early_in_a_large_layer_stops_its_decompressor() {
+        // Refused at its first entry, with megabytes still to inflate: the unpack ends with the
+        // refusal, its decompressor stopped rather than left waiting to hand over more.
+        let layer = Layer::new().file("../escape", b"x").file("big", &vec![7; 16 << 20]).bytes();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&layer).unwrap_or_else(|e| panic!("{e}"));
+        let gz = gz.finish().unwrap_or_else(|e| panic!("{e}"));
+        let (_d, fs) = root_dir();
+        let expected = Expected { diff_id: sha256(&layer), blob: Some((sha256(&gz), gz.len() as u64)) };
+        let err = unpack(&gz[..], &fs, &expected, &Limits::default(), &Budget::default(), &|_| {}).err();
+        assert!(matches!(&err, Some(ImageError::HostileLayer { why, .. }) if why.contains("..")), "{err:?}");
+    }
+
+    #[test]
     fn a_root_file_in_a_setgid_directory_still_gets_its_group() {
         sandman_testkit::require_root();
         let mut layer = Layer::new();
@@ -1281,11 +1630,24 @@ mod tests {
         header.as_old_mut().name[..8].copy_from_slice(b"shared/f");
         header.set_cksum();
         layer.0.append(&header, &b"x"[..]).unwrap_or_else(|e| panic!("{e}"));
+        let mut header = Header::new_gnu();
+        header.set_entry_type(EntryType::Symlink);
+        header.set_size(0);
+        header.set_mode(0o777);
+        header.set_mtime(0);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_path("shared/l").unwrap_or_else(|e| panic!("{e}"));
+        header.set_link_name("f").unwrap_or_else(|e| panic!("{e}"));
+        header.set_cksum();
+        layer.0.append(&header, &b""[..]).unwrap_or_else(|e| panic!("{e}"));
         let (_d, fs, _) = unpacked(&layer.bytes());
         let shared = std::fs::metadata(fs.join("shared")).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((shared.gid(), shared.mode() & 0o7777), (1001, 0o2775));
         let file = std::fs::metadata(fs.join("shared/f")).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((file.uid(), file.gid()), (0, 0), "the tar's group, not the directory's");
+        let link = std::fs::symlink_metadata(fs.join("shared/l")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((link.uid(), link.gid()), (0, 0), "a symlink's too");
     }
 
     #[test]

@@ -212,3 +212,28 @@ async fn docker_archives_in_the_oci_forms_newer_engines_write_are_imported() {
         assert!(got.layers[1].join("app").is_file());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_leaves_blobs_a_pull_has_not_recorded_yet_and_the_next_open_sweeps_them() {
+    let dir = scratch();
+    let image = two_layers();
+    let layout = dir.path().join("layout");
+    image.write_oci_layout(&layout, "v1");
+    let store = ImageStore::open(config(dir.path())).unwrap_or_else(|e| panic!("{e}"));
+    let id = store.resolve(&format!("oci:{}:v1", layout.display()), Progress::none()).await.map(|i| i.id);
+    let id = id.unwrap_or_else(|e| panic!("{e}"));
+    // A pull under way has written its manifest and config, and not yet its record.
+    let blobs = dir.path().join("images/blobs/sha256");
+    let pending = blobs.join("ab".repeat(32));
+    std::fs::write(&pending, b"{}").unwrap_or_else(|e| panic!("{e}"));
+    let in_use: InUse = [id.as_str()].into_iter().collect();
+    store.prune(&in_use).unwrap_or_else(|e| panic!("{e}"));
+    assert!(pending.is_file(), "a prune removed a blob a pull under way still needs");
+    // What a failed or killed pull left goes when the store is next opened; the images' stay.
+    drop(store);
+    let store = ImageStore::open(config(dir.path())).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!pending.exists(), "a blob no image names outlived the store's opening");
+    assert!(blobs.join(id.trim_start_matches("sha256:")).is_file(), "the image's config went with the orphan");
+    let listed: Vec<String> = store.list().into_iter().map(|i| i.id).collect();
+    assert_eq!(listed, [id]);
+}
