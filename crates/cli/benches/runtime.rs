@@ -5,8 +5,10 @@
 //! - **networks**: create-to-ready and an exec round trip of `network: egress` sandboxes (a
 //!   network namespace and a veth through the server's NAT) against `network: none` ones (a
 //!   namespace with only loopback: what every sandbox had before it had a way out), with the
-//!   target egress/none at most 1.3x at p50; the memory the network part costs a sandbox (the
-//!   machine's available memory, held by `SANDMAN_BENCH_HELD` sandboxes of each, default 200);
+//!   target egress/none at most 1.3x at p50, and with `SANDMAN_BENCH_BASELINE=<dir>` (another
+//!   build's `sandman` and `sandmand`, such as the last one whose sandboxes shared the host's
+//!   network) against that build's creates in the same rounds; the kernel memory the network part
+//!   costs a sandbox (held by `SANDMAN_BENCH_HELD` sandboxes of each, default 200);
 //!   and 1,000 egress sandboxes (`SANDMAN_BENCH_NETWORKS`) held at once, each with its own
 //!   address, a sample of them fetching a page from a stand-in internet by name;
 //! - **images**: create-to-ready from a cached multi-layer image against `host` (target at
@@ -70,7 +72,12 @@ fn kernel_kib() -> u64 {
 
 fn pss_kib(pid: u32) -> u64 {
     let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    rollup.lines().find(|l| l.starts_with("Pss:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0)
+    rollup
+        .lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Lets the kernel settle what it frees lazily (namespaces, RCU) before memory is read.
@@ -162,32 +169,66 @@ async fn networks(rounds: usize, summary: &mut Vec<String>) {
     let (warm, _) = create_many(&http, &egress, 10, 2).await;
     release_all(&http, &warm).await;
 
-    println!("\nnetworks: create-to-ready and exec, egress (own namespace + veth + NAT) vs none (own namespace, loopback only)");
-    let (mut ce, mut cn, mut xe, mut xn) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for i in 0..rounds {
-        let order: [(&Value, bool); 2] = if i % 2 == 0 { [(&egress, true), (&none, false)] } else { [(&none, false), (&egress, true)] };
-        for (body, is_egress) in order {
-            let (id, took) = timed_create(&http, body).await;
-            let x = exec_p50(&http, &id, 5).await;
-            if is_egress {
-                ce.push(took);
-                xe.push(x);
-            } else {
-                cn.push(took);
-                xn.push(x);
-            }
-            http.release(&id).await;
+    // With a baseline build (`SANDMAN_BENCH_BASELINE`: a directory with another build's `sandman`
+    // and `sandmand`, e.g. the release before sandboxes had networks of their own, whose
+    // sandboxes shared the host's network), its creates join the same rounds.
+    let baseline_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let baseline = std::env::var_os("SANDMAN_BENCH_BASELINE").map(std::path::PathBuf::from).map(|dir| {
+        let daemon = dir.join("sandmand").display().to_string();
+        let server = Server::start_bin(
+            &dir.join("sandman"),
+            &baseline_dir.path().join("state"),
+            &["--daemon", &daemon, "--create-rate", "0"],
+        );
+        (dir, server)
+    });
+    let mut sides: Vec<(String, Http, &Value)> = vec![
+        ("egress (own namespace, veth, NAT)".into(), http.clone(), &egress),
+        ("none (own namespace, loopback only)".into(), http.clone(), &none),
+    ];
+    if let Some((dir, server)) = &baseline {
+        sides.push((format!("egress, baseline build {}", dir.display()), server.client(), &egress));
+    }
+    println!("\nnetworks: create-to-ready and exec /bin/true, {} sides in alternating rounds", sides.len());
+    let mut creates: Vec<Vec<Duration>> = vec![Vec::new(); sides.len()];
+    let mut execs: Vec<Vec<Duration>> = vec![Vec::new(); sides.len()];
+    for round in 0..rounds {
+        for k in 0..sides.len() {
+            let i = (round + k) % sides.len();
+            let (_, side, body) = &sides[i];
+            let (id, took) = timed_create(side, body).await;
+            execs[i].push(exec_p50(side, &id, 5).await);
+            creates[i].push(took);
+            side.release(&id).await;
         }
     }
-    let ((ce50, ce99), (cn50, cn99)) = (p50_p99(&mut ce), p50_p99(&mut cn));
-    let (xe50, xn50) = (p50_p99(&mut xe).0, p50_p99(&mut xn).0);
-    println!("  create-to-ready  egress p50 {:.2} ms p99 {:.2} ms   none p50 {:.2} ms p99 {:.2} ms", ms(ce50), ms(ce99), ms(cn50), ms(cn99));
-    println!("  exec /bin/true   egress p50 {:.3} ms               none p50 {:.3} ms", ms(xe50), ms(xn50));
-    let (cr, xr) = (ce50.as_secs_f64() / cn50.as_secs_f64(), xe50.as_secs_f64() / xn50.as_secs_f64());
+    let mut p50 = Vec::new();
+    for (i, (name, _, _)) in sides.iter().enumerate() {
+        let (c50, c99) = p50_p99(&mut creates[i]);
+        let x50 = p50_p99(&mut execs[i]).0;
+        println!(
+            "  {name:<58} create-to-ready p50 {:>6.2} ms p99 {:>6.2} ms   exec p50 {:.3} ms",
+            ms(c50),
+            ms(c99),
+            ms(x50)
+        );
+        p50.push((c50.as_secs_f64(), x50.as_secs_f64()));
+    }
+    let verdict = |r: f64| if r <= 1.3 { "met" } else { "NOT MET" };
+    let (cr, xr) = (p50[0].0 / p50[1].0, p50[0].1 / p50[1].1);
     summary.push(format!(
         "network: create-to-ready egress/none p50 {cr:.2}x (target <= 1.3: {}), exec {xr:.2}x",
-        if cr <= 1.3 { "met" } else { "NOT MET" }
+        verdict(cr)
     ));
+    if let Some(base) = p50.get(2) {
+        let (cr, xr) = (p50[0].0 / base.0, p50[0].1 / base.1);
+        summary.push(format!(
+            "network: create-to-ready egress/baseline build (the host's network) p50 {cr:.2}x (target <= 1.3: {}), exec {xr:.2}x",
+            verdict(cr)
+        ));
+    }
+    drop(sides);
+    drop(baseline);
 
     // Memory of the network part: the same number of sandboxes held each way.
     let held = env_usize("SANDMAN_BENCH_HELD", 200);
@@ -207,7 +248,10 @@ async fn networks(rounds: usize, summary: &mut Vec<String>) {
         per[1],
         per[1] - per[0]
     );
-    summary.push(format!("network: {:.0} KiB of kernel memory per sandbox for its namespace, veth and NAT", per[1] - per[0]));
+    summary.push(format!(
+        "network: {:.0} KiB of kernel memory per sandbox for its namespace, veth and NAT",
+        per[1] - per[0]
+    ));
 
     // Many held at once, each with a network of its own.
     let many = env_usize("SANDMAN_BENCH_NETWORKS", 1000);
@@ -238,7 +282,9 @@ async fn networks(rounds: usize, summary: &mut Vec<String>) {
         addrs.len(),
         after.saturating_sub(before) as f64 / many as f64
     );
-    summary.push(format!("network: {many} egress sandboxes held at once, {fetched}/{sample} reached the stand-in internet by name"));
+    summary.push(format!(
+        "network: {many} egress sandboxes held at once, {fetched}/{sample} reached the stand-in internet by name"
+    ));
     release_all(&http, &ids).await;
     drop(server);
 }
@@ -274,29 +320,50 @@ async fn images(rounds: usize, summary: &mut Vec<String>) {
     let of_image = json!({"image": reference});
     let host = json!({"image": "host"});
 
-    println!("\nimages: a {}-layer image ({:.1} MiB compressed)", image.layers.len(), image.layers.iter().map(|l| l.bytes.len()).sum::<usize>() as f64 / 1048576.0);
+    println!(
+        "\nimages: a {}-layer image ({:.1} MiB compressed)",
+        image.layers.len(),
+        image.layers.iter().map(|l| l.bytes.len()).sum::<usize>() as f64 / 1048576.0
+    );
     let pulled = Instant::now();
     let (id, _) = timed_create(&http, &of_image).await;
     println!("  first create (pulls it): {:.0} ms", ms(pulled.elapsed()));
     http.release(&id).await;
     let (mut ci, mut ch) = (Vec::new(), Vec::new());
     for i in 0..rounds {
-        let order: [(&Value, bool); 2] = if i % 2 == 0 { [(&of_image, true), (&host, false)] } else { [(&host, false), (&of_image, true)] };
+        let order: [(&Value, bool); 2] =
+            if i % 2 == 0 { [(&of_image, true), (&host, false)] } else { [(&host, false), (&of_image, true)] };
         for (body, is_image) in order {
             let (id, took) = timed_create(&http, body).await;
-            if is_image { ci.push(took) } else { ch.push(took) }
+            if is_image {
+                ci.push(took)
+            } else {
+                ch.push(took)
+            }
             http.release(&id).await;
         }
     }
     let ((ci50, ci99), (ch50, ch99)) = (p50_p99(&mut ci), p50_p99(&mut ch));
-    println!("  create-to-ready  cached image p50 {:.2} ms p99 {:.2} ms   host p50 {:.2} ms p99 {:.2} ms", ms(ci50), ms(ci99), ms(ch50), ms(ch99));
+    println!(
+        "  create-to-ready  cached image p50 {:.2} ms p99 {:.2} ms   host p50 {:.2} ms p99 {:.2} ms",
+        ms(ci50),
+        ms(ci99),
+        ms(ch50),
+        ms(ch99)
+    );
     let r = ci50.as_secs_f64() / ch50.as_secs_f64();
-    summary.push(format!("images: create-to-ready cached image/host p50 {r:.2}x (target <= 1.5: {})", if r <= 1.5 { "met" } else { "NOT MET" }));
+    summary.push(format!(
+        "images: create-to-ready cached image/host p50 {r:.2}x (target <= 1.5: {})",
+        if r <= 1.5 { "met" } else { "NOT MET" }
+    ));
 
     match docker_create_p50(&reference, rounds).await {
         Some(d) => {
             println!("  create-to-ready  the docker provider, same image: p50 {:.2} ms", ms(d));
-            summary.push(format!("images: create-to-ready the docker provider / the process provider, same image: {:.1}x", d.as_secs_f64() / ci50.as_secs_f64()));
+            summary.push(format!(
+                "images: create-to-ready the docker provider / the process provider, same image: {:.1}x",
+                d.as_secs_f64() / ci50.as_secs_f64()
+            ));
         }
         None => println!("  the docker provider: left out (no engine or no static daemon)"),
     }
@@ -306,9 +373,17 @@ async fn images(rounds: usize, summary: &mut Vec<String>) {
     assert!(pruned["images"].as_array().is_some_and(|a| !a.is_empty()), "nothing pruned: {pruned}");
     let gets_before: Vec<usize> = image.layers.iter().map(|l| registry.requests("GET", &l.digest)).collect();
     let (ids, took) = create_many(&http, &of_image, 64, 64).await;
-    let fetched: Vec<usize> = image.layers.iter().zip(&gets_before).map(|(l, b)| registry.requests("GET", &l.digest) - b).collect();
-    println!("  64 creates at once of the image, not in the store: all ready in {:.2} s; each layer fetched {fetched:?} time(s)", took.as_secs_f64());
-    summary.push(format!("images: 64 concurrent creates of an uncached image, all ready in {:.2} s, each blob fetched once: {}", took.as_secs_f64(), fetched.iter().all(|n| *n == 1)));
+    let fetched: Vec<usize> =
+        image.layers.iter().zip(&gets_before).map(|(l, b)| registry.requests("GET", &l.digest) - b).collect();
+    println!(
+        "  64 creates at once of the image, not in the store: all ready in {:.2} s; each layer fetched {fetched:?} time(s)",
+        took.as_secs_f64()
+    );
+    summary.push(format!(
+        "images: 64 concurrent creates of an uncached image, all ready in {:.2} s, each blob fetched once: {}",
+        took.as_secs_f64(),
+        fetched.iter().all(|n| *n == 1)
+    ));
     release_all(&http, &ids).await;
 
     // Many held at once: the store counted once.
@@ -332,7 +407,12 @@ async fn images(rounds: usize, summary: &mut Vec<String>) {
     let after = kernel_kib();
     let upper: u64 = {
         let r = http.exec(&ids[0], json!({"argv": ["du", "-sk", "/tmp", "/root"]})).await;
-        r["stdout"].as_str().unwrap_or_default().lines().filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).sum()
+        r["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
     };
     println!(
         "  {many} sandboxes of the image held at once: made in {:.1} s ({:.0}/s); the store {:.1} MiB on disk, once; per sandbox {:.1} KiB on disk (its writable layer, in memory), {:.0} KiB PSS of its processes, {:.0} KiB of kernel memory",
@@ -343,7 +423,10 @@ async fn images(rounds: usize, summary: &mut Vec<String>) {
         pss as f64 / many as f64,
         after.saturating_sub(before) as f64 / many as f64
     );
-    summary.push(format!("images: {many} sandboxes of one image held, its {:.1} MiB stored once", store_bytes as f64 / 1048576.0));
+    summary.push(format!(
+        "images: {many} sandboxes of one image held, its {:.1} MiB stored once",
+        store_bytes as f64 / 1048576.0
+    ));
     release_all(&http, &ids).await;
 }
 
