@@ -26,7 +26,9 @@ async fn an_image_runs_as_it_says_and_the_store_keeps_what_sandboxes_run() {
     registry.push("test/app", "1", &app_image()).await;
     let reference = registry.reference("test/app", "1");
     let other = LayerBuilder::new().file("other.txt", b"other\n").build(Compression::Gzip);
-    registry.push("test/other", "1", &TestImage::with_config(vec![busybox_layer(), other], host_arch(), json!({}))).await;
+    registry
+        .push("test/other", "1", &TestImage::with_config(vec![busybox_layer(), other], host_arch(), json!({})))
+        .await;
     let unused = registry.reference("test/other", "1");
     let server = Server::start_in(&dir.path().join("state"), &[]);
     let http = server.client();
