@@ -173,6 +173,38 @@ async fn an_image_with_no_shell_runs_argv() {
     p.delete(&s.id).await.unwrap();
 }
 
+/// Regression: the daemon, still the host's root in the host's tree while it assembled an image
+/// sandbox's root, wrote its `/etc/resolv.conf` and made its working directory through the
+/// image's symbolic links, so an image whose `etc` climbed out of its root (`../` enough times,
+/// then the host's tree as the daemon sees it) wrote files in any host directory, `/etc` itself
+/// included. The links resolve inside the sandbox's root now, as the sandbox resolves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_images_links_out_of_its_root_lead_nowhere_on_the_host() {
+    require_root();
+    let state = state_dir();
+    let bait = tempfile::tempdir_in(common::scratch()).unwrap();
+    let host_dir = bait.path().to_str().unwrap().trim_start_matches('/').to_string();
+    // The host's tree is at /host in the provider's template namespace, and at / without one.
+    let climb = |under: &str| format!("{}{under}{host_dir}", "../".repeat(40));
+    let escape = LayerBuilder::new()
+        .symlink("etc", &climb("host/"))
+        .symlink("abs", &format!("/host/{host_dir}"))
+        .build(Compression::Gzip);
+    let run = json!({"Env": ["PATH=/bin"], "WorkingDir": "/abs/work"});
+    let registry = Registry::start(Auth::Anonymous, state.path());
+    registry.push("test/escape", "1", &TestImage::with_config(vec![busybox_layer(), escape], host_arch(), run)).await;
+    let p = provider(state.path(), Isolation::Full);
+    let s = spec("escape", &registry.reference("test/escape", "1"));
+    let ep = ready(&p, &s).await;
+    let r = sh(&ep, &s.token, "pwd -P; grep -c nameserver /etc/resolv.conf; readlink /etc").await;
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let inside = format!("/host/{host_dir}");
+    assert_eq!(out(&r), format!("{inside}/work\n1\n{}\n", climb("host/")), "{r}");
+    let written: Vec<_> = std::fs::read_dir(bait.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(written.is_empty(), "the sandbox's files were written on the host: {written:?}");
+    p.delete(&s.id).await.unwrap();
+}
+
 /// Runs futures concurrently on the current task.
 async fn futures_join<F: Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let handles: Vec<_> = futs.into_iter().map(Box::pin).collect();

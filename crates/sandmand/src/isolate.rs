@@ -448,7 +448,16 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
         0,
         Some(&format!("lowerdir={lowerdir},upperdir=upper,workdir=work")),
     )?;
-    let at = |p: &str| merged.join(p.trim_start_matches('/'));
+    // Every path of the sandbox is resolved in its root, as the sandbox will resolve it: this
+    // process is still the host's root in the host's tree, where an image's symbolic link
+    // (`etc -> ../../../../host/etc`) would lead its writes and mounts.
+    let at = |p: &str| {
+        in_root(&merged, Path::new(p), true).map_err(|source| IsolateError::Mount {
+            what: "resolve a path in the sandbox's root",
+            path: merged.join(p.trim_start_matches('/')),
+            source,
+        })
+    };
     if let Some(egress) = iso.egress.as_ref().filter(|_| iso.net) {
         own_file(&merged, Path::new("/etc/resolv.conf"), iso.ids, &resolv_conf(&egress.dns))?;
     }
@@ -458,7 +467,7 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
         for point in ["/proc", "/sys", "/dev", "/tmp"] {
             own_path(&merged, Path::new(point), 0, 0o755)?;
         }
-        if !at("/etc/hosts").exists() {
+        if !at("/etc/hosts")?.exists() {
             own_file(&merged, Path::new("/etc/hosts"), iso.ids, HOSTS)?;
         }
     }
@@ -498,7 +507,7 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
         // files in /tmp: the sandbox gets empty ones of its own.
         own_at("give the sandbox a /tmp", "tmp", 0o1777, Path::new("/tmp"))?;
         own_at("give the sandbox an empty /run", "run", 0o755, Path::new("/run"))?;
-        if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        if merged.join("var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
             own_at("give the sandbox an empty /var/tmp", "var-tmp", 0o1777, Path::new("/var/tmp"))?;
         }
         if let Some(workdir) = &iso.workdir {
@@ -508,12 +517,12 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
     // A bind remount changes the flags of that one mount.
     let read_only = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
 
-    mount("mount /proc", Some(Path::new("proc")), &at("/proc"), Some("proc"), no_exec, None)?;
-    mount("mount /sys", Some(Path::new("sysfs")), &at("/sys"), Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
-    let (cgroups, host_cgroups) = (at("/sys/fs/cgroup"), on_host(Path::new("/sys/fs/cgroup")));
+    mount("mount /proc", Some(Path::new("proc")), &at("/proc")?, Some("proc"), no_exec, None)?;
+    mount("mount /sys", Some(Path::new("sysfs")), &at("/sys")?, Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
+    let (cgroups, host_cgroups) = (at("/sys/fs/cgroup")?, on_host(Path::new("/sys/fs/cgroup")));
     mount_cgroups(&cgroups, &host_cgroups, &on_host(Path::new("/proc")), root)?;
 
-    let dev = at("/dev");
+    let dev = at("/dev")?;
     bind_own("give the sandbox a /dev", &own_dir("dev", 0, 0o755)?, &dev)?;
     for name in DEVICES {
         let node = dev.join(name);
@@ -569,10 +578,14 @@ fn white_out(upper: &Path, host: &Path, path: &Path) -> Result<(), IsolateError>
 /// merged root, so into its writable layer, owned by its root (`ids`): it takes the place of
 /// whatever the lower layer has there, a symbolic link included.
 fn own_file(merged: &Path, inside: &Path, ids: u32, text: &str) -> Result<(), IsolateError> {
-    let target = merged.join(inside.strip_prefix("/").unwrap_or(inside));
+    let target = in_root(merged, inside, false).map_err(|source| IsolateError::Mount {
+        what: "resolve a path in the sandbox's root",
+        path: merged.join(inside.strip_prefix("/").unwrap_or(inside)),
+        source,
+    })?;
     let fail = |source| IsolateError::Mount { what: "write a file of the sandbox's own", path: target.clone(), source };
-    if let Some(parent) = inside.parent() {
-        own_path(merged, parent, 0, 0o755)?;
+    if let Some(parent) = target.parent().and_then(|p| p.strip_prefix(merged).ok()) {
+        own_path(merged, &Path::new("/").join(parent), 0, 0o755)?;
     }
     if target.symlink_metadata().is_ok_and(|m| !m.is_file()) {
         std::fs::remove_file(&target).map_err(fail)?;
@@ -586,8 +599,14 @@ fn own_file(merged: &Path, inside: &Path, ids: u32, text: &str) -> Result<(), Is
 /// owned by `uid` (host ids: the sandbox's root is `ids`, and the host's root shows as nobody)
 /// with `mode`. One there already is left as it is.
 fn own_path(merged: &Path, inside: &Path, uid: u32, mode: u32) -> Result<(), IsolateError> {
+    let resolved = in_root(merged, inside, true).map_err(|source| IsolateError::Mount {
+        what: "resolve a path in the sandbox's root",
+        path: merged.join(inside.strip_prefix("/").unwrap_or(inside)),
+        source,
+    })?;
     let mut at = merged.to_path_buf();
-    for part in inside.strip_prefix("/").unwrap_or(inside).components() {
+    // No symbolic link is left on the way: what is missing is made inside the root.
+    for part in resolved.strip_prefix(merged).unwrap_or(Path::new("")).components() {
         at.push(part);
         if at.symlink_metadata().is_ok() {
             continue;
@@ -635,6 +654,52 @@ fn upper_parents(upper: &Path, host: &Path, rel: &Path) -> Result<(), IsolateErr
             .map_err(fail("make a directory of the writable layer", &made))?;
     }
     Ok(())
+}
+
+/// Where the sandbox path `inside` is under `root` once `root` is its `/`: every symbolic link
+/// on the way resolved as the sandbox would resolve it (an absolute target from `root`, `..`
+/// never above it), the last one too when `follow_last`. What does not exist yet is taken as it
+/// is named. So the answer is under `root` whatever links the image holds; nothing in the
+/// sandbox runs yet to change them.
+fn in_root(root: &Path, inside: &Path, follow_last: bool) -> std::io::Result<PathBuf> {
+    use std::collections::VecDeque;
+    use std::path::Component;
+    /// As the kernel's: past this many links a lookup fails with ELOOP.
+    const MAX_LINKS: u32 = 40;
+    let parts = |p: &Path| -> VecDeque<std::ffi::OsString> {
+        p.components()
+            .filter_map(|c| match c {
+                Component::Normal(name) => Some(name.to_os_string()),
+                Component::ParentDir => Some("..".into()),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => None,
+            })
+            .collect()
+    };
+    let (mut todo, mut resolved, mut links) = (parts(inside), PathBuf::new(), 0);
+    while let Some(part) = todo.pop_front() {
+        if part == ".." {
+            resolved.pop();
+            continue;
+        }
+        let next = resolved.join(&part);
+        let is_link = root.join(&next).symlink_metadata().is_ok_and(|m| m.file_type().is_symlink());
+        if !is_link || (todo.is_empty() && !follow_last) {
+            resolved = next;
+            continue;
+        }
+        links += 1;
+        if links > MAX_LINKS {
+            return Err(std::io::Error::from_raw_os_error(libc::ELOOP));
+        }
+        let target = std::fs::read_link(root.join(&next))?;
+        if target.is_absolute() {
+            resolved = PathBuf::new();
+        }
+        let mut rest = parts(&target);
+        rest.extend(todo);
+        todo = rest;
+    }
+    Ok(root.join(resolved))
 }
 
 /// The `/etc/hosts` of an image that has none.
@@ -843,6 +908,41 @@ pub fn precheck(iso: &Isolation) -> Result<(), IsolateError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: the daemon wrote an image sandbox's /etc/resolv.conf (and made its mount
+    /// points and working directory) through the image's symbolic links while it was still the
+    /// host's root in the host's tree, so `etc -> ../../../../host/etc` wrote the host's files.
+    #[test]
+    fn an_images_links_resolve_inside_its_root_never_out_of_it() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let root = dir.path().join("merged");
+        std::fs::create_dir_all(root.join("usr/bin")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::create_dir_all(root.join("data")).unwrap_or_else(|e| panic!("{e}"));
+        let link = |at: &str, to: &str| std::os::unix::fs::symlink(to, root.join(at)).unwrap_or_else(|e| panic!("{e}"));
+        link("bin", "usr/bin");
+        link("up", &format!("{}outside", "../".repeat(20)));
+        link("abs", "/outside/deeper");
+        link("data/back", "../../../../usr");
+        link("loop", "loop");
+        link("hosts", "/run/hosts");
+        let r = |p: &str, follow| {
+            in_root(&root, Path::new(p), follow)
+                .map(|p| p.strip_prefix(&root).unwrap_or_else(|e| panic!("{e}")).to_path_buf())
+        };
+        assert_eq!(r("/bin/sh", true).unwrap_or_else(|e| panic!("{e}")), Path::new("usr/bin/sh"));
+        assert_eq!(
+            r("/up/etc/resolv.conf", true).unwrap_or_else(|e| panic!("{e}")),
+            Path::new("outside/etc/resolv.conf")
+        );
+        assert_eq!(r("/abs/x", true).unwrap_or_else(|e| panic!("{e}")), Path::new("outside/deeper/x"));
+        assert_eq!(r("/data/back/bin", true).unwrap_or_else(|e| panic!("{e}")), Path::new("usr/bin"));
+        assert_eq!(r("/../../etc", true).unwrap_or_else(|e| panic!("{e}")), Path::new("etc"));
+        assert_eq!(r("/", true).unwrap_or_else(|e| panic!("{e}")), Path::new(""));
+        // The last link is left for the caller to replace, or followed.
+        assert_eq!(r("/hosts", false).unwrap_or_else(|e| panic!("{e}")), Path::new("hosts"));
+        assert_eq!(r("/hosts", true).unwrap_or_else(|e| panic!("{e}")), Path::new("run/hosts"));
+        assert_eq!(r("/loop/x", true).expect_err("a loop").raw_os_error(), Some(libc::ELOOP));
+    }
 
     #[test]
     fn cgroup_hierarchies_are_read_from_mountinfo() {
