@@ -8,10 +8,10 @@ mod common;
 
 use common::{call, out, provider, ready, require_root, sh, socket_of, state_dir};
 use sandman_provider::conformance::spec;
-use sandman_provider::{Provider, ProviderError};
+use sandman_provider::{Provider, ProviderError, SandboxSpec};
 use sandman_provider_process::Isolation;
 use sandman_testkit::registry::{Auth, Compression, LayerBuilder, Registry, TestImage, busybox_layer, host_arch};
-use sandman_wire::server::Reason;
+use sandman_wire::server::{Network, Reason};
 use serde_json::json;
 
 /// A runnable image: busybox, then a layer with the app's files that also deletes `/etc/group`.
@@ -203,6 +203,35 @@ async fn an_images_links_out_of_its_root_lead_nowhere_on_the_host() {
     let written: Vec<_> = std::fs::read_dir(bait.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(written.is_empty(), "the sandbox's files were written on the host: {written:?}");
     p.delete(&s.id).await.unwrap();
+}
+
+/// Regression: a sandbox of an image had the host's hostname, which leaked the machine's name
+/// and which nothing in the image resolved (`hostname -i` failed, where a container's name is
+/// its address). Its name is its id now, in /etc/hostname, and /etc/hosts names its address by
+/// it; without a network it has the name and no address, as a container has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_sandbox_is_named_by_its_id_and_its_name_resolves() {
+    require_root();
+    let state = state_dir();
+    let registry = Registry::start(Auth::Anonymous, state.path());
+    registry.push("test/app", "1", &app_image()).await;
+    let p = provider(state.path(), Isolation::Full);
+    let reference = registry.reference("test/app", "1");
+    let s = spec("named_1", &reference);
+    let ep = ready(&p, &s).await;
+    let r = sh(&ep, &s.token, "hostname; cat /etc/hostname; hostname -i; ip -4 -o addr show eth0").await;
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let text = out(&r);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[..2], ["named-1", "named-1"], "{r}");
+    assert!(lines[3].contains(&format!("inet {}/", lines[2])), "the name is not the address of eth0: {r}");
+    let offline = SandboxSpec { network: Network::None, ..spec("named-2", &reference) };
+    let ep = ready(&p, &offline).await;
+    let r = sh(&ep, &offline.token, "hostname; hostname -i; echo $?").await;
+    assert_eq!(out(&r).lines().next(), Some("named-2"), "{r}");
+    assert!(out(&r).ends_with("1\n"), "the name resolved with no network: {r}");
+    p.delete(&s.id).await.unwrap();
+    p.delete(&offline.id).await.unwrap();
 }
 
 /// Runs futures concurrently on the current task.

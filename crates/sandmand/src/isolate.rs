@@ -84,6 +84,10 @@ pub struct Isolation {
     /// host and mounted idmapped: their files' owners are the sandbox's ids, whatever its range.
     /// Empty: the host's root file system is the lower layer (the `host` image).
     pub lower: Vec<PathBuf>,
+    /// The sandbox's hostname (`--isolate-hostname`), its UTS namespace's; `None` leaves the
+    /// host's showing. Over an image it is also the image's `/etc/hostname`, and with egress
+    /// `/etc/hosts` names the sandbox's address by it, as a container's files do.
+    pub hostname: Option<String>,
     /// A mount namespace made by [`make_template`] (`--isolate-template`, its `/proc/<pid>/ns/mnt`):
     /// the sandbox's namespace is a copy of it, and the switch to its root costs the same however
     /// many processes the machine runs. `None`: a copy of the host's, and `pivot_root`.
@@ -168,6 +172,12 @@ pub enum IsolateError {
     },
     #[error("cannot bring the loopback interface up")]
     Loopback(#[source] std::io::Error),
+    #[error("cannot set the sandbox's hostname to `{name}`")]
+    Hostname {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot give the sandbox its veth `{veth}`: {what}")]
     Veth {
         veth: String,
@@ -334,6 +344,9 @@ fn become_init(
     drop(userns);
     // Owned by the sandbox's user namespace, so that its root may name its host and use its IPC.
     sys::unshare(sys::NS_UTS | sys::NS_IPC).map_err(IsolateError::Namespaces)?;
+    if let Some(name) = &iso.hostname {
+        ns::set_hostname(name).map_err(|source| IsolateError::Hostname { name: name.clone(), source })?;
+    }
     ns::become_root().map_err(IsolateError::BecomeRoot)?;
     // A change of credentials clears the parent-death signal: set it again, and look once more.
     sys::set_parent_death_signal(sys::SIGKILL).map_err(IsolateError::DeathSignal)?;
@@ -463,12 +476,18 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
     }
     if image {
         // What an image may lack that every sandbox has: the mount points of its own file
-        // systems, and a hosts file for `localhost`.
+        // systems, and a hosts file for `localhost`; and the files that name the sandbox, as a
+        // container's do.
         for point in ["/proc", "/sys", "/dev", "/tmp"] {
             own_path(&merged, Path::new(point), 0, 0o755)?;
         }
-        if !at("/etc/hosts")?.exists() {
-            own_file(&merged, Path::new("/etc/hosts"), iso.ids, HOSTS)?;
+        if let Some(name) = &iso.hostname {
+            own_file(&merged, Path::new("/etc/hostname"), iso.ids, &format!("{name}\n"))?;
+        }
+        let image_hosts = std::fs::read_to_string(at("/etc/hosts")?).ok();
+        let addr = iso.egress.as_ref().filter(|_| iso.net).map(|e| e.addr);
+        if let Some(text) = hosts_file(image_hosts.as_deref(), iso.hostname.as_deref(), addr) {
+            own_file(&merged, Path::new("/etc/hosts"), iso.ids, &text)?;
         }
     }
 
@@ -704,6 +723,34 @@ fn in_root(root: &Path, inside: &Path, follow_last: bool) -> std::io::Result<Pat
 
 /// The `/etc/hosts` of an image that has none.
 const HOSTS: &str = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+
+/// What an image sandbox's `/etc/hosts` becomes, given the image's own (`None`: it has none):
+/// [`HOSTS`] when it has none, and a line naming the sandbox's address by its hostname when it
+/// has both (as Docker writes for a container on a network; without one, its name resolves to
+/// nothing, as there). `None`: the image's stays as it is.
+fn hosts_file(image: Option<&str>, hostname: Option<&str>, addr: Option<Ipv4Addr>) -> Option<String> {
+    let line = hostname.zip(addr).map(|(name, addr)| format!("{addr}\t{name}\n"));
+    match (image, line) {
+        (None, line) => Some(format!("{HOSTS}{}", line.unwrap_or_default())),
+        (Some(_), None) => None,
+        (Some(text), Some(line)) if text.is_empty() || text.ends_with('\n') => Some(format!("{text}{line}")),
+        (Some(text), Some(line)) => Some(format!("{text}\n{line}")),
+    }
+}
+
+/// Checks a `--isolate-hostname`: what `sethostname` takes and resolvers read, 1 to 64 bytes of
+/// letters, digits, `-` and `.`, neither first.
+pub fn parse_hostname(name: &str) -> Result<String, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with(['-', '.'])
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.'));
+    if ok {
+        Ok(name.to_string())
+    } else {
+        Err(format!("`{name}` is no hostname: 1 to 64 letters, digits, `-` and `.`, not starting with `-` or `.`"))
+    }
+}
 
 /// A sandbox's `/etc/resolv.conf`: its resolvers (none: every lookup fails at once), tried for at
 /// most two seconds each.
@@ -942,6 +989,32 @@ mod tests {
         assert_eq!(r("/hosts", false).unwrap_or_else(|e| panic!("{e}")), Path::new("hosts"));
         assert_eq!(r("/hosts", true).unwrap_or_else(|e| panic!("{e}")), Path::new("run/hosts"));
         assert_eq!(r("/loop/x", true).expect_err("a loop").raw_os_error(), Some(libc::ELOOP));
+    }
+
+    #[test]
+    fn an_image_sandboxs_hosts_file_names_its_address_by_its_hostname() {
+        let addr = Some(Ipv4Addr::new(10, 201, 0, 7));
+        let named = "10.201.0.7\tsb-1\n";
+        // The image has none: localhost, and the sandbox's own name with egress.
+        assert_eq!(hosts_file(None, None, None).as_deref(), Some(HOSTS));
+        assert_eq!(hosts_file(None, Some("sb-1"), None).as_deref(), Some(HOSTS), "no address, no name (as Docker)");
+        assert_eq!(hosts_file(None, Some("sb-1"), addr), Some(format!("{HOSTS}{named}")));
+        // The image's own is kept, the name added.
+        assert_eq!(hosts_file(Some("1.2.3.4 db\n"), None, addr), None);
+        assert_eq!(hosts_file(Some("1.2.3.4 db\n"), Some("sb-1"), None), None);
+        assert_eq!(hosts_file(Some("1.2.3.4 db\n"), Some("sb-1"), addr), Some(format!("1.2.3.4 db\n{named}")));
+        assert_eq!(hosts_file(Some("1.2.3.4 db"), Some("sb-1"), addr), Some(format!("1.2.3.4 db\n{named}")));
+        assert_eq!(hosts_file(Some(""), Some("sb-1"), addr), Some(named.to_string()));
+    }
+
+    #[test]
+    fn hostnames_are_what_sethostname_and_resolvers_take() {
+        for ok in ["sb-9c3694e8b5b8", "a", "x.example", &"a".repeat(64)] {
+            assert_eq!(parse_hostname(ok).as_deref(), Ok(ok));
+        }
+        for bad in ["", "-x", ".x", "a_b", "a b", "ä", &"a".repeat(65)] {
+            assert!(parse_hostname(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
