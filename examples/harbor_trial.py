@@ -4,11 +4,12 @@ and Sandman as its environment, once with Harbor's `oracle` agent (runs the task
 once with `nop` (does nothing), and prints each trial's reward.
 
     pip install 'harbor>=0.26' ./python           # Python 3.12
-    sandman serve --provider docker &              # docker: the task's image is a docker image
+    sudo sandman serve &                           # or: sandman serve --provider docker &
     python examples/harbor_trial.py --image python:3.12-slim
 
 The image needs bash (Harbor runs commands with `bash -c`); it must be on the docker engine already
-or pullable by it. The same command line without this script:
+or pullable by the server (the process provider, the default, takes it from the engine or from its
+registry). The same command line without this script:
 
     harbor run -p TASK_DIR -a oracle --env sandman.integrations.harbor:SandmanEnvironment
 
@@ -77,7 +78,9 @@ def run_trial(task: Path, agent: str, jobs: Path, env: Dict[str, str]) -> Dict[s
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Harbor's oracle and nop agents on a task, with Sandman as the environment")
-    p.add_argument("--image", required=True, help="the task's image (with bash), on the server's docker engine")
+    p.add_argument(
+        "--image", required=True, help="the task's image (with bash), on the server's docker engine or in a registry"
+    )
     p.add_argument("--url", default=None, help="server URL (default: $SANDMAN_URL)")
     p.add_argument("--token", default=None, help="server token (default: $SANDMAN_TOKEN or the token file)")
     p.add_argument("--agents", default="oracle,nop", help="comma-separated Harbor agents (default: oracle,nop)")

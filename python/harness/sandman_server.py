@@ -29,6 +29,8 @@ class Server:
     state: Path
     log: Path
     proc: "subprocess.Popen[bytes]"
+    #: The provider it runs (`process`, `docker`, ...), as it says when it starts.
+    provider: str
 
     def client(self) -> Sandman:
         return Sandman(self.url, self.token)
@@ -64,18 +66,19 @@ def serve(name: str, args: Sequence[str] = ()) -> Iterator[Server]:
             env=env,
             start_new_session=True,
         )
-    url = None
+    url = provider = None
     deadline = time.monotonic() + 60
     while url is None:
-        m = re.search(r"sandman serving on (http://\S+)", log.read_text(errors="replace"))
+        m = re.search(r"sandman serving on (http://\S+) \(provider ([^,)]+)", log.read_text(errors="replace"))
         if m:
-            url = m.group(1)
+            url, provider = m.group(1), m.group(2)
         elif proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"sandman serve did not start:\n{log.read_text(errors='replace')}")
         else:
             time.sleep(0.05)
-    server = Server(url, token, state, log, proc)
+    assert provider is not None
+    server = Server(url, token, state, log, proc, provider)
     try:
         yield server
     finally:

@@ -573,6 +573,11 @@ impl ProcessProvider {
             for lower in image.iter().flat_map(|i| i.lowerdirs()) {
                 arg("--isolate-lower", lower.into());
             }
+            // A sandbox of an image is a machine of its own, named by its id, as a container is
+            // by its; `host` keeps this machine's name, which this machine's /etc/hosts knows.
+            if image.is_some() {
+                arg("--isolate-hostname", hostname_of(&spec.id).into());
+            }
             // A network namespace of its own always; with a way out for `egress`.
             if let (Some(net), Some(slot), false) = (&self.net, slot, loopback_only(spec)) {
                 arg("--isolate-veth", net::HostNetwork::veth(slot).into());
@@ -770,6 +775,14 @@ impl ProcessProvider {
         self.free_ids(ids);
         Ok(())
     }
+}
+
+/// A sandbox's hostname: its id as one DNS label spells it (what else an id may hold, `_` and
+/// `.`, as `-`; at most 63 characters).
+fn hostname_of(id: &str) -> String {
+    let label: String = id.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).take(63).collect();
+    let label = label.trim_matches('-');
+    if label.is_empty() { "sandbox".to_string() } else { label.to_string() }
 }
 
 /// An image store's refusal: what is in use or unknown is the caller's to fix.
@@ -1445,6 +1458,15 @@ mod tests {
         let e = exhausted(&std::io::Error::from_raw_os_error(libc::EAGAIN)).map(|e| e.to_string());
         assert!(e.unwrap_or_default().contains("kernel.pid_max"));
         assert!(exhausted(&std::io::Error::from_raw_os_error(libc::ENOENT)).is_none());
+    }
+
+    #[test]
+    fn a_sandboxs_hostname_is_its_id_as_a_dns_label() {
+        assert_eq!(hostname_of("sb-9c3694e8b5b8"), "sb-9c3694e8b5b8");
+        assert_eq!(hostname_of("pool_a.1"), "pool-a-1");
+        assert_eq!(hostname_of("_x_"), "x");
+        assert_eq!(hostname_of("__"), "sandbox");
+        assert_eq!(hostname_of(&"a".repeat(128)), "a".repeat(63));
     }
 
     #[test]

@@ -8,10 +8,10 @@ mod common;
 
 use common::{call, out, provider, ready, require_root, sh, socket_of, state_dir};
 use sandman_provider::conformance::spec;
-use sandman_provider::{Provider, ProviderError};
+use sandman_provider::{Provider, ProviderError, SandboxSpec};
 use sandman_provider_process::Isolation;
 use sandman_testkit::registry::{Auth, Compression, LayerBuilder, Registry, TestImage, busybox_layer, host_arch};
-use sandman_wire::server::Reason;
+use sandman_wire::server::{Network, Reason};
 use serde_json::json;
 
 /// A runnable image: busybox, then a layer with the app's files that also deletes `/etc/group`.
@@ -171,6 +171,67 @@ async fn an_image_with_no_shell_runs_argv() {
     let listed: Vec<&str> = r["stdout"].as_str().unwrap().lines().collect();
     assert!(listed.contains(&"busybox") && !listed.contains(&"usr"), "the host's root shows: {r}");
     p.delete(&s.id).await.unwrap();
+}
+
+/// Regression: the daemon, still the host's root in the host's tree while it assembled an image
+/// sandbox's root, wrote its `/etc/resolv.conf` and made its working directory through the
+/// image's symbolic links, so an image whose `etc` climbed out of its root (`../` enough times,
+/// then the host's tree as the daemon sees it) wrote files in any host directory, `/etc` itself
+/// included. The links resolve inside the sandbox's root now, as the sandbox resolves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_images_links_out_of_its_root_lead_nowhere_on_the_host() {
+    require_root();
+    let state = state_dir();
+    let bait = tempfile::tempdir_in(common::scratch()).unwrap();
+    let host_dir = bait.path().to_str().unwrap().trim_start_matches('/').to_string();
+    // The host's tree is at /host in the provider's template namespace, and at / without one.
+    let climb = |under: &str| format!("{}{under}{host_dir}", "../".repeat(40));
+    let escape = LayerBuilder::new()
+        .symlink("etc", &climb("host/"))
+        .symlink("abs", &format!("/host/{host_dir}"))
+        .build(Compression::Gzip);
+    let run = json!({"Env": ["PATH=/bin"], "WorkingDir": "/abs/work"});
+    let registry = Registry::start(Auth::Anonymous, state.path());
+    registry.push("test/escape", "1", &TestImage::with_config(vec![busybox_layer(), escape], host_arch(), run)).await;
+    let p = provider(state.path(), Isolation::Full);
+    let s = spec("escape", &registry.reference("test/escape", "1"));
+    let ep = ready(&p, &s).await;
+    let r = sh(&ep, &s.token, "pwd -P; grep -c nameserver /etc/resolv.conf; readlink /etc").await;
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let inside = format!("/host/{host_dir}");
+    assert_eq!(out(&r), format!("{inside}/work\n1\n{}\n", climb("host/")), "{r}");
+    let written: Vec<_> = std::fs::read_dir(bait.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(written.is_empty(), "the sandbox's files were written on the host: {written:?}");
+    p.delete(&s.id).await.unwrap();
+}
+
+/// Regression: a sandbox of an image had the host's hostname, which leaked the machine's name
+/// and which nothing in the image resolved (`hostname -i` failed, where a container's name is
+/// its address). Its name is its id now, in /etc/hostname, and /etc/hosts names its address by
+/// it; without a network it has the name and no address, as a container has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_sandbox_is_named_by_its_id_and_its_name_resolves() {
+    require_root();
+    let state = state_dir();
+    let registry = Registry::start(Auth::Anonymous, state.path());
+    registry.push("test/app", "1", &app_image()).await;
+    let p = provider(state.path(), Isolation::Full);
+    let reference = registry.reference("test/app", "1");
+    let s = spec("named_1", &reference);
+    let ep = ready(&p, &s).await;
+    let r = sh(&ep, &s.token, "hostname; cat /etc/hostname; hostname -i; ip -4 -o addr show eth0").await;
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let text = out(&r);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[..2], ["named-1", "named-1"], "{r}");
+    assert!(lines[3].contains(&format!("inet {}/", lines[2])), "the name is not the address of eth0: {r}");
+    let offline = SandboxSpec { network: Network::None, ..spec("named-2", &reference) };
+    let ep = ready(&p, &offline).await;
+    let r = sh(&ep, &offline.token, "hostname; hostname -i; echo $?").await;
+    assert_eq!(out(&r).lines().next(), Some("named-2"), "{r}");
+    assert!(out(&r).ends_with("1\n"), "the name resolved with no network: {r}");
+    p.delete(&s.id).await.unwrap();
+    p.delete(&offline.id).await.unwrap();
 }
 
 /// Runs futures concurrently on the current task.

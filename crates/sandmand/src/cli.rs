@@ -107,6 +107,10 @@ struct Args {
     /// root instead of the host's root; repeatable, top first (as overlayfs's lowerdir).
     #[arg(long = "isolate-lower", requires = "isolate", value_name = "DIR")]
     isolate_lower: Vec<PathBuf>,
+    /// With --isolate: the sandbox's hostname (else the host's shows). Over an image, also its
+    /// /etc/hostname, and with --isolate-veth the name of its address in /etc/hosts.
+    #[arg(long, requires = "isolate", value_name = "NAME", value_parser = isolate::parse_hostname)]
+    isolate_hostname: Option<String>,
     /// With --isolate: a host path the sandbox must not see (whited out); repeatable.
     #[arg(long = "isolate-hide", requires = "isolate", value_name = "PATH")]
     isolate_hide: Vec<PathBuf>,
@@ -369,6 +373,7 @@ fn isolation_of(args: &Args) -> Isolation {
         hide: args.isolate_hide.clone(),
         workdir: args.workdir.clone(),
         lower: args.isolate_lower.clone(),
+        hostname: args.isolate_hostname.clone(),
         template: args.isolate_template.clone(),
     }
 }

@@ -84,6 +84,10 @@ pub struct Isolation {
     /// host and mounted idmapped: their files' owners are the sandbox's ids, whatever its range.
     /// Empty: the host's root file system is the lower layer (the `host` image).
     pub lower: Vec<PathBuf>,
+    /// The sandbox's hostname (`--isolate-hostname`), its UTS namespace's; `None` leaves the
+    /// host's showing. Over an image it is also the image's `/etc/hostname`, and with egress
+    /// `/etc/hosts` names the sandbox's address by it, as a container's files do.
+    pub hostname: Option<String>,
     /// A mount namespace made by [`make_template`] (`--isolate-template`, its `/proc/<pid>/ns/mnt`):
     /// the sandbox's namespace is a copy of it, and the switch to its root costs the same however
     /// many processes the machine runs. `None`: a copy of the host's, and `pivot_root`.
@@ -168,6 +172,12 @@ pub enum IsolateError {
     },
     #[error("cannot bring the loopback interface up")]
     Loopback(#[source] std::io::Error),
+    #[error("cannot set the sandbox's hostname to `{name}`")]
+    Hostname {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot give the sandbox its veth `{veth}`: {what}")]
     Veth {
         veth: String,
@@ -334,6 +344,9 @@ fn become_init(
     drop(userns);
     // Owned by the sandbox's user namespace, so that its root may name its host and use its IPC.
     sys::unshare(sys::NS_UTS | sys::NS_IPC).map_err(IsolateError::Namespaces)?;
+    if let Some(name) = &iso.hostname {
+        ns::set_hostname(name).map_err(|source| IsolateError::Hostname { name: name.clone(), source })?;
+    }
     ns::become_root().map_err(IsolateError::BecomeRoot)?;
     // A change of credentials clears the parent-death signal: set it again, and look once more.
     sys::set_parent_death_signal(sys::SIGKILL).map_err(IsolateError::DeathSignal)?;
@@ -448,18 +461,33 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
         0,
         Some(&format!("lowerdir={lowerdir},upperdir=upper,workdir=work")),
     )?;
-    let at = |p: &str| merged.join(p.trim_start_matches('/'));
+    // Every path of the sandbox is resolved in its root, as the sandbox will resolve it: this
+    // process is still the host's root in the host's tree, where an image's symbolic link
+    // (`etc -> ../../../../host/etc`) would lead its writes and mounts.
+    let at = |p: &str| {
+        in_root(&merged, Path::new(p), true).map_err(|source| IsolateError::Mount {
+            what: "resolve a path in the sandbox's root",
+            path: merged.join(p.trim_start_matches('/')),
+            source,
+        })
+    };
     if let Some(egress) = iso.egress.as_ref().filter(|_| iso.net) {
         own_file(&merged, Path::new("/etc/resolv.conf"), iso.ids, &resolv_conf(&egress.dns))?;
     }
     if image {
         // What an image may lack that every sandbox has: the mount points of its own file
-        // systems, and a hosts file for `localhost`.
+        // systems, and a hosts file for `localhost`; and the files that name the sandbox, as a
+        // container's do.
         for point in ["/proc", "/sys", "/dev", "/tmp"] {
             own_path(&merged, Path::new(point), 0, 0o755)?;
         }
-        if !at("/etc/hosts").exists() {
-            own_file(&merged, Path::new("/etc/hosts"), iso.ids, HOSTS)?;
+        if let Some(name) = &iso.hostname {
+            own_file(&merged, Path::new("/etc/hostname"), iso.ids, &format!("{name}\n"))?;
+        }
+        let image_hosts = std::fs::read_to_string(at("/etc/hosts")?).ok();
+        let addr = iso.egress.as_ref().filter(|_| iso.net).map(|e| e.addr);
+        if let Some(text) = hosts_file(image_hosts.as_deref(), iso.hostname.as_deref(), addr) {
+            own_file(&merged, Path::new("/etc/hosts"), iso.ids, &text)?;
         }
     }
 
@@ -498,7 +526,7 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
         // files in /tmp: the sandbox gets empty ones of its own.
         own_at("give the sandbox a /tmp", "tmp", 0o1777, Path::new("/tmp"))?;
         own_at("give the sandbox an empty /run", "run", 0o755, Path::new("/run"))?;
-        if at("/var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        if merged.join("var/tmp").symlink_metadata().is_ok_and(|m| m.is_dir()) {
             own_at("give the sandbox an empty /var/tmp", "var-tmp", 0o1777, Path::new("/var/tmp"))?;
         }
         if let Some(workdir) = &iso.workdir {
@@ -508,12 +536,12 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
     // A bind remount changes the flags of that one mount.
     let read_only = ns::MS_REMOUNT | ns::MS_BIND | ns::MS_RDONLY | no_exec;
 
-    mount("mount /proc", Some(Path::new("proc")), &at("/proc"), Some("proc"), no_exec, None)?;
-    mount("mount /sys", Some(Path::new("sysfs")), &at("/sys"), Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
-    let (cgroups, host_cgroups) = (at("/sys/fs/cgroup"), on_host(Path::new("/sys/fs/cgroup")));
+    mount("mount /proc", Some(Path::new("proc")), &at("/proc")?, Some("proc"), no_exec, None)?;
+    mount("mount /sys", Some(Path::new("sysfs")), &at("/sys")?, Some("sysfs"), no_exec | ns::MS_RDONLY, None)?;
+    let (cgroups, host_cgroups) = (at("/sys/fs/cgroup")?, on_host(Path::new("/sys/fs/cgroup")));
     mount_cgroups(&cgroups, &host_cgroups, &on_host(Path::new("/proc")), root)?;
 
-    let dev = at("/dev");
+    let dev = at("/dev")?;
     bind_own("give the sandbox a /dev", &own_dir("dev", 0, 0o755)?, &dev)?;
     for name in DEVICES {
         let node = dev.join(name);
@@ -569,10 +597,14 @@ fn white_out(upper: &Path, host: &Path, path: &Path) -> Result<(), IsolateError>
 /// merged root, so into its writable layer, owned by its root (`ids`): it takes the place of
 /// whatever the lower layer has there, a symbolic link included.
 fn own_file(merged: &Path, inside: &Path, ids: u32, text: &str) -> Result<(), IsolateError> {
-    let target = merged.join(inside.strip_prefix("/").unwrap_or(inside));
+    let target = in_root(merged, inside, false).map_err(|source| IsolateError::Mount {
+        what: "resolve a path in the sandbox's root",
+        path: merged.join(inside.strip_prefix("/").unwrap_or(inside)),
+        source,
+    })?;
     let fail = |source| IsolateError::Mount { what: "write a file of the sandbox's own", path: target.clone(), source };
-    if let Some(parent) = inside.parent() {
-        own_path(merged, parent, 0, 0o755)?;
+    if let Some(parent) = target.parent().and_then(|p| p.strip_prefix(merged).ok()) {
+        own_path(merged, &Path::new("/").join(parent), 0, 0o755)?;
     }
     if target.symlink_metadata().is_ok_and(|m| !m.is_file()) {
         std::fs::remove_file(&target).map_err(fail)?;
@@ -586,8 +618,14 @@ fn own_file(merged: &Path, inside: &Path, ids: u32, text: &str) -> Result<(), Is
 /// owned by `uid` (host ids: the sandbox's root is `ids`, and the host's root shows as nobody)
 /// with `mode`. One there already is left as it is.
 fn own_path(merged: &Path, inside: &Path, uid: u32, mode: u32) -> Result<(), IsolateError> {
+    let resolved = in_root(merged, inside, true).map_err(|source| IsolateError::Mount {
+        what: "resolve a path in the sandbox's root",
+        path: merged.join(inside.strip_prefix("/").unwrap_or(inside)),
+        source,
+    })?;
     let mut at = merged.to_path_buf();
-    for part in inside.strip_prefix("/").unwrap_or(inside).components() {
+    // No symbolic link is left on the way: what is missing is made inside the root.
+    for part in resolved.strip_prefix(merged).unwrap_or(Path::new("")).components() {
         at.push(part);
         if at.symlink_metadata().is_ok() {
             continue;
@@ -637,8 +675,82 @@ fn upper_parents(upper: &Path, host: &Path, rel: &Path) -> Result<(), IsolateErr
     Ok(())
 }
 
+/// Where the sandbox path `inside` is under `root` once `root` is its `/`: every symbolic link
+/// on the way resolved as the sandbox would resolve it (an absolute target from `root`, `..`
+/// never above it), the last one too when `follow_last`. What does not exist yet is taken as it
+/// is named. So the answer is under `root` whatever links the image holds; nothing in the
+/// sandbox runs yet to change them.
+fn in_root(root: &Path, inside: &Path, follow_last: bool) -> std::io::Result<PathBuf> {
+    use std::collections::VecDeque;
+    use std::path::Component;
+    /// As the kernel's: past this many links a lookup fails with ELOOP.
+    const MAX_LINKS: u32 = 40;
+    let parts = |p: &Path| -> VecDeque<std::ffi::OsString> {
+        p.components()
+            .filter_map(|c| match c {
+                Component::Normal(name) => Some(name.to_os_string()),
+                Component::ParentDir => Some("..".into()),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => None,
+            })
+            .collect()
+    };
+    let (mut todo, mut resolved, mut links) = (parts(inside), PathBuf::new(), 0);
+    while let Some(part) = todo.pop_front() {
+        if part == ".." {
+            resolved.pop();
+            continue;
+        }
+        let next = resolved.join(&part);
+        let is_link = root.join(&next).symlink_metadata().is_ok_and(|m| m.file_type().is_symlink());
+        if !is_link || (todo.is_empty() && !follow_last) {
+            resolved = next;
+            continue;
+        }
+        links += 1;
+        if links > MAX_LINKS {
+            return Err(std::io::Error::from_raw_os_error(libc::ELOOP));
+        }
+        let target = std::fs::read_link(root.join(&next))?;
+        if target.is_absolute() {
+            resolved = PathBuf::new();
+        }
+        let mut rest = parts(&target);
+        rest.extend(todo);
+        todo = rest;
+    }
+    Ok(root.join(resolved))
+}
+
 /// The `/etc/hosts` of an image that has none.
 const HOSTS: &str = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+
+/// What an image sandbox's `/etc/hosts` becomes, given the image's own (`None`: it has none):
+/// [`HOSTS`] when it has none, and a line naming the sandbox's address by its hostname when it
+/// has both (as Docker writes for a container on a network; without one, its name resolves to
+/// nothing, as there). `None`: the image's stays as it is.
+fn hosts_file(image: Option<&str>, hostname: Option<&str>, addr: Option<Ipv4Addr>) -> Option<String> {
+    let line = hostname.zip(addr).map(|(name, addr)| format!("{addr}\t{name}\n"));
+    match (image, line) {
+        (None, line) => Some(format!("{HOSTS}{}", line.unwrap_or_default())),
+        (Some(_), None) => None,
+        (Some(text), Some(line)) if text.is_empty() || text.ends_with('\n') => Some(format!("{text}{line}")),
+        (Some(text), Some(line)) => Some(format!("{text}\n{line}")),
+    }
+}
+
+/// Checks a `--isolate-hostname`: what `sethostname` takes and resolvers read, 1 to 64 bytes of
+/// letters, digits, `-` and `.`, neither first.
+pub fn parse_hostname(name: &str) -> Result<String, String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with(['-', '.'])
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.'));
+    if ok {
+        Ok(name.to_string())
+    } else {
+        Err(format!("`{name}` is no hostname: 1 to 64 letters, digits, `-` and `.`, not starting with `-` or `.`"))
+    }
+}
 
 /// A sandbox's `/etc/resolv.conf`: its resolvers (none: every lookup fails at once), tried for at
 /// most two seconds each.
@@ -843,6 +955,67 @@ pub fn precheck(iso: &Isolation) -> Result<(), IsolateError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: the daemon wrote an image sandbox's /etc/resolv.conf (and made its mount
+    /// points and working directory) through the image's symbolic links while it was still the
+    /// host's root in the host's tree, so `etc -> ../../../../host/etc` wrote the host's files.
+    #[test]
+    fn an_images_links_resolve_inside_its_root_never_out_of_it() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let root = dir.path().join("merged");
+        std::fs::create_dir_all(root.join("usr/bin")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::create_dir_all(root.join("data")).unwrap_or_else(|e| panic!("{e}"));
+        let link = |at: &str, to: &str| std::os::unix::fs::symlink(to, root.join(at)).unwrap_or_else(|e| panic!("{e}"));
+        link("bin", "usr/bin");
+        link("up", &format!("{}outside", "../".repeat(20)));
+        link("abs", "/outside/deeper");
+        link("data/back", "../../../../usr");
+        link("loop", "loop");
+        link("hosts", "/run/hosts");
+        let r = |p: &str, follow| {
+            in_root(&root, Path::new(p), follow)
+                .map(|p| p.strip_prefix(&root).unwrap_or_else(|e| panic!("{e}")).to_path_buf())
+        };
+        assert_eq!(r("/bin/sh", true).unwrap_or_else(|e| panic!("{e}")), Path::new("usr/bin/sh"));
+        assert_eq!(
+            r("/up/etc/resolv.conf", true).unwrap_or_else(|e| panic!("{e}")),
+            Path::new("outside/etc/resolv.conf")
+        );
+        assert_eq!(r("/abs/x", true).unwrap_or_else(|e| panic!("{e}")), Path::new("outside/deeper/x"));
+        assert_eq!(r("/data/back/bin", true).unwrap_or_else(|e| panic!("{e}")), Path::new("usr/bin"));
+        assert_eq!(r("/../../etc", true).unwrap_or_else(|e| panic!("{e}")), Path::new("etc"));
+        assert_eq!(r("/", true).unwrap_or_else(|e| panic!("{e}")), Path::new(""));
+        // The last link is left for the caller to replace, or followed.
+        assert_eq!(r("/hosts", false).unwrap_or_else(|e| panic!("{e}")), Path::new("hosts"));
+        assert_eq!(r("/hosts", true).unwrap_or_else(|e| panic!("{e}")), Path::new("run/hosts"));
+        assert_eq!(r("/loop/x", true).expect_err("a loop").raw_os_error(), Some(libc::ELOOP));
+    }
+
+    #[test]
+    fn an_image_sandboxs_hosts_file_names_its_address_by_its_hostname() {
+        let addr = Some(Ipv4Addr::new(10, 201, 0, 7));
+        let named = "10.201.0.7\tsb-1\n";
+        // The image has none: localhost, and the sandbox's own name with egress.
+        assert_eq!(hosts_file(None, None, None).as_deref(), Some(HOSTS));
+        assert_eq!(hosts_file(None, Some("sb-1"), None).as_deref(), Some(HOSTS), "no address, no name (as Docker)");
+        assert_eq!(hosts_file(None, Some("sb-1"), addr), Some(format!("{HOSTS}{named}")));
+        // The image's own is kept, the name added.
+        assert_eq!(hosts_file(Some("1.2.3.4 db\n"), None, addr), None);
+        assert_eq!(hosts_file(Some("1.2.3.4 db\n"), Some("sb-1"), None), None);
+        assert_eq!(hosts_file(Some("1.2.3.4 db\n"), Some("sb-1"), addr), Some(format!("1.2.3.4 db\n{named}")));
+        assert_eq!(hosts_file(Some("1.2.3.4 db"), Some("sb-1"), addr), Some(format!("1.2.3.4 db\n{named}")));
+        assert_eq!(hosts_file(Some(""), Some("sb-1"), addr), Some(named.to_string()));
+    }
+
+    #[test]
+    fn hostnames_are_what_sethostname_and_resolvers_take() {
+        for ok in ["sb-9c3694e8b5b8", "a", "x.example", &"a".repeat(64)] {
+            assert_eq!(parse_hostname(ok).as_deref(), Ok(ok));
+        }
+        for bad in ["", "-x", ".x", "a_b", "a b", "ä", &"a".repeat(65)] {
+            assert!(parse_hostname(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn cgroup_hierarchies_are_read_from_mountinfo() {

@@ -1,9 +1,17 @@
 """Fixtures of the E2B acceptance suite: a real `sandman serve` on each provider, and the three
 environment variables that point the unmodified `e2b` SDK at it.
 
-`e2b_server` is parametrized by provider: `process` (this machine, template `base`) and
-`docker` (the static daemon in the task image of scripts/test-harnesses, whose `bash` the SDK
-runs commands with; `$SANDMAN_E2B_IMAGE`, `$SANDMAND_STATIC`). Every test runs on both.
+`e2b_server` is parametrized by run, and every test runs on each:
+
+- `process-host`: the process provider, template `base` (this machine's root, isolated);
+- `process-image`: the process provider, the task image of scripts/test-harnesses as the
+  template, `docker-daemon:$SANDMAN_E2B_IMAGE` (taken from the local Docker engine into the
+  server's image store and mounted as the sandbox's root; the server runs as root);
+- `docker`: the docker provider with the static daemon in that image (`$SANDMAN_E2B_IMAGE`,
+  `$SANDMAND_STATIC`).
+
+The image has busybox and a static `bash`, which the SDK runs commands with.
+`$SANDMAN_E2B_PROVIDERS=process` runs the process provider's two only.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sandman_server import REPO, Server, serve  # noqa: E402
 
 PROVIDERS = [p for p in os.environ.get("SANDMAN_E2B_PROVIDERS", "process,docker").split(",") if p]
+#: (run, provider, template: `None` for the task image).
+RUNS = [("process-host", "process", "base"), ("process-image", "process", None), ("docker", "docker", None)]
 
 
 @dataclass
@@ -49,16 +59,19 @@ def _args(provider: str) -> list:
     return ["--provider", "docker", "--daemon", daemon]
 
 
-@pytest.fixture(scope="session", params=PROVIDERS)
+def _task_image() -> str:
+    image = os.environ.get("SANDMAN_E2B_IMAGE", "")
+    if not image:
+        raise RuntimeError("the image runs need SANDMAN_E2B_IMAGE: an image with bash (scripts/test-harnesses)")
+    return image
+
+
+@pytest.fixture(scope="session", params=[r for r in RUNS if r[1] in PROVIDERS], ids=lambda r: r[0])
 def e2b_server(request: pytest.FixtureRequest) -> Iterator[E2bServer]:
-    provider = request.param
-    if provider == "process":
-        template = "base"
-    else:
-        template = os.environ.get("SANDMAN_E2B_IMAGE", "")
-        if not template:
-            raise RuntimeError("the docker run needs SANDMAN_E2B_IMAGE: an image with bash (scripts/test-harnesses)")
-    gen = serve(f"e2b-{provider}", _args(provider))
+    run, provider, template = request.param
+    if template is None:
+        template = _task_image() if provider == "docker" else f"docker-daemon:{_task_image()}"
+    gen = serve(f"e2b-{run}", _args(provider))
     server = next(gen)
     try:
         yield E2bServer(server, provider, template)

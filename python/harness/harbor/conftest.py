@@ -1,6 +1,13 @@
-"""Fixtures of the Harbor suite: a `sandman serve --provider docker`, the tasks' image, and a way
-to run the real `harbor run` CLI against it. Runs in the Python 3.12 virtualenv that
-`scripts/test-harnesses harbor` makes (Harbor needs 3.12); see test_harbor.py."""
+"""Fixtures of the Harbor suite: a `sandman serve` on each provider, the tasks' image, and a way to
+run the real `harbor run` CLI against it. Runs in the Python 3.12 virtualenv that
+`scripts/test-harnesses harbor` makes (Harbor needs 3.12); see test_harbor.py.
+
+`server` is parametrized by provider, and every test runs on both: `docker` (the static daemon
+in the task's container) and `process` (the embedded default, isolated: the task's image is
+found by its plain name in the local Docker engine, unpacked into the server's image store and
+mounted as the sandbox's root; the server runs as root). `$SANDMAN_HARBOR_PROVIDERS=process`
+runs one.
+"""
 
 from __future__ import annotations
 
@@ -27,17 +34,32 @@ def _static_daemon() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
-    """`sandman serve --provider docker`, with the static daemon. Docker must be running."""
+PROVIDERS = [p for p in os.environ.get("SANDMAN_HARBOR_PROVIDERS", "docker,process").split(",") if p]
+
+
+@pytest.fixture(scope="session", params=PROVIDERS)
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """`sandman serve` on the provider: `--provider docker` with the static daemon, or the
+    process provider, isolated. Docker must be running for both (the tasks' images are the
+    engine's, and Dockerfile tasks are built with it)."""
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         raise RuntimeError("the docker engine is not running: start it (setsid dockerd >/var/log/dockerd.log 2>&1 &)")
-    yield from serve("harbor", ["--provider", "docker", "--daemon", str(_static_daemon())])
+    provider = request.param
+    if provider == "docker":
+        args = ["--provider", "docker", "--daemon", str(_static_daemon())]
+    elif provider == "process":
+        if os.geteuid() != 0:
+            raise RuntimeError("the process provider runs task images isolated, which needs root: run as root")
+        args = []
+    else:
+        raise RuntimeError(f"unknown provider `{provider}` in SANDMAN_HARBOR_PROVIDERS (docker, process)")
+    yield from serve(f"harbor-{provider}", args)
 
 
 @pytest.fixture(scope="session")
 def image() -> str:
-    """The tasks' base image, built locally by `scripts/test-harnesses` (busybox and bash)."""
+    """The tasks' base image, built locally by `scripts/test-harnesses` (busybox and bash): its
+    plain name, as a task.toml names an image, on both providers."""
     image = os.environ.get("SANDMAN_HARBOR_IMAGE")
     if not image:
         raise RuntimeError("SANDMAN_HARBOR_IMAGE is not set: run this suite with `scripts/test-harnesses harbor`")

@@ -112,7 +112,11 @@ def test_cpus_and_memory_are_the_sandboxs_limits(tmp_path: Path, server: Server,
         await env.start(force_build=False)
         try:
             with server.client() as c:
-                assert c.get(env.sandbox.id).resources == {"cpu": 0.5, "memory": "256Mi"}
+                resources = c.get(env.sandbox.id).resources
+            # The process provider gives every sandbox a disk (its writable layer), the server's
+            # --default-disk when the create names none; docker has no disk limit.
+            default_disk = {"disk": "1Gi"} if server.provider == "process" else {}
+            assert resources == {"cpu": 0.5, "memory": "256Mi", **default_disk}
             # what the kernel enforces, seen from inside (cgroup v2, else v1)
             r = await env.exec(
                 "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"

@@ -1,6 +1,7 @@
 """Real Harbor trials on Sandman: `harbor run` (the PyPI package, unmodified) with
 `--env sandman.integrations.harbor:SandmanEnvironment`, Harbor's `oracle` and `nop` agents (no
-model), on small tasks written here, against `sandman serve --provider docker`.
+model), on small tasks written here, against `sandman serve` on the docker provider and on the
+process provider (the tasks' image unpacked into its image store).
 
 Each task's test script writes Harbor's reward file; the oracle runs the task's solution. What
 each checks is in its name; a task checks from inside the sandbox, so a reward of 1 means the
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import pytest
 from conftest import Harbor
@@ -75,7 +76,8 @@ def score_task(root: Path, image: str) -> Path:
 def tasks(tmp_path_factory: pytest.TempPathFactory, image: str) -> Path:
     root = tmp_path_factory.mktemp("tasks")
     score_task(root, image)
-    # Users, env, workdir, uploads and a reward of several keys. The image is built from the
+    # Users, env, workdir, uploads, a hostname of the sandbox's own that resolves (as a
+    # container's does), and a reward of several keys. The image is built from the
     # task's Dockerfile (by the environment, with the local docker, as Harbor's docker backend
     # does); the agent runs as uid 1000, the verifier as root.
     write_task(
@@ -122,9 +124,10 @@ def tasks(tmp_path_factory: pytest.TempPathFactory, image: str) -> Path:
             workdir=$(ok '[ "$(cat $a/pwd)" = /srv/data ] && [ "$(pwd)" = /srv/data ]')
             env=$(ok '[ "$(cat $a/env)" = "task value|yes" ] && [ "$VERIFIER_VAR" = checked ] && [ "$TASK_VAR" = "task value" ]')
             uploads=$(ok 'cmp -s $a/helper /tests/expected.txt && [ "$(cat $a/deep)" = deep ] && [ "$(cat /srv/data/baked.txt)" = baked ]')
-            all=$(( agent_uid & verifier_root & workdir & env & uploads ))
-            printf '{"reward": %s, "agent_uid": %s, "verifier_root": %s, "workdir": %s, "env": %s, "uploads": %s}' \
-              $all $agent_uid $verifier_root $workdir $env $uploads > /logs/verifier/reward.json
+            hostname=$(ok '[ "$(cat /etc/hostname)" = "$(hostname)" ] && hostname -i > /dev/null')
+            all=$(( agent_uid & verifier_root & workdir & env & uploads & hostname ))
+            printf '{"reward": %s, "agent_uid": %s, "verifier_root": %s, "workdir": %s, "env": %s, "uploads": %s, "hostname": %s}' \
+              $all $agent_uid $verifier_root $workdir $env $uploads $hostname > /logs/verifier/reward.json
         """,
     )
     # No network: the sandbox has only `lo`.
@@ -176,9 +179,16 @@ def docker_containers(server: Server) -> str:
     return out.stdout.strip()
 
 
+def process_sandboxes(server: Server) -> List[str]:
+    """What the process provider keeps of sandboxes on disk: a directory each."""
+    sandboxes = server.state / "sandboxes"
+    return sorted(p.name for p in sandboxes.iterdir()) if sandboxes.exists() else []
+
+
 def assert_nothing_left(server: Server) -> None:
     assert server.live_sandboxes() == []
     assert docker_containers(server) == ""
+    assert process_sandboxes(server) == []
 
 
 def test_oracle_trials_get_what_each_task_checks(harbor: Harbor, tasks: Path, server: Server) -> None:
@@ -194,6 +204,7 @@ def test_oracle_trials_get_what_each_task_checks(harbor: Harbor, tasks: Path, se
         "workdir": 1,
         "env": 1,
         "uploads": 1,
+        "hostname": 1,
     }, trials["features"].result
     assert trials["features"].exception == ""
     assert (trials["offline"].reward, trials["offline"].exception) == (1.0, ""), trials["offline"].result

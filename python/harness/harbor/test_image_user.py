@@ -1,6 +1,7 @@
 """A task whose image sets `USER`: as with Harbor's docker environment, the agent and the verifier
 run as that user when the task names none, and as the one it names otherwise. The sandbox's
-default user is the image's (the docker provider reads it from the image's config)."""
+default user is the image's (each provider reads it from the image's config; the process
+provider's image is the one the environment built, taken from the engine as `docker-daemon:`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ task's agent and verifier in an *environment*, a `harbor.environments.base.BaseE
 `SandmanEnvironment` is one whose container is a Sandman sandbox: each trial creates one sandbox
 of the task's image when Harbor starts the environment and releases it when Harbor stops it.
 Every exec, upload and download goes through the server, so the trial runs on whatever provider
-the server has (docker, kubernetes).
+the server has (process, docker, kubernetes).
 
     harbor run -p ./tasks -a oracle --env sandman.integrations.harbor:SandmanEnvironment \\
         --ek job=my-eval --ek lease=900
@@ -18,7 +18,8 @@ file), as for the SDK; `--ek url=...` works too, but Harbor writes every `--ek` 
 What it does as Harbor's own docker environment does:
 
 - the image: the task's `docker_image` (a prebuilt image), else its `environment/Dockerfile`
-  built with the local `docker build` when the server runs the docker provider (tagged
+  built with the local `docker build` when the server runs the docker provider, or the process
+  provider, which takes it from the same engine as `docker-daemon:<tag>` (tagged
   `hb__<content hash>` as Harbor tags it; an unchanged definition reuses the image);
 - commands run as `bash -c <command>` (`shell` option), as the caller's `user` else the
   environment's default user (Harbor sets it to the task's agent or verifier user) else the
@@ -70,6 +71,10 @@ from .. import AsyncSandbox, AsyncSandman, SandmanError
 
 __all__ = ["SandmanEnvironment", "SandmanOptions"]
 
+#: The providers that run images of the Docker engine on the server's machine: an image built
+#: here with `docker build` reaches their sandboxes when the server runs on this machine.
+_LOCAL_ENGINE_PROVIDERS = ("docker", "process")
+
 log = logging.getLogger(__name__)
 
 
@@ -87,8 +92,8 @@ class SandmanOptions(EnvironmentOptions):
     build: Literal["auto", "docker", "never"] = Field(
         default="auto",
         description="How a task with only an environment/Dockerfile gets its image: `docker` builds "
-        "it with the local docker CLI; `auto` does so when the server runs the docker provider; "
-        "`never` refuses such tasks.",
+        "it with the local docker CLI; `auto` does so when the server runs the docker or the process "
+        "provider (on this machine: they take images from its Docker engine); `never` refuses such tasks.",
     )
     merge_output: bool = Field(
         default=False,
@@ -262,10 +267,10 @@ class SandmanEnvironment(BaseEnvironment):
         if not dockerfile.exists():
             raise FileNotFoundError(f"the task has neither docker_image nor {dockerfile}")
         build = o.build
+        assert self._client is not None
+        provider = o.provider or (await self._client.health()).provider
         if build == "auto":
-            assert self._client is not None
-            provider = o.provider or (await self._client.health()).provider
-            build = "docker" if provider == "docker" else "never"
+            build = "docker" if provider in _LOCAL_ENGINE_PROVIDERS else "never"
             if build == "never":
                 raise RuntimeError(
                     f"the task {self.environment_name} has only {dockerfile}, and the sandman server runs the "
@@ -277,11 +282,16 @@ class SandmanEnvironment(BaseEnvironment):
                 f"the task {self.environment_name} has only {dockerfile} and build=never: set docker_image "
                 "in task.toml or pass --ek image=..."
             )
-        return await self._docker_build(force_build)
+        tag = await self._docker_build(force_build)
+        # The process provider takes the engine's image by id each time it is asked by
+        # `docker-daemon:` (a plain name, once in its store, stays what it was: a rebuild under
+        # the same tag would not reach it).
+        return f"docker-daemon:{tag}" if provider == "process" else tag
 
     async def _docker_build(self, force_build: bool) -> str:
         """Builds the task's Dockerfile with the local docker CLI, tagged as Harbor's docker
-        environment tags it (`hb__<content hash>`): the server's docker provider then finds it."""
+        environment tags it (`hb__<content hash>`): the server's docker provider then finds it,
+        and its process provider by `docker-daemon:<tag>`."""
         if shutil.which("docker") is None:
             raise RuntimeError("building the task's Dockerfile needs the docker CLI, which is not on PATH")
         tag = _image_name(f"hb__{self.environment_id}")
