@@ -25,8 +25,9 @@ use serde_json::json;
 async fn refusals_name_the_way_out_and_leave_nothing() {
     let state = state_dir();
     let p = provider(state.path(), Isolation::None);
+    // A task image's layers are a sandbox's root in a user namespace of its own: not without isolation.
     let msg = unsupported(p.create(&spec("img", "python:3.12")).await);
-    assert!(msg.contains("`python:3.12`") && msg.contains("docker") && msg.contains("kubernetes"), "{msg}");
+    assert!(msg.contains("`python:3.12`") && msg.contains("--isolation none") && msg.contains("`host`"), "{msg}");
     // Eval needs fixed resources first of all, and then namespaces, which are off here.
     let mut eval = SandboxSpec { profile: Profile::Eval, ..spec("eval", HOST_IMAGE) };
     assert!(unsupported(p.create(&eval).await).contains("resources.cpu"));
