@@ -20,6 +20,7 @@ const ANSWER_WITHIN: Duration = Duration::from_secs(3);
 const DEFAULT_SOCKET: &str = "/var/run/docker.sock";
 
 /// A local engine that answered.
+#[derive(Clone)]
 pub(crate) struct Engine {
     docker: Docker,
     socket: PathBuf,

@@ -23,8 +23,8 @@ mod unpack;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
 
 pub use error::ImageError;
 pub use reference::{DockerRef, ImageSource};
@@ -248,7 +248,17 @@ pub(crate) struct Inner {
     images: flight::Flights<Image>,
     /// Layer unpacks under way, by diff_id.
     layers: flight::Flights<LayerRecord>,
+    /// What the local engine said of a name lately (its image's id, or none): asked again at
+    /// most once every [`ENGINE_ANSWER_KEPT`], so a burst of creates asks it once.
+    engine_answers: std::sync::Mutex<HashMap<String, (Instant, EngineAnswer)>>,
 }
+
+/// The local engine and the id of its image of a name, or none (no engine, or no such image).
+type EngineAnswer = Option<(engine::Engine, String)>;
+
+/// How long the local engine's answer about a name stands: an image rebuilt there (`docker
+/// build -t task .`) is what a create of `task` runs after at most this long.
+const ENGINE_ANSWER_KEPT: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for Inner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -270,6 +280,7 @@ impl ImageStore {
             max_size: config.max_size,
             stall: config.stall,
             docker_socket: config.docker_socket,
+            engine_answers: std::sync::Mutex::default(),
             downloads: Arc::new(tokio::sync::Semaphore::new(config.concurrent_layers.max(1))),
             images: flight::Flights::default(),
             layers: flight::Flights::default(),
@@ -298,6 +309,17 @@ impl ImageStore {
         let inner = self.inner.clone();
         match source {
             ImageSource::Registry { name, registry_only } => {
+                // The local engine's image of the name comes first, as in `from_registry`, and
+                // over the store's tag too: the engine is where `docker build` puts a task image,
+                // and a rebuilt one must not be shadowed by the copy an earlier create imported.
+                if !registry_only && let Some((engine, id)) = inner.engine_image(&name).await {
+                    if let Some(image) = self.cached(&canonical).await?.filter(|i| i.id == id) {
+                        return Ok(image);
+                    }
+                    let key = format!("ref:engine:{id}:{canonical}");
+                    let work = move || async move { inner.from_engine(&engine, &id, canonical, progress).await };
+                    return self.inner.images.run(&key, work).await;
+                }
                 if let Some(image) = self.cached(&canonical).await? {
                     return Ok(image);
                 }
@@ -405,21 +427,39 @@ impl Inner {
             self.disk.touch(&image.id)?;
             return Ok(image);
         }
-        if !registry_only {
-            let socket = engine::socket(self.docker_socket.as_deref());
-            if let Some(engine) = engine::Engine::find(socket.as_deref()).await {
-                match engine.image_id(&name.familiar()).await {
-                    Ok(Some(id)) => return self.from_engine(&engine, &id, canonical, progress).await,
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::warn!(image = %name, error = %e, "the local Docker engine failed; pulling instead")
-                    }
-                }
-            }
+        if !registry_only && let Some((engine, id)) = self.engine_image(&name).await {
+            return self.from_engine(&engine, &id, canonical, progress).await;
         }
         let remote = self.registries.connect(&name).await?;
         let plan = remote.plan().await?;
         pull::install(&self, plan, Blobs::Registry(Arc::new(remote)), progress).await
+    }
+
+    /// The local engine and the id of its image `name`, when an engine answers and has one:
+    /// its answer of the last [`ENGINE_ANSWER_KEPT`] when there is one.
+    async fn engine_image(&self, name: &DockerRef) -> EngineAnswer {
+        let familiar = name.familiar();
+        let answers = || self.engine_answers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((at, answer)) = answers().get(&familiar)
+            && at.elapsed() < ENGINE_ANSWER_KEPT
+        {
+            return answer.clone();
+        }
+        let socket = engine::socket(self.docker_socket.as_deref());
+        let answer = match engine::Engine::find(socket.as_deref()).await {
+            Some(engine) => match engine.image_id(&familiar).await {
+                Ok(id) => id.map(|id| (engine, id)),
+                Err(e) => {
+                    tracing::warn!(image = %name, error = %e, "the local Docker engine failed; pulling instead");
+                    None
+                }
+            },
+            None => None,
+        };
+        let mut answers = answers();
+        answers.retain(|_, (at, _)| at.elapsed() < ENGINE_ANSWER_KEPT);
+        answers.insert(familiar, (Instant::now(), answer.clone()));
+        answer
     }
 
     /// The engine's image `id`, from the store when it has it, else exported and imported.

@@ -122,6 +122,31 @@ async fn a_plain_reference_the_engine_has_is_taken_from_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_reference_follows_the_engine_when_its_image_is_rebuilt() {
+    let dir = scratch();
+    let imported = Imported::new(dir.path());
+    let store = ImageStore::open(config(dir.path())).unwrap_or_else(|e| panic!("{e}"));
+    let first = store.resolve(&imported.name, Progress::none()).await.unwrap_or_else(|e| panic!("{e}"));
+    // `docker build -t task .` again: the same name, another image.
+    let tar = dir.path().join("rootfs.tar");
+    docker(&["import", "--change", "ENV GREETING=rebuilt", &tar.to_string_lossy(), &imported.name]);
+    let rebuilt = imported.id();
+    assert_ne!(first.id, rebuilt);
+    // The engine's answer stands for a second; after it, the rebuilt image is what resolves.
+    std::thread::sleep(Duration::from_millis(1100));
+    let second = store.resolve(&imported.name, Progress::none()).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(second.id, rebuilt, "the store's earlier import shadowed the engine's rebuilt image");
+    assert_eq!(second.config.env.get("GREETING").map(String::as_str), Some("rebuilt"));
+    // And again, from the store: nothing imported twice.
+    std::thread::sleep(Duration::from_millis(1100));
+    let third = store.resolve(&imported.name, Progress::none()).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(third.id, rebuilt);
+    assert!(!third.pulled, "the same engine image was imported again");
+    let tagged: Vec<_> = store.list().into_iter().filter(|i| !i.references.is_empty()).map(|i| i.id).collect();
+    assert_eq!(tagged, [rebuilt], "the name still tags the old image too");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_docker_save_writes_is_imported() {
     let dir = scratch();
     let imported = Imported::new(dir.path());
