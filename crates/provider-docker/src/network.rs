@@ -7,8 +7,8 @@
 //! containers included), lets its resolvers answer on port 53, and drops its IPv6: the same
 //! refusals as the process provider's sandboxes. Docker masquerades the bridge's traffic itself,
 //! and its own iptables rules accept the bridge's forwarded traffic (`-i <bridge> ! -o <bridge>
-//! -j ACCEPT` and the conntrack rule back), so the table only refuses. Start at
-//! [`Egress::prepare`].
+//! -j ACCEPT` and the conntrack rule back), so the table only refuses (a start finds out and
+//! warns when they do not). Start at [`Egress::prepare`].
 //!
 //! The table can only be installed by root on the engine's own host; elsewhere the provider
 //! refuses to start, naming `--docker-egress unfiltered`, and never runs unfiltered unless told.
@@ -88,7 +88,23 @@ impl Egress {
                 "--docker-egress unfiltered: egress sandboxes reach the host's services and private networks"
             );
         }
-        self.ensure_network(docker, owner).await
+        self.ensure_network(docker, owner).await?;
+        let bridge = self.bridge.clone();
+        let listed = tokio::task::spawn_blocking(|| {
+            std::process::Command::new("iptables").args(["-w", "-S", "FORWARD"]).output()
+        })
+        .await;
+        if let Ok(Ok(out)) = listed
+            && out.status.success()
+            && !engine_forwards(&String::from_utf8_lossy(&out.stdout), &bridge)
+        {
+            tracing::warn!(
+                %bridge,
+                "iptables' FORWARD chain drops by default and has no rule of the engine's accepting what the bridge \
+                 forwards out (is dockerd running with --iptables=false?): egress sandboxes will reach nothing"
+            );
+        }
+        Ok(())
     }
 
     /// Refuses, before anything is made or asked of the engine, what cannot be honoured: a
@@ -184,6 +200,13 @@ impl Egress {
     }
 }
 
+/// Whether iptables' `FORWARD` rules (`iptables -S FORWARD`) let what `bridge` forwards out
+/// through: no drop policy, or the engine's own accept rule for its bridge.
+fn engine_forwards(rules: &str, bridge: &str) -> bool {
+    let accept = format!("-A FORWARD -i {bridge} ! -o {bridge} -j ACCEPT");
+    !rules.lines().any(|l| l.trim() == "-P FORWARD DROP") || rules.lines().any(|l| l.trim() == accept)
+}
+
 /// Installs `policy` and records it under `marker`, after sweeping the tables of servers that
 /// are gone. Blocking.
 fn install(policy: &Policy, marker: &Path) -> Result<(), ProviderError> {
@@ -264,6 +287,19 @@ mod tests {
         }
         assert!(is_local("unix:///var/run/docker.sock") && is_local("/var/run/docker.sock"));
         assert!(!is_local("tcp://10.0.0.2:2375") && !is_local("ssh://host"));
+    }
+
+    /// What engine 20.10 lists once it has made a bridge network: its FORWARD policy drops, and
+    /// its own rule accepts what the bridge forwards out, so no rule of ours is needed.
+    #[test]
+    fn the_engines_own_rules_forward_its_bridge() {
+        let listed = "-P FORWARD DROP\n-A FORWARD -j DOCKER-USER\n-A FORWARD -j DOCKER-ISOLATION-STAGE-1\n\
+                      -A FORWARD -o smd0 -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n\
+                      -A FORWARD -o smd0 -j DOCKER\n-A FORWARD -i smd0 ! -o smd0 -j ACCEPT\n\
+                      -A FORWARD -i smd0 -o smd0 -j DROP\n";
+        assert!(engine_forwards(listed, "smd0"));
+        assert!(!engine_forwards(listed, "smd1"), "another bridge has no rule of the engine's");
+        assert!(engine_forwards("-P FORWARD ACCEPT\n", "smd1"));
     }
 
     #[test]
