@@ -58,6 +58,10 @@ def serve(name: str, args: Sequence[str] = ()) -> Iterator[Server]:
     token = secrets.token_hex(16)
     env = dict(os.environ, SANDMAN_TOKEN=token)
     env.pop("SANDMAN_URL", None)
+    # A docker provider's egress sandboxes on a network (and bridge) of this server's own, removed
+    # with it, rather than the default one a server leaves in place.
+    tag = secrets.token_hex(4)
+    env["SANDMAN_DOCKER_NETWORK"], env["SANDMAN_DOCKER_BRIDGE"] = f"sandman-test-{tag}", f"smt{tag}"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [str(binary()), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), *args],
@@ -94,4 +98,20 @@ def serve(name: str, args: Sequence[str] = ()) -> Iterator[Server]:
             except subprocess.TimeoutExpired:
                 proc.kill()
             shutil.copy(log, base / "last-serve.log")
+            _remove_docker_network(state, env["SANDMAN_DOCKER_NETWORK"])
             shutil.rmtree(state, ignore_errors=True)
+
+
+def _remove_docker_network(state: Path, network: str) -> None:
+    """The docker network of a server on `state`, and the host firewall table its provider
+    installed (recorded in /run/sandman/tables under `<state>/docker`); nothing when it made none."""
+    docker_dir = state / "docker"
+    if not docker_dir.exists():
+        return
+    subprocess.run(["docker", "network", "rm", network], capture_output=True)
+    tables = Path("/run/sandman/tables")
+    owner = str(docker_dir.resolve())
+    for record in tables.glob("*") if tables.is_dir() else []:
+        if record.read_text(errors="replace") == owner:
+            subprocess.run(["nft", "delete", "table", "inet", record.name], capture_output=True)
+            record.unlink(missing_ok=True)

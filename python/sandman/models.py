@@ -52,7 +52,9 @@ __all__ = [
 #: `create_interrupted`: the server stopped while creating it; a retry of the create with the same
 #: idempotency key makes a new one. `resource_exhausted`: the server or the machine could not hold
 #: one more sandbox (the message names the limit); a retry after others are released may succeed.
-#: A newer server may send a reason not listed here; the SDK passes it through as a string.
+#: `daemon_untrusted`: what answered at the sandbox's daemon's address did not prove the sandbox's
+#: token on a new connection of the server's (its socket was replaced from inside): the sandbox was
+#: removed, and nothing was sent there. A newer server may send a reason not listed here; the SDK passes it through as a string.
 REASONS = (
     "released",
     "lease_expired",
@@ -72,6 +74,7 @@ REASONS = (
     "conditions_mismatch",
     "create_interrupted",
     "resource_exhausted",
+    "daemon_untrusted",
 )
 
 #: Where the preparation of an image is (`Event.phase` of a `prepare` event): `started`, then

@@ -415,9 +415,17 @@ async fn in_docker_the_servers_token_key_and_other_sandboxes_are_out_of_reach() 
         std::fs::read_to_string(file.unwrap()).unwrap().trim().to_string()
     };
     let (target_token, own_token) = (token_of(&target), token_of(&attacker));
-    // The search works: the attacker's own token is where its daemon reads it.
-    let own = sh(&http, &attacker, None, &format!("cd / && grep -rlF {own_token} .sandman")).await;
-    assert_eq!(stdout(&own), ".sandman/token\n", "{own}");
+    // The search works: it finds what is there (a planted copy). Its own daemon's token is not:
+    // the daemon removed the file it was handed as it started.
+    let own = sh(
+        &http,
+        &attacker,
+        None,
+        &format!("echo {own_token} > /tmp/planted; cd / && grep -rlF {own_token} tmp .sandman"),
+    )
+    .await;
+    assert_eq!(stdout(&own), "tmp/planted\n", "{own}");
+    assert_eq!(sh(&http, &attacker, None, "rm /tmp/planted; ls -A /.sandman/run").await["stdout"], "d.sock\n");
     for user in [None, Some("65534")] {
         let c = codes(
             &http,

@@ -39,10 +39,22 @@ pub struct Edge {
 
 /// Serves `app` on `listener` until `shutdown` resolves, then lets open connections finish the
 /// request they are on (new ones are no longer accepted) for at most `edge.drain`.
-pub async fn serve<L>(mut listener: L, app: Router, edge: Edge, shutdown: impl Future<Output = ()> + Send)
+pub async fn serve<L>(listener: L, app: Router, edge: Edge, shutdown: impl Future<Output = ()> + Send)
 where
     L: Listener,
     L::Addr: std::fmt::Debug,
+{
+    serve_by(listener, move |_| app.clone(), edge, shutdown).await;
+}
+
+/// [`serve`], each connection served by the router `app_for` chooses for its peer's address (a
+/// daemon serves a caller from inside its sandbox otherwise than one from outside), chosen once
+/// per connection: a call costs nothing more.
+pub async fn serve_by<L, F>(mut listener: L, app_for: F, edge: Edge, shutdown: impl Future<Output = ()> + Send)
+where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+    F: Fn(&L::Addr) -> Router,
 {
     let mut builder = http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(edge.header_read_timeout).keep_alive(true);
@@ -74,11 +86,11 @@ where
                 }
             }
         };
-        let (io, _addr) = tokio::select! {
+        let (io, addr) = tokio::select! {
             accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
         };
-        let app = app.clone();
+        let app = app_for(&addr);
         let builder = Arc::clone(&builder);
         let stop = stop.clone();
         connections.spawn(async move {

@@ -126,27 +126,46 @@ impl AsyncWrite for QuietUnixStream {
     }
 }
 
-/// A Unix listener whose connections are [`QuietUnixStream`]s, for [`crate::serve::serve`].
+/// A Unix listener whose connections are [`QuietUnixStream`]s, for [`crate::serve::serve`],
+/// each with who connected ([`UnixPeer`]).
 #[derive(Debug)]
 pub struct QuietUnixListener(pub tokio::net::UnixListener);
 
+/// Who is at the other end of an accepted connection, as the kernel recorded it when the peer
+/// connected (`SO_PEERCRED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnixPeer {
+    /// The peer's pid as this process's pid namespace numbers it: 0 when the peer runs in a
+    /// namespace this one does not contain (outside a container whose init this process is);
+    /// none when the kernel did not say.
+    pub pid: Option<i32>,
+}
+
+impl UnixPeer {
+    /// Whether the peer is a process of this process's own pid namespace (or one below it).
+    pub fn in_my_pid_namespace(&self) -> bool {
+        self.pid.is_some_and(|p| p > 0)
+    }
+}
+
 impl axum::serve::Listener for QuietUnixListener {
     type Io = QuietUnixStream;
-    type Addr = tokio::net::unix::SocketAddr;
+    type Addr = UnixPeer;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         loop {
             // axum's own accept, with its handling of accept errors.
-            let (stream, addr) = axum::serve::Listener::accept(&mut self.0).await;
+            let (stream, _) = axum::serve::Listener::accept(&mut self.0).await;
+            let peer = UnixPeer { pid: stream.peer_cred().ok().and_then(|c| c.pid()) };
             match QuietUnixStream::from_tokio(stream) {
-                Ok(stream) => return (stream, addr),
+                Ok(stream) => return (stream, peer),
                 Err(e) => tracing::warn!(error = %e, "cannot take over an accepted connection: it is closed"),
             }
         }
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
-        self.0.local_addr()
+        Ok(UnixPeer { pid: Some(i32::try_from(std::process::id()).unwrap_or(0)) })
     }
 }
 
@@ -158,6 +177,26 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    /// A connection's peer is known from the kernel's record of who connected: a process of
+    /// this pid namespace by its pid (a daemon's sandbox's own processes, seen from the daemon),
+    /// where one outside it would be 0.
+    #[tokio::test]
+    async fn an_accepted_connection_names_its_peer() {
+        let dir = std::env::temp_dir().join(format!("sandman-http-peer-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join("s.sock");
+        let _ = std::fs::remove_file(&path);
+        let mut listener =
+            QuietUnixListener(tokio::net::UnixListener::bind(&path).unwrap_or_else(|e| panic!("bind: {e}")));
+        let client = tokio::net::UnixStream::connect(&path).await.unwrap_or_else(|e| panic!("connect: {e}"));
+        let (_conn, peer) = axum::serve::Listener::accept(&mut listener).await;
+        assert_eq!(peer.pid, Some(std::process::id() as i32));
+        assert!(peer.in_my_pid_namespace());
+        assert!(!UnixPeer { pid: Some(0) }.in_my_pid_namespace(), "pid 0: a process of another pid namespace");
+        drop(client);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     const EPOLLIN: u32 = 0x1;
     const EPOLLOUT: u32 = 0x4;

@@ -14,6 +14,7 @@ use sandman_provider::{Ended, ProviderError, SandboxSpec};
 use sandman_wire::server::{Applied, Network, Profile, Quantity, Reason};
 
 use crate::hostdir::HostDir;
+use crate::network::Egress;
 
 /// Every sandman container carries it; the events stream and `list` filter on it.
 pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
@@ -34,10 +35,12 @@ pub const IMAGE_LABEL: &str = "sandman.dev/image";
 
 /// Where the daemon binary is mounted (read-only) in every container.
 pub const DAEMON_IN_CONTAINER: &str = "/.sandman/sandmand";
-/// Where the token file is mounted (read-only).
-pub const TOKEN_IN_CONTAINER: &str = "/.sandman/token";
 /// Where the sandbox's `run/` directory is mounted; the daemon listens on a socket in it.
 pub const RUN_IN_CONTAINER: &str = "/.sandman/run";
+/// Where the daemon finds its token as it starts, in `run/`, and removes it once read
+/// (`--consume-token-file`): nothing that runs in the sandbox after it finds the token there,
+/// nor in a mount, the container's environment or `docker inspect`.
+pub const TOKEN_IN_CONTAINER: &str = "/.sandman/run/token";
 /// The daemon's `--listen` inside the container.
 pub const LISTEN_IN_CONTAINER: &str = "unix:/.sandman/run/d.sock";
 
@@ -186,11 +189,13 @@ pub struct Plan<'a> {
     pub owner: &'a str,
     pub daemon_bin: &'a Path,
     pub dir: &'a HostDir,
+    /// Where an egress sandbox sits.
+    pub egress: &'a Egress,
 }
 
 /// The container: the image unmodified (pinned to its ID), the daemon mounted in as its entry
 /// point (the image's own entrypoint and command are not run), running as root so that it can
-/// reap, kill, read its token and switch users; the image's `Env` and `WorkingDir` are the
+/// reap, kill, take its token and switch users; the image's `Env` and `WorkingDir` are the
 /// defaults of every command. An `eval` sandbox also gets [`EVAL_ENV`] and no network.
 pub fn body(plan: &Plan<'_>) -> Result<ContainerCreateBody, ProviderError> {
     let spec = plan.spec;
@@ -200,6 +205,7 @@ pub fn body(plan: &Plan<'_>) -> Result<ContainerCreateBody, ProviderError> {
         LISTEN_IN_CONTAINER.to_string(),
         "--token-file".to_string(),
         TOKEN_IN_CONTAINER.to_string(),
+        "--consume-token-file".to_string(),
         "--workdir".to_string(),
         workdir.clone(),
     ];
@@ -252,10 +258,11 @@ pub fn body(plan: &Plan<'_>) -> Result<ContainerCreateBody, ProviderError> {
     let host_config = HostConfig {
         mounts: Some(vec![
             bind(plan.daemon_bin, DAEMON_IN_CONTAINER, true),
-            bind(&plan.dir.token(), TOKEN_IN_CONTAINER, true),
             bind(&plan.dir.run(), RUN_IN_CONTAINER, false),
         ]),
-        network_mode: no_network(spec).then(|| "none".to_string()),
+        // Never the engine's default bridge: sandman's own, held by the host firewall.
+        network_mode: Some(if no_network(spec) { "none".to_string() } else { plan.egress.network.clone() }),
+        dns: plan.egress.dns.as_ref().filter(|_| !no_network(spec)).map(|d| d.iter().map(|a| a.to_string()).collect()),
         nano_cpus: plan.limits.nano_cpus,
         memory: plan.limits.memory,
         // Equal to memory: no swap on top of the limit.
@@ -479,12 +486,16 @@ mod tests {
             owner: "/state/docker",
             daemon_bin: Path::new("/bin/d"),
             dir: &dir,
+            egress: &Egress::default(),
         };
         let b = body(&plan).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(b.image.as_deref(), Some("sha256:0123"), "the container is not made from the pinned ID");
         assert_eq!(b.entrypoint, Some(vec![DAEMON_IN_CONTAINER.to_string()]));
         let cmd = b.cmd.clone().unwrap_or_default().join(" ");
-        assert_eq!(cmd, "--listen unix:/.sandman/run/d.sock --token-file /.sandman/token --workdir /src --lease 300s");
+        assert_eq!(
+            cmd,
+            "--listen unix:/.sandman/run/d.sock --token-file /.sandman/run/token --consume-token-file --workdir /src --lease 300s"
+        );
         assert_eq!(b.working_dir.as_deref(), Some("/src"));
         assert_eq!(b.healthcheck.as_ref().and_then(|h| h.test.clone()), Some(vec!["NONE".to_string()]));
         let env = b.env.clone().unwrap_or_default();
@@ -504,11 +515,7 @@ mod tests {
         let targets: Vec<_> = mounts.iter().map(|m| (m.target.clone().unwrap_or_default(), m.read_only)).collect();
         assert_eq!(
             targets,
-            [
-                (DAEMON_IN_CONTAINER.to_string(), Some(true)),
-                (TOKEN_IN_CONTAINER.to_string(), Some(true)),
-                (RUN_IN_CONTAINER.to_string(), Some(false)),
-            ]
+            [(DAEMON_IN_CONTAINER.to_string(), Some(true)), (RUN_IN_CONTAINER.to_string(), Some(false))]
         );
         // Default network and workdir.
         let s = spec();
@@ -516,7 +523,7 @@ mod tests {
         let plan = Plan { spec: &s, image: &image, limits: Limits::default(), ..plan };
         let b = body(&plan).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(b.working_dir.as_deref(), Some("/"));
-        assert_eq!(b.host_config.and_then(|h| h.network_mode), None);
+        assert_eq!(b.host_config.and_then(|h| h.network_mode).as_deref(), Some("sandman"), "not on sandman's network");
     }
 
     fn eval_spec() -> SandboxSpec {
@@ -602,6 +609,7 @@ mod tests {
             owner: "/state/docker",
             daemon_bin: Path::new("/bin/d"),
             dir: &dir,
+            egress: &Egress::default(),
         };
         let b = body(&plan).unwrap_or_else(|e| panic!("{e}"));
         let env = b.env.clone().unwrap_or_default();

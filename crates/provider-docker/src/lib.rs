@@ -4,14 +4,17 @@
 //! network). Start at [`DockerProvider::connect`]; `docs/docker-provider.md` describes it whole.
 //!
 //! The container's labels are the state of record (the spec less its token, which stays in a
-//! 0600 file); one `docker events` stream reports deaths. `container` builds a container from a
-//! spec without I/O (the `eval` profile's fixed conditions included) and reads back what was
-//! applied, `watch` is the one watcher, `image` pulls and pins an image to its ID.
+//! 0600 file, handed to the daemon through a file it removes once read); one `docker events`
+//! stream reports deaths. `container` builds a container from a spec without I/O (the `eval`
+//! profile's fixed conditions included) and reads back what was applied, `watch` is the one
+//! watcher, `image` pulls and pins an image to its ID, `network` is where egress sandboxes sit
+//! and what the host firewall refuses them.
 
 mod container;
 mod elf;
 mod hostdir;
 mod image;
+mod network;
 mod watch;
 
 use std::collections::HashSet;
@@ -39,6 +42,7 @@ pub use crate::container::{
 };
 pub use crate::elf::{DaemonBinaryError, check_static};
 use crate::hostdir::HostDir;
+pub use crate::network::{DEFAULT_BRIDGE, DEFAULT_NETWORK, Egress, Filter, table_of};
 
 /// The engine's address when `DOCKER_HOST` is unset.
 pub const DEFAULT_DOCKER_HOST: &str = "unix:///var/run/docker.sock";
@@ -67,12 +71,21 @@ pub struct DockerConfig {
     pub docker_host: String,
     /// A pull that makes no progress for this long fails with `image_pull_failed`.
     pub pull_stall: Duration,
+    /// Where `network: egress` sandboxes sit and what they may reach.
+    pub egress: Egress,
 }
 
 impl DockerConfig {
-    /// The engine from `DOCKER_HOST` (else the default socket) and the default pull stall.
+    /// The engine from `DOCKER_HOST` (else the default socket), the default pull stall, and
+    /// egress sandboxes on network `sandman` (bridge `smd0`), filtered.
     pub fn new(state_dir: PathBuf, daemon_bin: PathBuf) -> Self {
-        DockerConfig { state_dir, daemon_bin, docker_host: docker_host_from_env(), pull_stall: DEFAULT_PULL_STALL }
+        DockerConfig {
+            state_dir,
+            daemon_bin,
+            docker_host: docker_host_from_env(),
+            pull_stall: DEFAULT_PULL_STALL,
+            egress: Egress::default(),
+        }
     }
 }
 
@@ -172,6 +185,7 @@ impl DockerProvider {
         let owner = base.display().to_string();
 
         let host = &config.docker_host;
+        config.egress.check(host)?;
         let unreachable = |e: &dyn std::fmt::Display| {
             ProviderError::Backend(format!(
                 "cannot reach the docker engine at `{host}`: {e}; is it running? Start it with \
@@ -186,6 +200,8 @@ impl DockerProvider {
             Err(_) => return Err(unreachable(&format!("no answer within {} s", CONNECT_TIMEOUT.as_secs()))),
         };
         let info = docker.info().await.map_err(|e| unreachable(&e))?;
+        // Before any sandbox can be made: egress sandboxes' network, and the firewall on it.
+        config.egress.prepare(&docker, &base).await?;
         let host_cpus = info.ncpu.unwrap_or(0) as f64;
         let cgroup_version = info.cgroup_version.map(|v| v.to_string());
         tracing::info!(
@@ -286,6 +302,7 @@ impl DockerProvider {
             owner: &self.owner,
             daemon_bin: &self.config.daemon_bin,
             dir,
+            egress: &self.config.egress,
         };
         let outcome = self.run(spec, &plan).await;
         if outcome.is_err() {
@@ -574,7 +591,7 @@ fn check_id(id: &str) -> Result<(), ProviderError> {
 }
 
 /// The engine's own words for a failure.
-fn engine_message(e: &BollardError) -> String {
+pub(crate) fn engine_message(e: &BollardError) -> String {
     match e {
         BollardError::DockerResponseServerError { message, .. } => message.trim().to_string(),
         BollardError::DockerStreamError { error } => error.trim().to_string(),

@@ -135,6 +135,19 @@ async fn the_image_env_and_workdir_are_the_defaults_and_the_token_stays_out_of_i
     assert_eq!(c["Path"], "/.sandman/sandmand");
     let token_file = p.sandbox_dir(&s.id).join("token");
     assert_eq!(std::fs::metadata(&token_file).unwrap().permissions().mode() & 0o777, 0o600);
+    // The token is mounted nowhere, and the copy handed to the daemon is gone once it runs.
+    let mounts: Vec<&str> = c["Mounts"].as_array().unwrap().iter().filter_map(|m| m["Destination"].as_str()).collect();
+    assert_eq!(mounts.len(), 2, "{mounts:?}");
+    assert!(mounts.contains(&"/.sandman/sandmand") && mounts.contains(&"/.sandman/run"), "{mounts:?}");
+    assert!(!p.sandbox_dir(&s.id).join("run/token").exists(), "the daemon left the token it was handed");
+    assert_eq!(out(&sh(&ep, &s.token, "ls -A /.sandman/run").await), "d.sock\n");
+    // An egress sandbox sits on sandman's network, never the engine's default bridge.
+    let egress = state.config().egress;
+    assert_eq!(hc["NetworkMode"], egress.network.as_str(), "{hc}");
+    let net: Value = serde_json::from_str(&docker(&["network", "inspect", &egress.network])).unwrap();
+    let options = &net[0]["Options"];
+    assert_eq!(options["com.docker.network.bridge.name"], egress.bridge.as_str(), "{net}");
+    assert_eq!(options["com.docker.network.bridge.enable_icc"], "false", "{net}");
     // The limits hold inside: the container's cgroups (v1 or v2) carry them.
     let cgroup = "cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max \
                   /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null";

@@ -80,7 +80,7 @@ impl HostNetwork {
         }
         let dns = match &config.dns {
             Some(dns) => dns.clone(),
-            None => host_resolvers(),
+            None => firewall::host_resolvers(),
         };
         if dns.is_empty() {
             tracing::warn!(
@@ -131,22 +131,6 @@ fn group_of(owner: &Path) -> u32 {
         .iter()
         .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
     0x5300_0000 | (hash & 0x00ff_ffff)
-}
-
-/// The host's resolvers as its sandboxes can use them: the IPv4 nameservers of /etc/resolv.conf
-/// that are not loopback (those are the host's own, out of every sandbox's reach); where it names
-/// only loopback ones (systemd-resolved's stub), those systemd-resolved itself uses.
-fn host_resolvers() -> Vec<Ipv4Addr> {
-    let read = |path: &str| -> Vec<Ipv4Addr> {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
-        text.lines()
-            .filter_map(|l| l.trim().strip_prefix("nameserver"))
-            .filter_map(|a| a.trim().parse::<Ipv4Addr>().ok())
-            .filter(|a| !a.is_loopback())
-            .collect()
-    };
-    let mine = read("/etc/resolv.conf");
-    if mine.is_empty() { read("/run/systemd/resolve/resolv.conf") } else { mine }
 }
 
 /// Where iptables' `FORWARD` chain drops by default (Docker sets it so), an accept of ours in

@@ -93,6 +93,12 @@ impl FakeProvider {
         }
     }
 
+    /// Keeps `record` as if an earlier server had made it: what a restarted server's `list`
+    /// finds.
+    pub fn restore(&self, record: Record) {
+        self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(record.spec.id.clone(), record);
+    }
+
     /// Makes the fake say that its creates prove the daemon ([`Provider::proves_daemon`]), as
     /// the Kubernetes provider's do. The fake itself asks the daemon nothing: a test sees that
     /// the server does not ask either.

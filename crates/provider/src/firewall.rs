@@ -108,44 +108,68 @@ pub struct Policy {
     pub dns: Vec<Ipv4Addr>,
 }
 
-/// Where the host's servers record their tables (a file per table naming its server's state
-/// directory), so that a server finds those whose server is gone for good, and removes them: each
-/// one's rules are walked by every packet the host forwards.
+/// Where the host's servers record their tables (a file per table naming a directory of its
+/// server's that exists while the server's sandboxes may), so that a server finds those whose
+/// server is gone for good, and removes them: each one's rules are walked by every packet the
+/// host forwards.
 pub const TABLES_DIR: &str = "/run/sandman/tables";
 
-pub fn record(dir: &Path, table: &str, owner: &Path) -> std::io::Result<()> {
+/// Records `table` as the table of the server whose `marker` directory (the process provider's
+/// state directory, the docker provider's `<state>/docker`) exists while it may have sandboxes.
+pub fn record(dir: &Path, table: &str, marker: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    std::fs::write(dir.join(table), owner.as_os_str().as_encoded_bytes())
+    std::fs::write(dir.join(table), marker.as_os_str().as_encoded_bytes())
 }
 
-/// Removes the tables of servers whose state directory no longer holds a `sandboxes` directory
-/// (removed, as a test's is), with their records.
-pub fn sweep(dir: &Path, owner: &Path) {
+/// Removes the tables whose server's marker directory no longer exists (removed, as a test's
+/// state directory is), with their records; `own` is this server's marker. Every server's table
+/// is named `sandman…` (the process provider's `sandman-<group>`, the docker provider's
+/// `sandman_docker_<hash>`: a name that servers from before it, which took the marker of every
+/// `sandman-` table for a process provider's state directory, leave alone).
+pub fn sweep(dir: &Path, own: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let Ok(theirs) = std::fs::read_to_string(entry.path()) else { continue };
         let table = entry.file_name().to_string_lossy().into_owned();
-        if Path::new(&theirs) == owner
-            || Path::new(&theirs).join("sandboxes").is_dir()
-            || !table.starts_with("sandman-")
-        {
+        if Path::new(&theirs) == own || Path::new(&theirs).is_dir() || !table.starts_with("sandman") {
             continue;
         }
-        let delete = msg(
-            NfTablesMessage::DeleteTable(TableMessage { attributes: vec![TableAttribute::Name(table.clone())] }),
-            0,
-        );
-        match apply_messages(&[delete]) {
-            Ok(()) => tracing::info!(%table, server = %theirs, "removed the nftables table of a server that is gone"),
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => {
-                tracing::warn!(%table, err = %e, "cannot remove the nftables table of a server that is gone");
-                continue;
-            }
+        if let Err(e) = remove(&table) {
+            tracing::warn!(%table, err = %e, "cannot remove the nftables table of a server that is gone");
+            continue;
         }
+        tracing::info!(%table, server = %theirs, "removed the nftables table of a server that is gone");
         let _ = std::fs::remove_file(entry.path());
     }
+}
+
+/// Removes `table`; one that is not there is fine.
+pub fn remove(table: &str) -> std::io::Result<()> {
+    let delete = msg(
+        NfTablesMessage::DeleteTable(TableMessage { attributes: vec![TableAttribute::Name(table.to_string())] }),
+        0,
+    );
+    match apply_messages(&[delete]) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
+    }
+}
+
+/// The host's resolvers as its sandboxes can use them: the IPv4 nameservers of /etc/resolv.conf
+/// that are not loopback (those are the host's own, out of every sandbox's reach); where it names
+/// only loopback ones (systemd-resolved's stub), those systemd-resolved itself uses.
+pub fn host_resolvers() -> Vec<Ipv4Addr> {
+    let read = |path: &str| -> Vec<Ipv4Addr> {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| l.trim().strip_prefix("nameserver"))
+            .filter_map(|a| a.trim().parse::<Ipv4Addr>().ok())
+            .filter(|a| !a.is_loopback())
+            .collect()
+    };
+    let mine = read("/etc/resolv.conf");
+    if mine.is_empty() { read("/run/systemd/resolve/resolv.conf") } else { mine }
 }
 
 /// nftables' verdicts, as the kernel numbers them (`NF_DROP`, `NF_ACCEPT`).

@@ -6,7 +6,10 @@
 //! could use. Start at [`prove`]; the caller brings the transport (one health call).
 //!
 //! Who runs it: the server, after [`Provider::create`](crate::Provider::create), unless the
-//! provider says it has already ([`Provider::proves_daemon`](crate::Provider::proves_daemon)).
+//! provider says it has already ([`Provider::proves_daemon`](crate::Provider::proves_daemon));
+//! and the server again on every new connection it opens to a daemon, before it sends the token
+//! on it ([`challenge`] and [`check`] on the connection's first exchange), so that whatever took
+//! the daemon's place later (a socket moved aside by the sandbox's own code) never receives it.
 
 use std::future::Future;
 use std::time::Duration;
@@ -40,9 +43,14 @@ pub enum Unproven {
     )]
     NoProof { version: String },
     /// A daemon answered with a proof not made with this sandbox's token: it serves another
-    /// sandbox (a reused address).
-    #[error("the daemon answering does not hold the sandbox's token: it serves another sandbox")]
+    /// sandbox (a reused address), or it is not the sandbox's daemon at all.
+    #[error("the daemon answering does not hold the sandbox's token: it serves another sandbox or impersonates it")]
     Stranger,
+    /// What answers gave no health answer to the challenge (another status, or not a health
+    /// answer at all): the sandbox's daemon answers a challenge from the server, so this is not
+    /// it, or it refused because the call came from inside the sandbox (a relay).
+    #[error("what answers at the daemon's address refused the health challenge: {0}")]
+    Refused(String),
     /// No randomness for the challenge.
     #[error("cannot draw a random challenge")]
     Random,
@@ -54,7 +62,7 @@ impl Unproven {
     pub fn reason(&self) -> Reason {
         match self {
             Unproven::Silent { .. } => Reason::ReadyTimeout,
-            Unproven::NoProof { .. } | Unproven::Stranger => Reason::DaemonStartFailed,
+            Unproven::NoProof { .. } | Unproven::Stranger | Unproven::Refused(_) => Reason::DaemonStartFailed,
             Unproven::Random => Reason::ProviderError,
         }
     }
@@ -62,7 +70,7 @@ impl Unproven {
 
 /// Has the daemon prove `token`: calls `health` with a fresh challenge (the caller sends
 /// `GET /v1/health?challenge=<it>`, without the token, and answers the decoded body; any other
-/// answer is an error as text), trying again while nothing answers, backing off from 5 ms to
+/// answer is an error as text), trying again while nothing answers, backing off from 1 ms to
 /// 100 ms, each call given at most [`CALL_TIMEOUT`], until `deadline`. The first answer decides.
 pub async fn prove<F, Fut>(token: &str, deadline: Instant, mut health: F) -> Result<(), Unproven>
 where
@@ -70,12 +78,42 @@ where
     Fut: Future<Output = Result<Health, String>>,
 {
     let challenge = challenge()?;
+    until_answered(deadline, || {
+        let call = health(challenge.clone());
+        async {
+            match call.await {
+                Ok(answer) => check(token, &challenge, &answer).map_err(Attempt::Decided),
+                Err(why) => Err(Attempt::Again(why)),
+            }
+        }
+    })
+    .await
+}
+
+/// How one attempt of [`until_answered`] ended, when it did not succeed.
+#[derive(Debug)]
+pub enum Attempt {
+    /// Nothing answered (yet): the last failure, and another try.
+    Again(String),
+    /// An answer decided against the daemon: no more tries.
+    Decided(Unproven),
+}
+
+/// Runs `attempt` until it succeeds or decides, trying again while it answers
+/// [`Attempt::Again`], backing off from 1 ms to 100 ms, each attempt given at most
+/// [`CALL_TIMEOUT`], until `deadline` ([`Unproven::Silent`] with the last failure).
+pub async fn until_answered<T, F, Fut>(deadline: Instant, mut attempt: F) -> Result<T, Unproven>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Attempt>>,
+{
     let mut pause = FIRST_PAUSE;
     loop {
         let allowed = deadline.saturating_duration_since(Instant::now()).min(CALL_TIMEOUT);
-        let last = match tokio::time::timeout(allowed, health(challenge.clone())).await {
-            Ok(Ok(answer)) => return check(token, &challenge, &answer),
-            Ok(Err(why)) => why,
+        let last = match tokio::time::timeout(allowed, attempt()).await {
+            Ok(Ok(done)) => return Ok(done),
+            Ok(Err(Attempt::Decided(unproven))) => return Err(unproven),
+            Ok(Err(Attempt::Again(why))) => why,
             Err(_) => format!("no answer within {} ms", allowed.as_millis()),
         };
         if Instant::now() + pause > deadline {
@@ -100,7 +138,7 @@ pub fn check(token: &str, challenge: &str, answer: &Health) -> Result<(), Unprov
 }
 
 /// A fresh random challenge, as hex.
-fn challenge() -> Result<String, Unproven> {
+pub fn challenge() -> Result<String, Unproven> {
     let mut bytes = [0u8; CHALLENGE_BYTES];
     SystemRandom::new().fill(&mut bytes).map_err(|_| Unproven::Random)?;
     Ok(hex::encode(bytes))

@@ -112,15 +112,33 @@ async fn authorize(State(daemon): State<Arc<Daemon>>, req: Request, next: Next) 
     Response::from_parts(parts, sandman_http::holding(body, held))
 }
 
+/// Who a connection comes from, where the daemon can tell: set (as a request extension) on the
+/// connections of the sandbox's own processes when the daemon is its init on a Unix socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller {
+    /// A process of the sandbox, in the daemon's own pid namespace.
+    Inside,
+}
+
 /// Needs no token; with a `challenge`, proves the token without revealing it (see
-/// [`Health::proof`]), so a caller can tell this daemon from another at the same address.
+/// [`Health::proof`]), so a caller can tell this daemon from another at the same address. A
+/// caller inside the sandbox gets no proof (`403`): the only one who asks for it is the server,
+/// from outside, and a process of the sandbox asking can only mean to relay it from a socket it
+/// put in the daemon's place.
 async fn health(
     State(daemon): State<Arc<Daemon>>,
+    caller: Option<axum::Extension<Caller>>,
     ApiQuery(query): ApiQuery<HealthQuery>,
 ) -> Result<Json<Health>, DaemonError> {
     let proof = match query.challenge {
         Some(c) if c.len() > MAX_HEALTH_CHALLENGE => {
             return Err(DaemonError::InvalidArgument(format!("challenge is longer than {MAX_HEALTH_CHALLENGE} bytes")));
+        }
+        Some(_) if caller.is_some_and(|axum::Extension(c)| c == Caller::Inside) => {
+            return Err(DaemonError::Forbidden(
+                "a health proof is given only to callers outside the sandbox; this one is a process of the sandbox"
+                    .into(),
+            ));
         }
         Some(c) => Some(health_proof(&daemon.config.token, &c)),
         None => None,
@@ -208,6 +226,28 @@ mod tests {
         let (_, other) = health_of(&daemon, "?challenge=n2").await;
         assert_ne!(other["proof"], answer["proof"]);
         assert_ne!(health_proof("u", "n1"), proof);
+    }
+
+    /// A process of the sandbox that moved the daemon's socket aside and serves one of its own
+    /// there could relay the server's challenge to the daemon and its proof back, and then
+    /// read the token off the server's next request. A daemon that is its sandbox's init tells
+    /// its sandbox's processes from outside callers and gives them no proof.
+    #[tokio::test]
+    async fn a_caller_inside_the_sandbox_gets_no_proof() {
+        let daemon = test_daemon();
+        let inside = router(daemon.clone()).layer(axum::Extension(Caller::Inside));
+        let req = axum::http::Request::builder().uri("/v1/health?challenge=n1").body(Body::empty());
+        let resp = inside.clone().oneshot(req.unwrap_or_default()).await.unwrap_or_else(|e| match e {});
+        assert_eq!(resp.status().as_u16(), 403);
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap_or_default();
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.contains("forbidden") && text.contains("outside the sandbox"), "{text}");
+        // Its health without a challenge is still answered; outside callers get their proof.
+        let req = axum::http::Request::builder().uri("/v1/health").body(Body::empty());
+        let resp = inside.oneshot(req.unwrap_or_default()).await.unwrap_or_else(|e| match e {});
+        assert_eq!(resp.status().as_u16(), 200);
+        let (status, answer) = health_of(&daemon, "?challenge=n1").await;
+        assert_eq!((status, answer["proof"].as_str().map(str::len)), (200, Some(64)), "{answer}");
     }
 
     #[tokio::test]

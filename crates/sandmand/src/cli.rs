@@ -22,6 +22,11 @@ struct Args {
     /// Read the bearer token from this file (used when SANDMAN_TOKEN is unset).
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// Remove the --token-file once read, before anything else runs: what the daemon starts
+    /// cannot find it (the docker provider hands the token over so). The daemon does not start
+    /// when it cannot remove it.
+    #[arg(long, requires = "token_file")]
+    consume_token_file: bool,
     /// With no authenticated call for this long, kill every process and exit (e.g. 60s).
     #[arg(long, value_parser = crate::parse_duration)]
     lease: Option<Duration>,
@@ -204,10 +209,24 @@ pub fn main_with(argv: Vec<OsString>) -> ExitCode {
             Err(e) => fail(&e),
         };
     }
+    // As a container's init, nothing the daemon starts may read its memory, environment or
+    // descriptors (the token among them) through /proc/1: a container's root has no
+    // CAP_SYS_PTRACE to overcome this. Before the token is read.
+    if std::process::id() == 1
+        && let Err(e) = crate::sys::ns::not_dumpable()
+    {
+        return fail(&crate::StartError::Undumpable(e));
+    }
     let token = match crate::load_token(std::env::var("SANDMAN_TOKEN").ok(), args.token_file.as_deref()) {
         Ok(t) => t,
         Err(e) => return fail(&e),
     };
+    if args.consume_token_file
+        && let Some(path) = &args.token_file
+        && let Err(source) = std::fs::remove_file(path)
+    {
+        return fail(&crate::StartError::ConsumeToken { path: path.clone(), source });
+    }
     let env = match args.env_file.as_deref().map(read_env_file).transpose() {
         Ok(env) => env.unwrap_or_default(),
         Err(e) => return fail(&e),

@@ -12,6 +12,9 @@ pub enum DaemonError {
     InvalidArgument(String),
     #[error("missing or wrong bearer token")]
     Unauthorized,
+    /// Refused to this caller whatever it sends.
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -60,6 +63,7 @@ impl DaemonError {
         match self {
             DaemonError::InvalidArgument(_) => ErrorCode::InvalidArgument,
             DaemonError::Unauthorized => ErrorCode::Unauthorized,
+            DaemonError::Forbidden(_) => ErrorCode::Forbidden,
             DaemonError::NotFound(_) => ErrorCode::NotFound,
             DaemonError::Conflict(_) => ErrorCode::Conflict,
             DaemonError::TooLarge { .. } | DaemonError::DiskLimit { .. } | DaemonError::Expansion { .. } => {

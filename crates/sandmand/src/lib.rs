@@ -52,6 +52,14 @@ pub enum StartError {
     },
     #[error("the token file `{0}` is empty")]
     EmptyToken(PathBuf),
+    #[error("cannot remove the token file `{path}` once read (--consume-token-file)")]
+    ConsumeToken {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot make the daemon undumpable as its sandbox's init")]
+    Undumpable(#[source] std::io::Error),
     #[error("cannot listen on `{addr}`")]
     Listen {
         addr: String,
@@ -265,7 +273,16 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
             };
             tracing::info!(listen = %settings.listen, pid = std::process::id(), "sandmand serving");
             let listener = sandman_http::unix::QuietUnixListener(listener);
-            tokio::spawn(sandman_http::serve::serve(listener, app, edge, serve_stop.cancelled_owned()))
+            // As its sandbox's init, the daemon tells the sandbox's own processes (which see its
+            // socket where the provider mounts it, as in docker) from callers outside: a
+            // process of the sandbox gets no health proof, so none can relay the server's
+            // challenge to this daemon from a socket put in its place.
+            let inside = daemon.pid1.then(|| app.clone().layer(axum::Extension(api::Caller::Inside)));
+            let app_for = move |peer: &sandman_http::unix::UnixPeer| match &inside {
+                Some(inside) if peer.in_my_pid_namespace() => inside.clone(),
+                _ => app.clone(),
+            };
+            tokio::spawn(sandman_http::serve::serve_by(listener, app_for, edge, serve_stop.cancelled_owned()))
         }
     };
 

@@ -46,7 +46,8 @@ pub fn json() -> String {
     doc.to_pretty_json().unwrap_or_default()
 }
 
-#[utoipa::path(get, path = "/v1/health", security(()), params(HealthQuery), responses((status = 200, body = Health), (status = 400, body = ErrorBody)))]
+#[utoipa::path(get, path = "/v1/health", security(()), params(HealthQuery), responses((status = 200, body = Health), (status = 400, body = ErrorBody),
+    (status = 403, description = "a challenge from a process of the sandbox itself, when the daemon is its init on a Unix socket: no proof is given inside", body = ErrorBody)))]
 fn health() {}
 #[utoipa::path(get, path = "/v1/info", responses((status = 200, body = Info), (status = 401, body = ErrorBody)))]
 fn info() {}

@@ -136,6 +136,63 @@ async fn refuses_to_start_without_a_token() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("SANDMAN_TOKEN"));
 }
 
+/// As its sandbox's init (here PID 1 of a pid namespace of its own, as in a container), the
+/// daemon proves its token to callers outside, and refuses the proof to its sandbox's own
+/// processes: one that put a socket of its own in the daemon's place cannot relay the server's
+/// challenge to the daemon.
+#[tokio::test]
+async fn as_init_it_gives_its_health_proof_only_to_callers_outside_its_sandbox() {
+    let d = Daemon::start_with(&[], Some(&["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"])).await;
+    assert_eq!(d.get("/v1/info").await.json()["pid"], 1);
+    let outside = d.get("/v1/health?challenge=c1").await;
+    assert_eq!(outside.status.as_u16(), 200);
+    assert_eq!(outside.json()["proof"].as_str().map(str::len), Some(64));
+    let relay = "import socket,sys\n\
+                 s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n\
+                 s.sendall(b'GET /v1/health?challenge=c1 HTTP/1.1\\r\\nhost: x\\r\\nconnection: close\\r\\n\\r\\n')\n\
+                 print(s.makefile('rb').read().decode())";
+    let socket = d.socket.display().to_string();
+    let inside = d.exec(json!({"argv": ["python3", "-c", relay, socket]})).await;
+    let answer = inside["stdout"].as_str().unwrap();
+    assert!(answer.starts_with("HTTP/1.1 403"), "{inside}");
+    assert!(answer.contains("outside the sandbox") && !answer.contains("\"proof\""), "{answer}");
+    // Without a challenge, its health is still answered inside.
+    let plain = relay.replace("?challenge=c1", "");
+    let inside = d.exec(json!({"argv": ["python3", "-c", plain, socket]})).await;
+    assert!(inside["stdout"].as_str().unwrap().starts_with("HTTP/1.1 200"), "{inside}");
+}
+
+/// `--consume-token-file`: the token file is gone once the daemon has read it, before anything
+/// it starts could look for it; the token still opens the daemon.
+#[tokio::test]
+async fn a_consumed_token_file_is_gone_once_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (file, socket) = (dir.path().join("token"), dir.path().join("d.sock"));
+    std::fs::write(&file, "from-the-file\n").unwrap();
+    let mut child = std::process::Command::new(common::daemon_bin())
+        .arg("--listen")
+        .arg(format!("unix:{}", socket.display()))
+        .arg("--token-file")
+        .arg(&file)
+        .arg("--consume-token-file")
+        .env_remove("SANDMAN_TOKEN")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let served = eventually(Duration::from_secs(20), || socket.exists()).await;
+    let gone = !file.exists();
+    let status = match served {
+        true => {
+            common::Conn::open(&socket).await.call("GET", "/v1/info", Some("from-the-file"), Body::Empty).await.ok()
+        }
+        false => None,
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(served && gone, "served {served}, the file gone {gone}");
+    assert_eq!(status.map(|r| r.status.as_u16()), Some(200));
+}
+
 #[tokio::test]
 async fn serves_tcp_too() {
     let port = {

@@ -37,8 +37,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "CIDR", default_value = sandman_provider_process::net::DEFAULT_SUBNET,
           value_parser = clap::value_parser!(sandman_provider_process::net::Cidr))]
     pub sandbox_subnet: sandman_provider_process::net::Cidr,
-    /// Process provider, isolated: a network `egress` sandboxes may reach although it is refused
-    /// by default (the host's private, loopback and link-local ranges); repeatable.
+    /// Process provider (isolated) and docker provider: a network `egress` sandboxes may reach
+    /// although it is refused by default (the host's private, loopback and link-local ranges);
+    /// repeatable.
     #[arg(long = "egress-allow", value_name = "CIDR", value_parser = clap::value_parser!(sandman_provider_process::net::Cidr))]
     pub egress_allow: Vec<sandman_provider_process::net::Cidr>,
     /// A Unix socket to serve on too, where the CLI and SDKs on this machine find the server
@@ -71,10 +72,23 @@ pub struct ServeArgs {
     /// Process provider: how long a create may wait for memory, in seconds.
     #[arg(long, default_value_t = 600, value_parser = seconds(1, bounds::DAY_S))]
     pub capacity_wait_s: u64,
-    /// Process provider, isolated: a resolver for sandboxes (their /etc/resolv.conf); repeatable.
-    /// Default: the host's own, less those on loopback.
+    /// Process provider (isolated) and docker provider: a resolver for egress sandboxes, which
+    /// the firewall lets them reach on port 53; repeatable. Default: the host's own, less those
+    /// on loopback.
     #[arg(long = "dns", value_name = "ADDR")]
     pub dns: Vec<std::net::Ipv4Addr>,
+    /// Docker provider: `filtered` (egress sandboxes on sandman's own bridge network, refused
+    /// the host and the private ranges by a host firewall, which needs root beside the engine)
+    /// or `unfiltered` (the same network, nothing refused: they reach the host's services and
+    /// private networks).
+    #[arg(long, default_value = "filtered", value_parser = ["filtered", "unfiltered"])]
+    pub docker_egress: String,
+    /// Docker provider: the engine's network egress sandboxes join, made when missing.
+    #[arg(long, env = "SANDMAN_DOCKER_NETWORK", default_value = sandman_provider_docker::DEFAULT_NETWORK)]
+    pub docker_network: String,
+    /// Docker provider: the bridge interface of that network, which the firewall names.
+    #[arg(long, env = "SANDMAN_DOCKER_BRIDGE", default_value = sandman_provider_docker::DEFAULT_BRIDGE)]
+    pub docker_bridge: String,
     /// Lease of a sandbox that asks for none, in seconds.
     #[arg(long, default_value_t = 600, value_parser = seconds(1, bounds::LEASE_S.max))]
     pub default_lease_s: u64,

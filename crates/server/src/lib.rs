@@ -152,7 +152,17 @@ pub async fn build_provider(args: &ServeArgs, state_dir: &std::path::Path) -> Re
                     ),
                 }
             })?;
-            let config = DockerConfig::new(state_dir.to_path_buf(), daemon_bin);
+            let egress = sandman_provider_docker::Egress {
+                network: args.docker_network.clone(),
+                bridge: args.docker_bridge.clone(),
+                filter: match args.docker_egress.as_str() {
+                    "unfiltered" => sandman_provider_docker::Filter::Unfiltered,
+                    _ => sandman_provider_docker::Filter::Filtered,
+                },
+                allow: args.egress_allow.clone(),
+                dns: (!args.dns.is_empty()).then(|| args.dns.clone()),
+            };
+            let config = DockerConfig { egress, ..DockerConfig::new(state_dir.to_path_buf(), daemon_bin) };
             DockerProvider::connect(config)
                 .await
                 .map(AnyProvider::Docker)

@@ -98,11 +98,23 @@ pub async fn forward(
         }
     }
     let out = out.body(body).map_err(|e| ServerError::Internal(format!("cannot build the daemon request: {e}")))?;
-    let mut resp = service
-        .daemons
-        .request(out)
-        .await
-        .map_err(|e| ServerError::Unavailable(format!("sandbox `{id}` did not answer: {}", with_causes(&e))))?;
+    let mut resp = match service.daemons.request(out).await {
+        Ok(resp) => resp,
+        // What answered is not the sandbox's daemon: the call was not sent, and the sandbox
+        // ends, untrusted; this call answers as every later one will.
+        Err(e) => {
+            let Some(why) = daemon::unproven(&e).cloned() else {
+                return Err(ServerError::Unavailable(format!(
+                    "sandbox `{id}` did not answer: {}",
+                    daemon::with_causes(&e)
+                )));
+            };
+            let sb = service.get(&id)?;
+            drop(held);
+            service.distrust(&sb, &why).await;
+            return Err(sb.gone_error());
+        }
+    };
     let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
     let mut held = Some(held);
     if let (true, Some(inbound)) = (switching, inbound) {
@@ -129,19 +141,6 @@ pub async fn forward(
         keep_upgrade(&kept, &mut parts.headers);
     }
     Ok(Response::from_parts(parts, sandman_http::holding(Body::new(body), held)).into_response())
-}
-
-/// An error and its causes, `: `-separated: hyper's own message (`client error (SendRequest)`)
-/// says little without them.
-fn with_causes(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(e) = cause {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        cause = e.source();
-    }
-    text
 }
 
 /// Whether a request asks to switch protocols (`Connection: upgrade` with `Upgrade`).

@@ -147,8 +147,8 @@ pub struct Inner {
     pub timers: Timers,
     /// When the daemon's own lease was last renewed by the server.
     pub daemon_touched: Instant,
-    /// The signed conditions record, once taken.
-    pub conditions: Option<SignedConditions>,
+    /// The signed conditions record: taken once, before anything runs in the sandbox.
+    pub conditions: Recorded,
     /// The image's configuration, once the provider told it (see `Provider::image_config`).
     pub image_config: Option<ImageConfig>,
 }
@@ -196,7 +196,7 @@ impl Sandbox {
                 ended_at: None,
                 timers,
                 daemon_touched: now,
-                conditions: None,
+                conditions: Recorded::NotYet,
                 image_config: None,
             }),
             state_tx: watch::Sender::new(state),
@@ -307,6 +307,31 @@ impl Sandbox {
             isolation: Some(self.provider.isolation),
             user: default_user(self.spec.server.user.as_deref(), inner.image_config.as_ref()),
             image_config: inner.image_config.clone(),
+        }
+    }
+}
+
+/// A sandbox's signed conditions record: taken once, as it becomes ready and before any
+/// command of its own runs (setup included), kept in the ready journal, and never taken again:
+/// a daemon that has run the sandbox's code may no longer be the daemon, or tell the truth.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Recorded {
+    /// Not taken yet: the sandbox is being created (or its server's sandboxes have no daemon).
+    #[default]
+    NotYet,
+    /// Boxed: a record is some kilobytes, and most sandboxes' lifecycles are read far more
+    /// often than their records.
+    Taken(Box<SignedConditions>),
+    /// None was taken when it was due (the key or the daemon could not give one, or the sandbox
+    /// was recovered from a server that kept none), and none will be: why.
+    Missing(String),
+}
+
+impl Recorded {
+    pub fn taken(&self) -> Option<&SignedConditions> {
+        match self {
+            Recorded::Taken(signed) => Some(signed.as_ref()),
+            _ => None,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Docker for the tests that need it: the engine and the test images checked (the tests fail,
-//! not skip, without them), the docker CLI run, and a state directory's
-//! containers removed however a test ends ([`Cleanup`]).
+//! not skip, without them), the docker CLI run, each state directory's own network for egress
+//! sandboxes ([`test_network`]), and a state directory's containers, network and host firewall
+//! table removed however a test ends ([`Cleanup`]).
 
 use std::path::{Path, PathBuf};
 
@@ -55,7 +56,25 @@ pub fn containers_of_state(state: &Path) -> Vec<String> {
     containers_with_label(&format!("{OWNER_LABEL}={}", owner.display()))
 }
 
-/// Force-removes the containers of a state directory; never fails (it runs from `Drop`).
+/// The docker network and bridge interface that a test's server (or provider) on `state` gives
+/// its egress sandboxes (`--docker-network`, `--docker-bridge`): one of its own, so that tests
+/// neither share the default one nor leave it behind.
+pub fn test_network(state: &Path) -> (String, String) {
+    // FNV-1a of the path: stable, and short enough for an interface name (`smt` + 8 hex).
+    let hash = state
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
+    (format!("sandman-test-{hash:08x}"), format!("smt{hash:08x}"))
+}
+
+/// Where servers record their host firewall tables, each naming its server's marker directory
+/// (`sandman_provider::firewall::TABLES_DIR`).
+const TABLES_DIR: &str = "/run/sandman/tables";
+
+/// Force-removes the containers of a state directory, then its test network and the host
+/// firewall table its docker provider installed; never fails (it runs from `Drop`).
 pub fn remove_containers_of_state(state: &Path) {
     let Ok(owner) = std::fs::canonicalize(state.join("docker")) else { return };
     let filter = format!("label={OWNER_LABEL}={}", owner.display());
@@ -63,6 +82,15 @@ pub fn remove_containers_of_state(state: &Path) {
         let ids: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_string).collect();
         if !ids.is_empty() {
             let _ = Command::new("docker").args(["rm", "-f"]).args(&ids).output();
+        }
+    }
+    let (network, _) = test_network(state);
+    let _ = Command::new("docker").args(["network", "rm", &network]).output();
+    for entry in std::fs::read_dir(TABLES_DIR).into_iter().flatten().flatten() {
+        if std::fs::read(entry.path()).is_ok_and(|marker| marker == owner.as_os_str().as_encoded_bytes()) {
+            let table = entry.file_name().to_string_lossy().into_owned();
+            let _ = Command::new("nft").args(["delete", "table", "inet", &table]).output();
+            let _ = std::fs::remove_file(entry.path());
         }
     }
 }

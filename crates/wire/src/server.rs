@@ -106,10 +106,14 @@ pub enum Reason {
     /// (open files, processes, id ranges). Nothing was left of it; a retry once others are
     /// released may succeed.
     ResourceExhausted,
+    /// What answered at the sandbox's daemon's address, on a new connection of the server's,
+    /// did not prove the sandbox's token (its socket was replaced from inside, say): the sandbox
+    /// is no longer trusted and was removed. Nothing was sent there but a challenge.
+    DaemonUntrusted,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 19] = [
         Reason::Released,
         Reason::LeaseExpired,
         Reason::IdleExpired,
@@ -128,6 +132,7 @@ impl Reason {
         Reason::ConditionsMismatch,
         Reason::CreateInterrupted,
         Reason::ResourceExhausted,
+        Reason::DaemonUntrusted,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -150,6 +155,7 @@ impl Reason {
             Reason::ConditionsMismatch => "conditions_mismatch",
             Reason::CreateInterrupted => "create_interrupted",
             Reason::ResourceExhausted => "resource_exhausted",
+            Reason::DaemonUntrusted => "daemon_untrusted",
         }
     }
 }

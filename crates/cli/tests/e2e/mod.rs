@@ -57,24 +57,34 @@ impl Server {
     /// Starts a server with extra environment variables set and others removed.
     pub fn start_bin_env(bin: &Path, state: &Path, extra: &[&str], set: &[(&str, &str)], remove: &[&str]) -> Server {
         let mut cmd = Command::new(bin);
-        for (k, v) in set {
-            cmd.env(k, v);
-        }
         for k in remove {
             cmd.env_remove(k);
         }
-        cmd.arg("serve");
-        // A free port on loopback, unless the test names its own.
-        if !extra.contains(&"--listen") {
-            cmd.args(["--listen", "127.0.0.1:0"]);
+        // A docker provider's egress sandboxes on a network of this state directory's own,
+        // which its `Cleanup` removes.
+        let (network, bridge) = sandman_testkit::docker::test_network(state);
+        cmd.env("SANDMAN_DOCKER_NETWORK", network).env("SANDMAN_DOCKER_BRIDGE", bridge);
+        for (k, v) in set {
+            cmd.env(k, v);
         }
-        cmd.arg("--state-dir").arg(state).args(extra).env("SANDMAN_TOKEN", TOKEN).env("RUST_LOG", "warn");
+        let listen = extra.iter().position(|a| *a == "--listen").map_or("127.0.0.1:0", |i| extra[i + 1]);
+        let extra: Vec<&str> = match extra.iter().position(|a| *a == "--listen") {
+            Some(i) => extra[..i].iter().chain(&extra[i + 2..]).copied().collect(),
+            None => extra.to_vec(),
+        };
+        cmd.args(["serve", "--listen", listen, "--state-dir"])
+            .arg(state)
+            .args(&extra)
+            .env("SANDMAN_TOKEN", TOKEN)
+            .env("RUST_LOG", "warn");
         let mut process = Spawned::spawn("sandman-serve", &mut cmd, &scratch());
         let addr = process.wait_for_line(LISTENING_WITHIN, |line| {
             line.split("serving on http://")
                 .nth(1)
                 .map(|rest| rest.split_whitespace().next().unwrap_or_default().to_string())
         });
+        // Where it listens on every address, it is reached on loopback.
+        let addr = addr.replace("0.0.0.0:", "127.0.0.1:");
         Server { process, state: state.to_path_buf(), url: format!("http://{addr}"), addr, _dir: None }
     }
 

@@ -52,8 +52,12 @@ impl State {
         std::fs::canonicalize(self.path().join("docker")).unwrap().display().to_string()
     }
 
+    /// The provider's configuration: its egress sandboxes on a network of this state
+    /// directory's own, removed with it.
     pub fn config(&self) -> DockerConfig {
-        DockerConfig::new(self.path().to_path_buf(), static_daemon())
+        let (network, bridge) = sandman_testkit::docker::test_network(self.path());
+        let egress = sandman_provider_docker::Egress { network, bridge, ..Default::default() };
+        DockerConfig { egress, ..DockerConfig::new(self.path().to_path_buf(), static_daemon()) }
     }
 
     pub async fn provider(&self) -> DockerProvider {

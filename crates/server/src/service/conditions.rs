@@ -1,6 +1,7 @@
 //! Conditions records: what the provider applied and the daemon observes, signed by the server
-//! (taken at readiness for `eval` sandboxes, at the first ask for others), and their
-//! verification. The signing and comparing are [`crate::conditions`]'s.
+//! as the sandbox becomes ready (before any command of its own runs), kept in the ready journal
+//! and never taken again; and their verification. The signing and comparing are
+//! [`crate::conditions`]'s.
 
 use sandman_provider::{Endpoint, Provider};
 use sandman_wire::daemon::Observed;
@@ -8,47 +9,49 @@ use sandman_wire::server::{Asked, ConditionsRecord, SandboxState, SignedConditio
 
 use super::{Daemons, Service};
 use crate::conditions;
-use crate::daemon;
+use crate::daemon::{self, CallError};
 use crate::error::{ServerError, ServerResult};
-use crate::sandbox::{Sandbox, now_ms};
+use crate::sandbox::{Recorded, Sandbox, now_ms};
 
 impl Service {
-    /// The sandbox's signed conditions record: taken once (at readiness for `eval` sandboxes,
-    /// at the first ask for others) and kept, then written with its accounting record.
+    /// The sandbox's signed conditions record, as it was taken when the sandbox became ready;
+    /// kept after it ends, for its accounting record and for as long as the server remembers it.
     pub async fn conditions(&self, id: &str) -> ServerResult<SignedConditions> {
         let sb = self.get(id)?;
-        let (state, endpoint, kept) = {
+        let (state, kept) = {
             let inner = sb.lock();
-            (inner.state, inner.endpoint.clone(), inner.conditions.clone())
+            (inner.state, inner.conditions.clone())
         };
-        if let Some(kept) = kept {
-            return Ok(kept);
+        match (kept, state) {
+            (Recorded::Taken(signed), _) => Ok(*signed),
+            (_, SandboxState::Queued | SandboxState::Creating) => Err(ServerError::Conflict(format!(
+                "sandbox `{id}` is {}; its conditions are recorded once it is ready",
+                state.as_str()
+            ))),
+            (_, s) if s != SandboxState::Ready => Err(sb.gone_error()),
+            (Recorded::Missing(why), _) => Err(ServerError::Conflict(format!(
+                "sandbox `{id}` has no conditions record: {why}. A record is taken only as a sandbox becomes ready, \
+                 before anything of its own runs in it, never later"
+            ))),
+            (Recorded::NotYet, _) => Err(ServerError::Unavailable(match &self.signer {
+                Err(e) => e.clone(),
+                Ok(_) => "this server's sandboxes have no daemon to observe them".into(),
+            })),
         }
-        let endpoint = match (state, endpoint) {
-            (SandboxState::Ready, Some(e)) => e,
-            (SandboxState::Queued | SandboxState::Creating, _) => {
-                return Err(ServerError::Conflict(format!(
-                    "sandbox `{id}` is {}; its conditions are recorded once it is ready",
-                    state.as_str()
-                )));
-            }
-            _ => return Err(sb.gone_error()),
-        };
-        let signed = self.take_conditions(&sb, &endpoint).await.map_err(ServerError::Unavailable)?;
-        Ok(sb.lock().conditions.get_or_insert(signed).clone())
     }
 
     /// Asks the provider what it applied and the daemon what it observes, and signs the record.
-    pub(super) async fn take_conditions(&self, sb: &Sandbox, endpoint: &Endpoint) -> Result<SignedConditions, String> {
-        let signer = self.signer.as_ref().map_err(Clone::clone)?;
+    /// [`CallError::Unproven`] when a new connection to the daemon failed its proof; any other
+    /// failure (the key, the provider, the daemon) said whole.
+    pub(super) async fn take_conditions(
+        &self,
+        sb: &Sandbox,
+        endpoint: &Endpoint,
+    ) -> Result<SignedConditions, CallError> {
+        let signer = self.signer.as_ref().map_err(|e| CallError::Failed(e.clone()))?;
         if self.settings.daemons == Daemons::Absent {
-            return Err("this server's sandboxes have no daemon to observe them".into());
+            return Err(CallError::Failed("this server's sandboxes have no daemon to observe them".into()));
         }
-        let applied = self
-            .provider
-            .applied(sb.id())
-            .await
-            .map_err(|e| format!("the provider could not say what it applied: {e}"))?;
         let observed: Observed = daemon::call_json::<(), _>(
             &self.daemons,
             endpoint,
@@ -58,7 +61,15 @@ impl Service {
             None,
         )
         .await
-        .map_err(|e| format!("the daemon could not report what it observes: {e}"))?;
+        .map_err(|e| match e {
+            CallError::Unproven(why) => CallError::Unproven(why),
+            e => CallError::Failed(format!("the daemon could not report what it observes: {e}")),
+        })?;
+        let applied = self
+            .provider
+            .applied(sb.id())
+            .await
+            .map_err(|e| CallError::Failed(format!("the provider could not say what it applied: {e}")))?;
         let mismatches = conditions::mismatches(&applied, &observed);
         Ok(signer.sign(ConditionsRecord {
             sandbox: sb.id().to_string(),
@@ -242,5 +253,67 @@ mod tests {
         // Taken before the claim: no job then, and the same sandbox.
         assert_eq!((signed.record.sandbox.as_str(), signed.record.job.as_deref()), (sb.id.as_str(), None));
         assert!(signed.record.recorded_ms <= sb.created_at_ms, "{} > {}", signed.record.recorded_ms, sb.created_at_ms);
+    }
+
+    /// Before, a record was taken at readiness for `eval` sandboxes only, at the first ask for
+    /// others, and kept in memory: after a restart it was taken again from whatever answered at
+    /// the daemon's address, and a sandbox that had put a daemon of its own there got a forged
+    /// record signed, and every later call with the token. Now every sandbox's record is taken
+    /// as it becomes ready, kept in the ready journal, and served as it was after a restart; a
+    /// daemon put in the real one's place fails its proof on the new connection and the
+    /// sandbox ends `daemon_untrusted`, with nothing sent there.
+    #[tokio::test]
+    async fn a_record_is_taken_once_at_readiness_and_served_the_same_after_a_restart() {
+        use sandman_provider::Provider;
+        use sandman_wire::server::{Reason, SandboxState};
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let observed = Observed { daemon_version: "real".into(), cpu_model: "Xeon".into(), ..Default::default() };
+        let s = with_daemon(dir.path(), Applied::default(), observed.clone()).await;
+        let req = sandman_wire::server::CreateSandbox { profile: Profile::Default, ..eval_create("j") };
+        let sb = s.create(req).await.unwrap_or_else(|e| panic!("{e}"));
+        // Taken before the create answered, with nothing asked.
+        let kept = s.get(&sb.id).map(|sb| sb.lock().conditions.clone()).unwrap_or_else(|e| panic!("{e}"));
+        let signed = kept.taken().cloned().unwrap_or_else(|| panic!("no record at readiness: {kept:?}"));
+        assert_eq!(signed.record.observed, observed);
+        let AnyProvider::Fake(fake) = &s.provider else { unreachable!() };
+        let records = fake.list().await.unwrap_or_else(|e| panic!("{e}"));
+        let endpoint = records[0].endpoint.clone();
+        s.cancel.cancel();
+        drop(s);
+
+        // The sandbox's code moves the daemon's socket aside and serves its own there.
+        let Endpoint::Unix(socket) = &endpoint else { unreachable!() };
+        std::fs::rename(socket, dir.path().join("moved.sock")).unwrap_or_else(|e| panic!("{e}"));
+        let impostor = StandIn::unix(socket, Some("a-token-of-its-own"));
+        let forged = Observed { cpu_model: "FORGED CPU".into(), ..observed };
+        impostor.answer("/v1/conditions", serde_json::to_value(forged).unwrap_or_default());
+
+        let restarted = FakeProvider::new(endpoint.clone());
+        for r in records {
+            restarted.restore(r);
+        }
+        let settings = Settings { create_rate: None, ..Settings::new(dir.path().join("state")) };
+        let s = Service::new(settings, AnyProvider::Fake(restarted), "t".into());
+        s.start_background();
+        s.recover().await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.conditions(&sb.id).await.ok(), Some(signed.clone()), "not the record taken at readiness");
+        // The restart renews the daemon's lease at once: on a new connection, which the
+        // impostor cannot prove.
+        let mut state = None;
+        for _ in 0..500 {
+            state = s.get(&sb.id).ok().map(|sb| sb.to_wire());
+            if state.as_ref().is_some_and(|w| w.state == SandboxState::Failed) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let state = state.unwrap_or_else(|| panic!("forgotten"));
+        assert_eq!((state.state, state.reason), (SandboxState::Failed, Some(Reason::DaemonUntrusted)), "{state:?}");
+        assert!(
+            state.message.as_deref().unwrap_or_default().contains("did not prove the sandbox's token"),
+            "{state:?}"
+        );
+        assert_eq!(impostor.calls_with_a_token(), 0, "the impostor was sent the token");
+        assert_eq!(s.conditions(&sb.id).await.ok(), Some(signed), "an ended sandbox keeps its record");
     }
 }

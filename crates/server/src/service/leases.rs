@@ -139,9 +139,14 @@ impl Service {
             let id = sb.id().to_string();
             self.tasks.spawn(async move {
                 let Ok(_permit) = me.leases.keepalives.clone().acquire_owned().await else { return };
-                if let Err(e) = daemon::call(&me.daemons, &endpoint, &token, http::Method::POST, "/v1/keepalive").await
-                {
-                    tracing::warn!(sandbox = id, error = %e, "daemon keepalive failed");
+                match daemon::call(&me.daemons, &endpoint, &token, http::Method::POST, "/v1/keepalive").await {
+                    Ok(_) => {}
+                    Err(daemon::CallError::Unproven(why)) => {
+                        if let Ok(sb) = me.get(&id) {
+                            me.distrust(&sb, &why).await;
+                        }
+                    }
+                    Err(e) => tracing::warn!(sandbox = id, error = %e, "daemon keepalive failed"),
                 }
             });
         }

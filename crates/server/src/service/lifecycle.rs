@@ -15,12 +15,12 @@ use tokio::time::Instant;
 use super::request::{new_id, same_request};
 use super::{Daemons, Service};
 use crate::admission::{Offer, Tenant};
-use crate::daemon;
+use crate::daemon::{self, CallError};
 use crate::error::{ServerError, ServerResult};
 use crate::metrics::ProviderLabel;
 use crate::pool::Claim;
 use crate::prepare;
-use crate::sandbox::{Sandbox, Timers, now_ms};
+use crate::sandbox::{Recorded, Sandbox, Timers, now_ms};
 
 /// Output kept from a setup command, and how much of its tail a failure message shows.
 const SETUP_OUTPUT_BYTES: u64 = 64 * 1024;
@@ -262,6 +262,8 @@ impl Service {
         // before (a hold, an image's pull, memory on the machine) is bounded by its own limits.
         let started = Instant::now();
         sb.lock().endpoint = Some(endpoint.clone());
+        // From here on, every connection to the daemon must prove the sandbox's token first.
+        self.identities.register(&endpoint, &sb.spec.token);
         self.learn_image_config(&sb).await;
         if sb.state() != SandboxState::Creating {
             // Released while the provider was creating it: make sure nothing is left.
@@ -271,7 +273,7 @@ impl Service {
         // A provider that proved the daemon in its create is not asked twice.
         if self.settings.daemons == Daemons::Real && !self.provider.proves_daemon() {
             let limit = self.settings.ready_timeout.saturating_sub(started.elapsed());
-            if let Err(e) = daemon::wait_healthy(&self.daemons, &endpoint, &sb.spec.token, limit).await {
+            if let Err(e) = daemon::wait_healthy(&self.daemons, &endpoint, limit).await {
                 let message = match &e {
                     Unproven::Silent { last } => {
                         format!("the daemon did not answer within {} s: {last}", self.settings.ready_timeout.as_secs())
@@ -282,34 +284,20 @@ impl Service {
                 return;
             }
         }
-        if let Err(msg) = self.run_setup(&sb, &endpoint, &sb.setup).await {
-            self.fail(&sb, Reason::SetupFailed, msg).await;
+        // Before anything of the sandbox's own runs, setup included.
+        if self.record_conditions(&sb, &endpoint).await.is_err() {
             return;
         }
-        if sb.spec.profile == Profile::Eval {
-            // An eval sandbox is ready only once its conditions are recorded and match.
-            match self.take_conditions(&sb, &endpoint).await {
-                Ok(signed) if signed.record.mismatches.is_empty() => sb.lock().conditions = Some(signed),
-                Ok(signed) => {
-                    let what: Vec<String> = signed
-                        .record
-                        .mismatches
-                        .iter()
-                        .map(|m| format!("{} applied {} but observed {}", m.field, m.applied, m.observed))
-                        .collect();
-                    sb.lock().conditions = Some(signed);
-                    self.fail(&sb, Reason::ConditionsMismatch, what.join("; ")).await;
-                    return;
-                }
-                Err(e) => {
-                    self.fail(&sb, Reason::ConditionsMismatch, format!("its conditions could not be recorded: {e}"))
-                        .await;
-                    return;
-                }
+        if let Err(e) = self.run_setup(&sb, &endpoint, &sb.setup).await {
+            match e {
+                SetupError::Daemon(CallError::Unproven(why)) => self.distrust(&sb, &why).await,
+                e => self.fail(&sb, Reason::SetupFailed, e.to_string()).await,
             }
+            return;
         }
-        // Before it is ready: a server killed from here on finds it ready at its next start.
-        self.journal_ready(sb.id());
+        // Before it is ready: a server killed from here on finds it ready at its next start, with
+        // its record.
+        self.journal_ready(&sb);
         match sb.transition(SandboxState::Ready, None, None) {
             Ok(prev) => {
                 {
@@ -344,12 +332,61 @@ impl Service {
         }
     }
 
+    /// Takes the sandbox's conditions record, and keeps it: as it becomes ready, before its first
+    /// command runs (setup included), so that nothing of its own has run in it yet, and never
+    /// again. An `eval` sandbox fails when the record cannot be taken or shows a mismatch;
+    /// another goes on without one, kept as missing with the reason. `Err` when the sandbox
+    /// failed here.
+    pub(super) async fn record_conditions(self: &Arc<Self>, sb: &Arc<Sandbox>, endpoint: &Endpoint) -> Result<(), ()> {
+        if self.settings.daemons == Daemons::Absent {
+            return Ok(());
+        }
+        let eval = sb.spec.profile == Profile::Eval;
+        match self.take_conditions(sb, endpoint).await {
+            Ok(signed) if !eval || signed.record.mismatches.is_empty() => {
+                sb.lock().conditions = Recorded::Taken(Box::new(signed));
+                Ok(())
+            }
+            Ok(signed) => {
+                let what: Vec<String> = signed
+                    .record
+                    .mismatches
+                    .iter()
+                    .map(|m| format!("{} applied {} but observed {}", m.field, m.applied, m.observed))
+                    .collect();
+                sb.lock().conditions = Recorded::Taken(Box::new(signed));
+                self.fail(sb, Reason::ConditionsMismatch, what.join("; ")).await;
+                Err(())
+            }
+            Err(CallError::Unproven(why)) => {
+                self.distrust(sb, &why).await;
+                Err(())
+            }
+            Err(e) if eval => {
+                self.fail(sb, Reason::ConditionsMismatch, format!("its conditions could not be recorded: {e}")).await;
+                Err(())
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = sb.id(), error = %e, "cannot record a sandbox's conditions; it goes on without a record");
+                sb.lock().conditions = Recorded::Missing(format!("none could be taken as it became ready: {e}"));
+                Ok(())
+            }
+        }
+    }
+
     /// Runs setup commands in order through the daemon; the first that fails (or cannot run)
     /// fails the sandbox with its output's tail.
-    pub(super) async fn run_setup(&self, sb: &Sandbox, endpoint: &Endpoint, commands: &[String]) -> Result<(), String> {
+    pub(super) async fn run_setup(
+        &self,
+        sb: &Sandbox,
+        endpoint: &Endpoint,
+        commands: &[String],
+    ) -> Result<(), SetupError> {
         for cmd in commands {
             if self.settings.daemons == Daemons::Absent {
-                return Err(format!("setup command `{cmd}` cannot run: this server's sandboxes have no daemon"));
+                return Err(SetupError::Failed(format!(
+                    "setup command `{cmd}` cannot run: this server's sandboxes have no daemon"
+                )));
             }
             let req = ExecRequest {
                 command: Some(cmd.clone()),
@@ -360,7 +397,10 @@ impl Service {
             let result: ExecResult =
                 daemon::call_json(&self.daemons, endpoint, &sb.spec.token, http::Method::POST, "/v1/exec", Some(&req))
                     .await
-                    .map_err(|e| format!("setup command `{cmd}` could not run: {e}"))?;
+                    .map_err(|e| match e {
+                        CallError::Unproven(why) => SetupError::Daemon(CallError::Unproven(why)),
+                        e => SetupError::Failed(format!("setup command `{cmd}` could not run: {e}")),
+                    })?;
             if result.status.exit_code == Some(0) {
                 continue;
             }
@@ -371,9 +411,29 @@ impl Service {
                 _ => "failed".to_string(),
             };
             let output = if result.stderr.trim().is_empty() { &result.stdout } else { &result.stderr };
-            return Err(format!("setup command `{cmd}` {how}: {}", tail(output.trim_end(), SETUP_TAIL_CHARS)));
+            return Err(SetupError::Failed(format!(
+                "setup command `{cmd}` {how}: {}",
+                tail(output.trim_end(), SETUP_TAIL_CHARS)
+            )));
         }
         Ok(())
+    }
+
+    /// What answered at the sandbox's daemon's address did not prove the sandbox's token on a
+    /// new connection: something took the daemon's socket or port (the sandbox's own code). The
+    /// sandbox is no longer trusted: it fails with `daemon_untrusted`, the event says why, and it
+    /// is removed; nothing but the challenge was sent there, and nothing is tried there again.
+    pub(crate) async fn distrust(self: &Arc<Self>, sb: &Arc<Sandbox>, why: &Unproven) {
+        tracing::warn!(
+            sandbox = sb.id(),
+            %why,
+            "a new connection to the sandbox's daemon failed its identity proof; the sandbox is no longer trusted"
+        );
+        let message = format!(
+            "what answers at its daemon's address did not prove the sandbox's token on a new connection ({why}); \
+             it is no longer trusted, and nothing was sent there"
+        );
+        self.fail(sb, Reason::DaemonUntrusted, message).await;
     }
 
     /// Ends a sandbox that could not be brought up (or died), cleaning up the provider's side.
@@ -385,14 +445,15 @@ impl Service {
         }
     }
 
-    /// Records that sandbox `id` is ready, and keeps the journal a few times the live sandboxes
-    /// at most.
-    fn journal_ready(&self, id: &str) {
-        self.ready_journal.ready(id);
+    /// Records that the sandbox is ready, with its conditions record, and keeps the journal a
+    /// few times the live sandboxes at most.
+    fn journal_ready(&self, sb: &Sandbox) {
+        let conditions = sb.lock().conditions.clone();
+        self.ready_journal.ready(sb.id(), conditions.taken());
         let ready = || {
-            let mut ids = self.table.ready_ids();
-            ids.push(id.to_string());
-            ids
+            let mut lines = self.table.ready_lines();
+            lines.push(crate::journal::ready_line(sb.id(), conditions.taken()));
+            lines
         };
         self.ready_journal.compact_if_grown(ready, self.table.len());
     }
@@ -410,6 +471,9 @@ impl Service {
                 inner.ended_at_ms.unwrap_or_else(now_ms),
             )
         };
+        if let Some(endpoint) = sb.lock().endpoint.clone() {
+            self.identities.forget(&endpoint, &sb.spec.token);
+        }
         self.metrics.moved(Some(prev), state);
         self.metrics.ended(reason);
         self.events.emit(sb.id(), sb.spec.job.as_deref(), state, Some(reason), message.clone());
@@ -429,7 +493,7 @@ impl Service {
             cpu_seconds: usage.map(|u| (u.cpu_user_ms + u.cpu_system_ms) as f64 / 1000.0),
             peak_memory_kib: usage.map(|u| u.max_rss_kib),
             pool_idle_seconds: sb.claimed_ms.zip(sb.pool_created_ms).map(|(c, p)| c.saturating_sub(p) as f64 / 1000.0),
-            conditions: sb.lock().conditions.clone(),
+            conditions: sb.lock().conditions.taken().cloned(),
         };
         self.accounting.record(&record, &self.metrics);
         if let Some(name) = sb.pool().filter(|_| sb.claimed_ms.is_none()) {
@@ -442,6 +506,9 @@ impl Service {
 
     /// Forgets an ended sandbox once its retention is over (or another server claimed it).
     pub(super) fn forget(&self, sb: &Sandbox) {
+        if let Some(endpoint) = sb.lock().endpoint.clone() {
+            self.identities.forget(&endpoint, &sb.spec.token);
+        }
         self.table.forget(sb);
         self.metrics.forgotten(sb.state());
     }
@@ -515,6 +582,17 @@ impl Drop for AbandonGuard<'_> {
             tracing::info!(sandbox = self.sb.id(), "a queued create's caller went away; taken off the queue");
         }
     }
+}
+
+/// Why setup commands did not all succeed.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum SetupError {
+    /// One exited non-zero, timed out, or could not run: said whole, with its output's tail.
+    #[error("{0}")]
+    Failed(String),
+    /// A new connection to the daemon failed its proof.
+    #[error("{0}")]
+    Daemon(CallError),
 }
 
 /// The last `n` characters of `text`.

@@ -44,7 +44,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::accounting::Accounting;
 use crate::conditions::{KEY_FILE, Signer};
-use crate::daemon::{self, DaemonClient};
+use crate::daemon::{self, DaemonClient, Identities};
 use crate::error::{ServerError, ServerResult};
 use crate::events::Events;
 use crate::journal::ReadyJournal;
@@ -142,6 +142,8 @@ pub struct Service {
     /// Gates holding a job's creates of an image until enough nodes have it.
     pub gates: Gates,
     pub metrics: Metrics,
+    /// The daemons' tokens, which every new connection of `daemons` must prove.
+    pub identities: Arc<Identities>,
     pub daemons: DaemonClient,
     /// Creates in flight, reclaims, keepalives, refills: every task the service spawns.
     pub tasks: TaskTracker,
@@ -168,6 +170,7 @@ impl Service {
         let queue = Queue::new(&settings, jobs.tenants(), now);
         let metrics = Metrics::default();
         metrics.create_rate_allowed.set(queue.rate().unwrap_or(0.0));
+        let identities = Arc::new(Identities::default());
         Arc::new(Service {
             provider,
             token,
@@ -184,7 +187,8 @@ impl Service {
             }),
             gates: Gates::default(),
             metrics,
-            daemons: daemon::client(),
+            daemons: daemon::client(identities.clone()),
+            identities,
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
             bodies: Arc::new(Semaphore::new(BODY_BUDGET_KIB)),

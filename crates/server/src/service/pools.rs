@@ -375,8 +375,13 @@ impl Service {
     /// Runs a claimer's setup commands in its claimed sandbox, then reports it ready.
     async fn finish_claim(self: Arc<Self>, sb: Arc<Sandbox>) {
         let Some(endpoint) = sb.lock().endpoint.clone() else { return };
-        if let Err(msg) = self.run_setup(&sb, &endpoint, &sb.setup).await {
-            self.fail(&sb, Reason::SetupFailed, msg).await;
+        if let Err(e) = self.run_setup(&sb, &endpoint, &sb.setup).await {
+            match e {
+                super::lifecycle::SetupError::Daemon(crate::daemon::CallError::Unproven(why)) => {
+                    self.distrust(&sb, &why).await;
+                }
+                e => self.fail(&sb, Reason::SetupFailed, e.to_string()).await,
+            }
             return;
         }
         if let Ok(prev) = sb.transition(SandboxState::Ready, None, None) {

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::{DAEMON_LEASE_SLACK_S, Service};
 use crate::error::{ServerError, ServerResult};
-use crate::sandbox::{Sandbox, Timers, now_ms};
+use crate::sandbox::{Recorded, Sandbox, Timers, now_ms};
 
 impl Service {
     /// Finds every sandbox in the provider's records again after a (re)start: claimed pool
@@ -24,7 +24,7 @@ impl Service {
         let mut claims = self.pools.claims().take_found();
         // Without a journal (a first start) every running sandbox counts as ready.
         let journal = self.ready_journal.take_found();
-        let mut ready_ids = Vec::new();
+        let mut ready_lines = Vec::new();
         let mut live_claims = Vec::new();
         let mut orphans = Vec::new();
         let (mut live, mut dead) = (0, 0);
@@ -51,7 +51,23 @@ impl Service {
                 sb.pool_created_ms = Some(c.pool_created_ms);
             }
             let sb = Arc::new(sb);
-            sb.lock().endpoint = Some(record.endpoint);
+            // Its record, as the journal kept it: never one taken again now, from a daemon that
+            // has run the sandbox's commands.
+            let kept = journal.as_ref().and_then(|j| j.get(&spec.id)).cloned().flatten();
+            {
+                let mut inner = sb.lock();
+                inner.conditions = match kept {
+                    Some(signed) => Recorded::Taken(Box::new(signed)),
+                    None => Recorded::Missing(
+                        "it was recovered after a restart, and no record of it was kept (a server from before records \
+                         were kept, or one that could take none)"
+                            .into(),
+                    ),
+                };
+                inner.endpoint = Some(record.endpoint.clone());
+            }
+            // Every connection to it must prove its token, as before the restart.
+            self.identities.register(&record.endpoint, &spec.token);
             {
                 let mut table = self.table.lock();
                 if table.contains(&spec.id) {
@@ -61,7 +77,7 @@ impl Service {
             }
             self.metrics.moved(None, SandboxState::Creating);
             // A claimed sandbox was ready as a member of its pool.
-            let was_ready = claim.is_some() || journal.as_ref().is_none_or(|j| j.contains(&spec.id));
+            let was_ready = claim.is_some() || journal.as_ref().is_none_or(|j| j.contains_key(&spec.id));
             if !was_ready {
                 dead += 1;
                 // Its create never answered: a retry under its key makes a new one.
@@ -89,7 +105,7 @@ impl Service {
                     self.learn_image_config(&sb).await;
                     if sb.transition(SandboxState::Ready, None, Some("recovered after a server restart".into())).is_ok()
                     {
-                        ready_ids.push(spec.id.clone());
+                        ready_lines.push(crate::journal::ready_line(sb.id(), sb.lock().conditions.taken()));
                         self.metrics.moved(Some(SandboxState::Creating), SandboxState::Ready);
                         self.events.emit(
                             sb.id(),
@@ -114,7 +130,7 @@ impl Service {
             }
         }
         self.pools.claims().compact(&live_claims);
-        self.ready_journal.compact(ready_ids.iter().map(String::as_str));
+        self.ready_journal.compact(ready_lines.iter().map(String::as_str));
         self.release_in_background(orphans, "its pool is gone or full".into());
         self.refill_all();
         Ok((live, dead))

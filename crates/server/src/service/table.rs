@@ -90,15 +90,18 @@ impl Table {
         }
     }
 
-    /// The ids of the ready (or releasing) sandboxes: what the ready journal keeps when it
-    /// compacts.
-    pub(super) fn ready_ids(&self) -> Vec<String> {
+    /// The ready journal's lines of the ready (or releasing) sandboxes, with their records:
+    /// what it keeps when it compacts.
+    pub(super) fn ready_lines(&self) -> Vec<String> {
         let index = self.lock();
         index
             .by_id
             .values()
-            .filter(|sb| matches!(sb.state(), SandboxState::Ready | SandboxState::Releasing))
-            .map(|sb| sb.id().to_string())
+            .filter_map(|sb| {
+                let inner = sb.lock();
+                matches!(inner.state, SandboxState::Ready | SandboxState::Releasing)
+                    .then(|| crate::journal::ready_line(sb.id(), inner.conditions.taken()))
+            })
             .collect()
     }
 }

@@ -824,17 +824,21 @@ fn health_calls(standins: &std::sync::Mutex<Vec<StandIn>>) -> Vec<usize> {
     standins.lock().unwrap_or_else(|e| panic!("{e}")).iter().map(StandIn::health_calls).collect()
 }
 
+/// A daemon its provider proved during the create gets no health check of the server's: only
+/// the challenge of the one connection its first call (the conditions record) opens.
 #[tokio::test]
-async fn a_daemon_the_provider_proved_in_its_create_is_not_proven_again() {
+async fn a_daemon_the_provider_proved_in_its_create_is_asked_only_its_connections_proof() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let (s, standins) = with_standins(dir.path(), true, false);
     for _ in 0..3 {
         let sb = s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(sb.state, SandboxState::Ready);
     }
-    assert_eq!(health_calls(&standins), [0, 0, 0], "the server checked a daemon its provider had proven");
+    assert_eq!(health_calls(&standins), [1, 1, 1], "the server checked a daemon its provider had proven");
 }
 
+/// Otherwise the server waits for the daemon's health on a connection it has proven: the
+/// connection's challenge, then the health call on it, which the sandbox's first calls reuse.
 #[tokio::test]
 async fn a_daemon_the_provider_did_not_prove_is_proven_by_the_server_once() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -843,7 +847,10 @@ async fn a_daemon_the_provider_did_not_prove_is_proven_by_the_server_once() {
         let sb = s.create(create_req(None, true)).await.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(sb.state, SandboxState::Ready);
     }
-    assert_eq!(health_calls(&standins), [1, 1, 1]);
+    assert_eq!(health_calls(&standins), [2, 2, 2]);
+    for standin in standins.lock().unwrap_or_else(|e| panic!("{e}")).iter() {
+        assert_eq!(standin.calls_with_a_token(), 1, "the conditions record's call, on the proven connection");
+    }
 }
 
 #[tokio::test]
