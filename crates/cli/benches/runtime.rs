@@ -8,7 +8,8 @@
 //!   target egress/none at most 1.3x at p50, and with `SANDMAN_BENCH_BASELINE=<dir>` (another
 //!   build's `sandman` and `sandmand`, such as the last one whose sandboxes shared the host's
 //!   network) against that build's creates in the same rounds; the kernel memory the network part
-//!   costs a sandbox (held by `SANDMAN_BENCH_HELD` sandboxes of each, default 200);
+//!   costs a sandbox (held by `SANDMAN_BENCH_HELD` sandboxes of each, default 200); the create
+//!   rate of a burst of `SANDMAN_BENCH_BURST` (500) on each side;
 //!   and 1,000 egress sandboxes (`SANDMAN_BENCH_NETWORKS`) held at once, each with its own
 //!   address, a sample of them fetching a page from a stand-in internet by name;
 //! - **images**: create-to-ready from a cached multi-layer image against `host` (target at
@@ -161,7 +162,8 @@ async fn networks(rounds: usize, summary: &mut Vec<String>) {
     let internet = StandIn::start(40);
     let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
     let dns = internet.addr.to_string();
-    let server = Server::start_in(&dir.path().join("state"), &["--dns", &dns, "--memory-overcommit", "0"]);
+    let server =
+        Server::start_in(&dir.path().join("state"), &["--dns", &dns, "--memory-overcommit", "0", "--create-rate", "0"]);
     let http = server.client();
     let egress = json!({"image": "host", "network": "egress"});
     let none = json!({"image": "host", "network": "none"});
@@ -227,6 +229,19 @@ async fn networks(rounds: usize, summary: &mut Vec<String>) {
             verdict(cr)
         ));
     }
+    // Bursts: creates 16 at a time, held until the burst ends, each side in turn.
+    let burst = env_usize("SANDMAN_BENCH_BURST", 500);
+    let mut rates = Vec::new();
+    for (name, side, body) in &sides {
+        settle();
+        let (ids, took) = create_many(side, body, burst, 16).await;
+        let rate = burst as f64 / took.as_secs_f64();
+        println!("  a burst of {burst} creates, 16 at a time: {name:<58} {rate:>5.0}/s");
+        rates.push(rate);
+        release_all(side, &ids).await;
+    }
+    let base_rate = rates.get(2).map(|b| format!(", egress/baseline build {:.2}x", rates[0] / b)).unwrap_or_default();
+    summary.push(format!("network: burst create rate egress/none {:.2}x{base_rate}", rates[0] / rates[1]));
     drop(sides);
     drop(baseline);
 
@@ -315,7 +330,7 @@ async fn images(rounds: usize, summary: &mut Vec<String>) {
     let image = multi_layer_image();
     registry.push("bench/app", "1", &image).await;
     let reference = registry.reference("bench/app", "1");
-    let server = Server::start_in(&dir.path().join("state"), &["--memory-overcommit", "0"]);
+    let server = Server::start_in(&dir.path().join("state"), &["--memory-overcommit", "0", "--create-rate", "0"]);
     let http = server.client();
     let of_image = json!({"image": reference});
     let host = json!({"image": "host"});
