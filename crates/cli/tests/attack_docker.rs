@@ -12,6 +12,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use e2e::docker::{Cleanup, require_docker, static_daemon};
+use e2e::tenant::{all_refused, codes, sandbox, sh, stdout};
 use e2e::{Body, Http, Server, eventually};
 use sandman_testkit::{Spawned, require_root};
 use serde_json::{Value, json};
@@ -23,40 +24,6 @@ fn start(state: &Path, extra: &[&str]) -> Server {
     let mut args = vec!["--provider", "docker", "--daemon", &daemon];
     args.extend(extra);
     Server::start_in(state, &args)
-}
-
-/// A ready sandbox's id.
-async fn sandbox(http: &Http, body: Value) -> String {
-    let sb = http.create(body).await;
-    assert_eq!(sb["state"], "ready", "{sb}");
-    sb["id"].as_str().unwrap().to_string()
-}
-
-/// Runs `script` with `sh -c` in `id`, as `user` (the sandbox's root when `None`).
-async fn sh(http: &Http, id: &str, user: Option<&str>, script: &str) -> Value {
-    let mut body = json!({"argv": ["sh", "-c", script], "timeout_ms": 60_000});
-    if let Some(u) = user {
-        body["user"] = json!(u);
-    }
-    http.exec(id, body).await
-}
-
-fn stdout(v: &Value) -> &str {
-    v["stdout"].as_str().unwrap_or_default()
-}
-
-/// Runs `script` and answers each line `name=<exit code>` it printed.
-async fn codes(http: &Http, id: &str, user: Option<&str>, script: &str) -> Vec<(String, String)> {
-    let out = sh(http, id, user, script).await;
-    stdout(&out).lines().filter_map(|l| l.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
-}
-
-/// Asserts every `name=code` line reports a failure.
-fn all_refused(what: &str, codes: &[(String, String)]) {
-    assert!(!codes.is_empty(), "{what}: the script printed nothing");
-    for (name, code) in codes {
-        assert_ne!(code, "0", "{what}: `{name}` succeeded: {codes:?}");
-    }
 }
 
 /// The tenant's relay (`fixtures/relay.c`), built static in `dir`.

@@ -13,17 +13,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::Duration;
 
+use e2e::tenant::sandbox;
 use e2e::{Http, Server, TOKEN, scratch};
 use sandman_testkit::internet::StandIn;
 use sandman_testkit::require_root;
 use serde_json::{Value, json};
-
-/// A ready sandbox's id.
-async fn sandbox(http: &Http, body: Value) -> String {
-    let sb = http.create(body).await;
-    assert_eq!(sb["state"], "ready", "{sb}");
-    sb["id"].as_str().unwrap().to_string()
-}
 
 /// Runs a Python program in `id`; its stdout.
 async fn python(http: &Http, id: &str, program: &str) -> String {

@@ -4,6 +4,7 @@
 #![allow(dead_code, unused_imports, clippy::unwrap_used)]
 
 pub mod docker;
+pub mod tenant;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
