@@ -313,16 +313,23 @@ async fn accounting_records_every_sandbox_with_its_cpu() {
 #[tokio::test]
 async fn prepare_reports_each_image_on_the_cli_and_in_events() {
     let server = Server::start();
+    // An image no registry serves: loopback's discard port refuses the connection, so the
+    // failure is quick and nothing leaves this machine.
+    let absent = "127.0.0.1:9/absent:1";
     let out = std::process::Command::new(e2e::sandman_bin())
-        .args(["prepare", "host", "ubuntu:22.04", "--job", "prep", "--url", &server.url, "--token", e2e::TOKEN])
+        .args(["prepare", "host", absent, "--job", "prep", "--url", &server.url, "--token", e2e::TOKEN])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
-    assert_eq!(stdout, "host\tready\nubuntu:22.04\tfailed\n");
-    assert!(stderr.contains("host ready") && stderr.contains("ubuntu:22.04 failed:"), "{stderr}");
-    assert!(stderr.contains("docker"), "the refusal names the providers that run images: {stderr}");
+    assert_eq!(stdout, format!("host\tready\n{absent}\tfailed\n"));
+    assert!(stderr.contains("host ready") && stderr.contains(&format!("{absent} failed:")), "{stderr}");
+    assert!(
+        stderr.contains("registry 127.0.0.1:9") && stderr.contains("Connection refused"),
+        "the failure names the registry and why: {stderr}"
+    );
+    assert!(stderr.contains("1 of 2 images could not be prepared"), "{stderr}");
     let evs = server.client().get("/v1/events?job=prep").await.ok();
     let phases: Vec<(String, String)> = evs["events"]
         .as_array()
@@ -330,10 +337,13 @@ async fn prepare_reports_each_image_on_the_cli_and_in_events() {
         .iter()
         .map(|e| (e["image"].as_str().unwrap().to_string(), e["phase"].as_str().unwrap().to_string()))
         .collect();
-    assert_eq!(phases.len(), 4, "{phases:?}");
-    assert!(
-        phases.contains(&("host".into(), "ready".into())) && phases.contains(&("ubuntu:22.04".into(), "failed".into()))
-    );
+    // Each image: started, its one node's line (the process provider's node is this host), and
+    // how it ended.
+    for (image, end) in [("host", "ready"), (absent, "failed")] {
+        let mine: Vec<&str> = phases.iter().filter(|(i, _)| i == image).map(|(_, p)| p.as_str()).collect();
+        assert_eq!(mine, ["started", "pulling", end], "{phases:?}");
+    }
+    assert_eq!(phases.len(), 6, "{phases:?}");
 }
 
 #[tokio::test]

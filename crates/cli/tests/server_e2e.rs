@@ -285,9 +285,16 @@ async fn auth_bad_input_and_refused_images() {
     let http = server.client();
     let e = http.post("/v1/sandboxes", json!({"image": "host", "ttl": 5})).await.error(400, "invalid_argument");
     assert!(e["message"].as_str().unwrap().contains("unknown field `ttl`"));
-    let e = http.post("/v1/sandboxes", json!({"image": "python:3.12"})).await.error(400, "invalid_argument");
+    // A reference no registry could hold is refused before anything is made; one that no
+    // registry serves (loopback's discard port refuses the connection: nothing leaves this
+    // machine) fails with the registry's reason.
+    let e = http.post("/v1/sandboxes", json!({"image": "Python:3.12"})).await.error(400, "invalid_argument");
     let msg = e["message"].as_str().unwrap();
-    assert!(msg.contains("docker") && msg.contains("kubernetes"), "{msg}");
+    assert!(msg.contains("Python:3.12"), "{msg}");
+    let e = http.post("/v1/sandboxes", json!({"image": "127.0.0.1:9/absent:1"})).await.error(400, "invalid_argument");
+    assert_eq!(e["reason"], "image_pull_failed", "{e}");
+    let msg = e["message"].as_str().unwrap();
+    assert!(msg.contains("registry 127.0.0.1:9") && msg.contains("Connection refused"), "{msg}");
     http.get("/v1/sandboxes/sb-nope").await.error(404, "not_found");
     http.post("/v1/sandboxes/sb-nope/exec", json!({"argv": ["true"]})).await.error(404, "not_found");
     http.get("/v1/sandboxes?state=bogus").await.error(400, "invalid_argument");
