@@ -13,12 +13,14 @@
 
 #[path = "../tests/e2e/mod.rs"]
 mod e2e;
+mod figures;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use e2e::Server;
+use figures::{env_usize, ms, pct};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use sandman_provider::Endpoint;
@@ -27,18 +29,6 @@ use sandman_server::provider::AnyProvider;
 use sandman_server::service::{Daemons, Service, Settings};
 use sandman_wire::server::{CreateSandbox, JobSpec, ListQuery, SandboxState};
 use serde_json::{Value, json};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
 
 /// A kept-alive HTTP/1.1 connection to the server.
 struct Conn {

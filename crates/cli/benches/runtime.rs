@@ -26,34 +26,15 @@
 
 #[path = "../tests/e2e/mod.rs"]
 mod e2e;
+mod figures;
 
 use std::time::{Duration, Instant};
 
 use e2e::{Http, Server};
+use figures::{env_usize, ms, p50_p99, pss_kib};
 use sandman_testkit::internet::StandIn;
 use sandman_testkit::registry::{Auth, Compression, LayerBuilder, Registry, TestImage, busybox_layer, host_arch};
 use serde_json::{Value, json};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// p50 and p99 of `v`, sorted in place.
-fn p50_p99(v: &mut [Duration]) -> (Duration, Duration) {
-    v.sort();
-    (pct(v, 0.5), pct(v, 0.99))
-}
 
 /// The kernel's own memory that nothing can reclaim, in KiB: unreclaimable slab, per-CPU
 /// areas, kernel stacks and page tables. A sandbox's namespaces, veth, routes, firewall
@@ -69,16 +50,6 @@ fn kernel_kib() -> u64 {
                 .then(|| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?
         })
         .sum()
-}
-
-fn pss_kib(pid: u32) -> u64 {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    rollup
-        .lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Lets the kernel settle what it frees lazily (namespaces, RCU) before memory is read.

@@ -32,42 +32,16 @@
 
 #[path = "../tests/e2e/mod.rs"]
 mod e2e;
+mod figures;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use e2e::{Http, Server};
+use figures::{env_usize, pct, pss_kib, us};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use serde_json::json;
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-/// The `p` quantile of sorted durations; zero for none (a figure not measured).
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
-}
-
-/// Proportional set size: shared pages (the static daemon's code, shared by all sandboxes)
-/// divided among the processes that map them.
-fn pss_kib(pid: u32) -> u64 {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    rollup
-        .lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 /// A kept-alive HTTP/1.1 connection.
 struct Conn {

@@ -9,7 +9,8 @@ mod common;
 use common::{call, out, provider, ready, require_root, sh, socket_of, state_dir};
 use sandman_provider::conformance::spec;
 use sandman_provider::{Provider, ProviderError, SandboxSpec};
-use sandman_provider_process::Isolation;
+use sandman_provider_process::{Isolation, ProcessProvider};
+use sandman_testkit::LoggedDir;
 use sandman_testkit::registry::{Auth, Compression, LayerBuilder, Registry, TestImage, busybox_layer, host_arch};
 use sandman_wire::server::{Network, Reason};
 use serde_json::json;
@@ -31,15 +32,29 @@ fn app_image() -> TestImage {
     TestImage::with_config(vec![busybox_layer(), app], host_arch(), run)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sandbox_of_an_image_has_its_layers_as_root_and_its_config() {
+/// The app image in a registry of a fresh state directory, and an isolated provider of that
+/// directory (root, as CI runs): what most tests here start from.
+struct WithApp {
+    p: ProcessProvider,
+    reference: String,
+    _registry: Registry,
+    state: LoggedDir,
+}
+
+async fn with_app() -> WithApp {
     require_root();
     let state = state_dir();
     let registry = Registry::start(Auth::Anonymous, state.path());
     registry.push("test/app", "1", &app_image()).await;
     let p = provider(state.path(), Isolation::Full);
-    let s = spec("img1", &registry.reference("test/app", "1"));
-    let ep = ready(&p, &s).await;
+    WithApp { p, reference: registry.reference("test/app", "1"), _registry: registry, state }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_of_an_image_has_its_layers_as_root_and_its_config() {
+    let WithApp { p, reference, .. } = &with_app().await;
+    let s = spec("img1", reference);
+    let ep = ready(p, &s).await;
     let r = sh(
         &ep,
         &s.token,
@@ -68,14 +83,9 @@ async fn a_sandbox_of_an_image_has_its_layers_as_root_and_its_config() {
 /// writes, no other sees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandboxes_share_one_unpacked_copy_and_write_only_their_own_layer() {
-    require_root();
-    let state = state_dir();
-    let registry = Registry::start(Auth::Anonymous, state.path());
-    registry.push("test/app", "1", &app_image()).await;
-    let p = provider(state.path(), Isolation::Full);
-    let reference = registry.reference("test/app", "1");
-    let (a, b) = (spec("share-a", &reference), spec("share-b", &reference));
-    let (ea, eb) = (ready(&p, &a).await, ready(&p, &b).await);
+    let WithApp { p, reference, state, .. } = &with_app().await;
+    let (a, b) = (spec("share-a", reference), spec("share-b", reference));
+    let (ea, eb) = (ready(p, &a).await, ready(p, &b).await);
     let wa = sh(&ea, &a.token, "echo a > /srv/app/hello.txt; cat /srv/app/hello.txt; cat /proc/self/uid_map").await;
     let wb = sh(&eb, &b.token, "cat /srv/app/hello.txt; cat /proc/self/uid_map").await;
     assert!(out(&wa).starts_with("a\n"), "{wa}");
@@ -211,22 +221,17 @@ async fn an_images_links_out_of_its_root_lead_nowhere_on_the_host() {
 /// it; without a network it has the name and no address, as a container has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_image_sandbox_is_named_by_its_id_and_its_name_resolves() {
-    require_root();
-    let state = state_dir();
-    let registry = Registry::start(Auth::Anonymous, state.path());
-    registry.push("test/app", "1", &app_image()).await;
-    let p = provider(state.path(), Isolation::Full);
-    let reference = registry.reference("test/app", "1");
-    let s = spec("named_1", &reference);
-    let ep = ready(&p, &s).await;
+    let WithApp { p, reference, .. } = &with_app().await;
+    let s = spec("named_1", reference);
+    let ep = ready(p, &s).await;
     let r = sh(&ep, &s.token, "hostname; cat /etc/hostname; hostname -i; ip -4 -o addr show eth0").await;
     assert_eq!(r["exit_code"], 0, "{r}");
     let text = out(&r);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines[..2], ["named-1", "named-1"], "{r}");
     assert!(lines[3].contains(&format!("inet {}/", lines[2])), "the name is not the address of eth0: {r}");
-    let offline = SandboxSpec { network: Network::None, ..spec("named-2", &reference) };
-    let ep = ready(&p, &offline).await;
+    let offline = SandboxSpec { network: Network::None, ..spec("named-2", reference) };
+    let ep = ready(p, &offline).await;
     let r = sh(&ep, &offline.token, "hostname; hostname -i; echo $?").await;
     assert_eq!(out(&r).lines().next(), Some("named-2"), "{r}");
     assert!(out(&r).ends_with("1\n"), "the name resolved with no network: {r}");
