@@ -90,8 +90,13 @@ async def test_what_the_real_server_refuses(api: Any, server: Server) -> None:
     with pytest.raises(sandman.NotFound) as nf:
         await api.get("sb-doesnotexist")
     assert nf.value.status == 404 and nf.value.reason is None
-    with pytest.raises(sandman.InvalidArgument, match="docker or kubernetes"):
-        await api.create("ubuntu:24.04")
+    # An image no registry serves (loopback's discard port refuses the connection: nothing leaves
+    # this machine) fails with the registry's reason.
+    with pytest.raises(sandman.InvalidArgument, match="Connection refused") as pull:
+        await api.create("127.0.0.1:9/absent:1")
+    assert pull.value.reason == "image_pull_failed"
+    with pytest.raises(sandman.InvalidArgument, match="Python:3.12"):
+        await api.create("Python:3.12")
     with pytest.raises((sandman.InvalidArgument, sandman.NotFound), match="pool"):
         await api.create("host", pool=unique("no-such-pool"))  # passed through, and refused
     with pytest.raises(sandman.InvalidArgument):

@@ -15,20 +15,24 @@ import sandman
 
 async def test_prepare_reports_each_image_and_its_progress_is_in_the_events(api: Any) -> None:
     job = unique("prep")
-    result = await api.prepare(["host", "ubuntu:24.04"], job=job)
-    assert [i.image for i in result.images] == ["host", "ubuntu:24.04"]
-    host, ubuntu = result.images
+    absent = "127.0.0.1:9/absent:1"  # no registry there: refused on loopback, nothing leaves
+    result = await api.prepare(["host", absent], job=job)
+    assert [i.image for i in result.images] == ["host", absent]
+    host, missing = result.images
     assert (host.ok, host.nodes_ready, host.nodes_total, host.message) == (True, 1, 1, None)
     assert host.duration_ms >= 0
-    # The process provider runs `host` only: the other image fails, reported rather than raised.
-    assert not ubuntu.ok and ubuntu.message and "docker or kubernetes" in ubuntu.message
-    assert not result.ok and result.failed == [ubuntu]
+    # The image that cannot be had fails, reported (with the registry's reason) rather than raised.
+    assert not missing.ok and missing.message and "Connection refused" in missing.message
+    assert not result.ok and result.failed == [missing]
     events = [e for e in await api.events(job=job) if e.kind == "prepare"]
     phases = {(e.image, e.phase) for e in events}
-    assert phases == {("host", "started"), ("host", "ready"), ("ubuntu:24.04", "started"), ("ubuntu:24.04", "failed")}
+    assert phases == {
+        ("host", "started"), ("host", "pulling"), ("host", "ready"),
+        (absent, "started"), (absent, "pulling"), (absent, "failed"),
+    }
     assert all(e.job == job and e.sandbox == "" and e.state == "" for e in events)
     failed = [e for e in events if e.phase == "failed"]
-    assert failed[0].message and "docker or kubernetes" in failed[0].message
+    assert failed[0].message and "registry 127.0.0.1:9" in failed[0].message
 
 
 async def test_prepare_with_a_hold_needs_a_job_and_a_fraction(api: Any) -> None:
