@@ -35,9 +35,12 @@ DEADLINE_S = 60
 class Server:
     def __init__(self, binary, state_dir):
         env = dict(os.environ, SANDMAN_TOKEN=TOKEN, RUST_LOG="warn")
+        # The burst below is held by the create rate. Memory admission is off: 500 sandboxes at
+        # the 2Gi default would pass the machine's memory times four on any CI machine, and the
+        # rest would wait for memory, not drain (attack_bounds.rs tests that wait).
         self.proc = subprocess.Popen(
             [binary, "serve", "--listen", "127.0.0.1:0", "--state-dir", state_dir, "--isolation", "none",
-             "--create-rate", "25", "--create-burst", "5"],
+             "--create-rate", "25", "--create-burst", "5", "--memory-overcommit", "0"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True,
             # The server dies with this script however it ends.
             preexec_fn=lambda: __import__("ctypes").CDLL("libc.so.6").prctl(1, signal.SIGKILL),
