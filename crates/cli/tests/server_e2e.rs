@@ -520,3 +520,22 @@ async fn the_cli_finds_a_local_server_on_its_socket_and_a_second_server_is_refus
     assert!(said.contains("another server runs on this state directory"), "{said}");
     drop(server);
 }
+
+/// Without isolation memory could only be an address-space limit per process, which stops a JVM
+/// (it reserves 1 GiB of class space at start): a create that names no memory gets none there,
+/// and the default disk still bounds the files it writes.
+#[tokio::test]
+async fn without_isolation_a_create_gets_the_default_disk_and_no_default_memory() {
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let server = Server::start_in(&dir.path().join("state"), &["--isolation", "none"]);
+    let http = server.client();
+    let sb = http.create(json!({"image": "host"})).await;
+    assert_eq!(sb["resources"], json!({"disk": "1Gi"}), "{sb}");
+    let id = sb["id"].as_str().unwrap();
+    let r = http.exec(id, json!({"argv": ["sh", "-c", "ulimit -v; ulimit -f"]})).await;
+    assert_eq!(r["stdout"], format!("unlimited\n{}\n", (1u64 << 30) / 512), "{r}");
+    // A create that names memory still gets it, as that limit.
+    let sb = http.create(json!({"image": "host", "resources": {"memory": "3Gi"}})).await;
+    let r = http.exec(sb["id"].as_str().unwrap(), json!({"argv": ["sh", "-c", "ulimit -v"]})).await;
+    assert_eq!(r["stdout"], format!("{}\n", (3u64 << 30) / 1024), "{r}");
+}

@@ -872,7 +872,13 @@ impl Provider for ProcessProvider {
     }
 
     fn defaults(&self) -> Resources {
-        self.config.defaults.clone()
+        match self.config.isolation {
+            Isolation::Full => self.config.defaults.clone(),
+            // Without cgroups memory could only be `RLIMIT_AS`, per process: a default of that
+            // would stop runtimes that reserve more address space than they use (a JVM asks for
+            // 1 GiB of class space at start) in every create that names no memory.
+            Isolation::None => Resources { disk: self.config.defaults.disk.clone(), ..Resources::default() },
+        }
     }
 
     fn check(&self, spec: &SandboxSpec) -> Result<(), ProviderError> {

@@ -56,8 +56,9 @@ pub struct ServeArgs {
     /// directory); images no sandbox runs go, least recently used first, past it. `none`: no bound.
     #[arg(long, value_name = "BYTES", default_value = "64Gi", value_parser = bytes_or_none)]
     pub image_store_max_size: Bound,
-    /// Process provider: the memory limit of a create that names none (`resources.memory`), as
-    /// `2Gi`; `none` leaves such creates unbounded.
+    /// Process provider, isolated: the memory limit of a create that names none
+    /// (`resources.memory`), as `2Gi`; `none` leaves such creates unbounded. Without isolation a
+    /// create gets no default memory (it could only be an address-space limit per process).
     #[arg(long, value_name = "BYTES", default_value = "2Gi", value_parser = bytes_or_none)]
     pub default_memory: Bound,
     /// Process provider: the disk of a create that names none (`resources.disk`: its writable
