@@ -2,8 +2,10 @@
 //! 100 MiB unpacked, 67 MiB compressed, over 5 layers of varied files: 3,000 small text files,
 //! large incompressible ones, medium mixed ones, a large log, links) pushed to a local registry, then pulled cold each round into a new
 //! store (downloaded, verified and unpacked) and, alternating, copied cold by
-//! `skopeo copy docker://… oci:DIR` (downloaded and verified, not unpacked). Prints each side's
-//! throughput in compressed MiB/s and their ratio (target: the store at 0.8x skopeo or more).
+//! `skopeo copy docker://… oci:DIR` (downloaded and verified, not unpacked) and, when an engine
+//! answers, `docker pull` (downloaded, verified and unpacked, as the store does; the engine's
+//! storage is its own, under /var/lib/docker, not the benchmark's file system). Prints each side's
+//! throughput in compressed MiB/s and the store's ratio to each (target: 0.8x or more).
 //!
 //! Both write to one ext4 file system of the benchmark's own (a loop device, with a journal): on
 //! a journal-less ext4 (this project's test machines' root) every inode allocation walks the
@@ -154,7 +156,12 @@ fn main() {
         built.elapsed().as_secs_f64()
     );
 
-    let (mut store_rates, mut skopeo_rates) = (Vec::new(), Vec::new());
+    let docker = Command::new("docker").args(["info", "--format", "{{.ServerVersion}}"]).output();
+    let docker = docker.is_ok_and(|o| o.status.success());
+    if !docker {
+        println!("docker pull: left out (no docker engine answers)");
+    }
+    let (mut store_rates, mut skopeo_rates, mut docker_rates) = (Vec::new(), Vec::new(), Vec::new());
     let (store_cpu, skopeo_cpu) = (std::cell::RefCell::new(Vec::new()), std::cell::RefCell::new(Vec::new()));
     let mut unpacked = 0;
     for round in 0..rounds {
@@ -190,6 +197,16 @@ fn main() {
             let _ = std::fs::remove_dir_all(&out);
             took
         };
+        let docker_side = || {
+            // Cold: the image and its layers gone from the engine first.
+            let _ = Command::new("docker").args(["rmi", "-f", &reference]).output();
+            let start = Instant::now();
+            let out = Command::new("docker").args(["pull", "--quiet", &reference]).output().unwrap();
+            let took = start.elapsed();
+            assert!(out.status.success(), "docker pull: {}", String::from_utf8_lossy(&out.stderr));
+            let _ = Command::new("docker").args(["rmi", "-f", &reference]).output();
+            took
+        };
         // Alternate which goes first, so neither always finds a warmer machine.
         let (store_took, skopeo_took) = if round % 2 == 0 {
             let (s, size) = store_side(round);
@@ -202,8 +219,16 @@ fn main() {
             (s, k)
         };
         let (store_rate, skopeo_rate) = (mib(compressed, store_took), mib(compressed, skopeo_took));
+        let docker_line = if docker {
+            let took = docker_side();
+            let rate = mib(compressed, took);
+            docker_rates.push(rate);
+            format!("   docker pull {:>6.0} ms ({rate:>6.1} MiB/s)", took.as_secs_f64() * 1e3)
+        } else {
+            String::new()
+        };
         println!(
-            "round {round}: store {:>6.0} ms ({store_rate:>6.1} MiB/s, unpacking {:>6.1} MiB/s)   skopeo {:>6.0} ms ({skopeo_rate:>6.1} MiB/s)   ratio {:.2}x",
+            "round {round}: store {:>6.0} ms ({store_rate:>6.1} MiB/s, unpacking {:>6.1} MiB/s)   skopeo {:>6.0} ms ({skopeo_rate:>6.1} MiB/s)   ratio {:.2}x{docker_line}",
             store_took.as_secs_f64() * 1e3,
             mib(unpacked, store_took),
             skopeo_took.as_secs_f64() * 1e3,
@@ -222,6 +247,11 @@ fn main() {
     println!("  image store (download, verify, unpack)  {store:>7.1} MiB/s");
     println!("  skopeo copy to oci: (download, verify)  {skopeo:>7.1} MiB/s");
     println!("  ratio                                   {:>7.2}x (target >= 0.8x)", store / skopeo);
+    if docker {
+        let docker = median(docker_rates);
+        println!("  docker pull (download, verify, unpack)  {docker:>7.1} MiB/s");
+        println!("  ratio                                   {:>7.2}x (target >= 0.8x)", store / docker);
+    }
     println!(
         "CPU per pull (user+system, median): image store {:.2}s, skopeo {:.2}s (the registry's own not counted)",
         median(store_cpu.into_inner()),
