@@ -1,7 +1,8 @@
 # The server image: nothing but the static `sandman` (serve and the CLI) at
 # /usr/local/bin/sandman, run as 65532:65532. It needs no shell, libc, user database or CA
 # bundle: in a pod it reaches the API server with its service account's token and CA, writes only
-# to its state directory (the manifests mount a volume at /var/lib/sandman) and reads
+# to its state directory (/var/lib/sandman/sandman, in the volume the manifests mount at
+# /var/lib/sandman) and reads
 # SANDMAN_TOKEN from the environment.
 #
 #   ctx=$(mktemp -d) && cp "$(./scripts/build-server)" "$ctx"

@@ -215,7 +215,10 @@ fn own_state_dir(dir: &std::path::Path) -> std::io::Result<()> {
     if meta.uid() != me {
         return Err(std::io::Error::new(
             std::io::ErrorKind::PermissionDenied,
-            format!("it belongs to uid {}, and this server runs as uid {me}", meta.uid()),
+            format!(
+                "it belongs to uid {}, and this server runs as uid {me}; give it a directory of its own, or a path below this one for it to make",
+                meta.uid()
+            ),
         ));
     }
     if meta.mode() & 0o077 != 0 {
