@@ -301,6 +301,35 @@ impl Drop for Spawned {
     }
 }
 
+/// Removes the cgroups `sandman-<id>` that a process provider started by this process (so in
+/// its cgroups) made for the sandboxes `ids`: a test that kills its server with sandboxes still
+/// held, then removes the state directory, leaves them to no one. Waits a little for their
+/// processes, killed just before, to be gone.
+pub fn remove_sandbox_cgroups(ids: &[String]) {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let root = Path::new("/sys/fs/cgroup");
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for line in own.lines() {
+        let mut fields = line.splitn(3, ':').skip(1);
+        let (Some(controllers), Some(path)) = (fields.next(), fields.next()) else { continue };
+        let mount = match controllers {
+            // v2: the whole of /sys/fs/cgroup, or its `unified` beside v1 hierarchies.
+            "" if root.join("cgroup.controllers").exists() => root.to_path_buf(),
+            "" => root.join("unified"),
+            named => root.join(named.trim_start_matches("name=")),
+        };
+        let own = mount.join(path.trim_start_matches('/'));
+        dirs.extend(ids.iter().map(|id| own.join(format!("sandman-{id}"))).filter(|d| d.is_dir()));
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !dirs.is_empty() && Instant::now() < deadline {
+        dirs.retain(|d| std::fs::remove_dir(d).is_err() && d.is_dir());
+        if !dirs.is_empty() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 /// A temporary directory for what a test starts (a provider's state directory, where each
 /// sandbox's daemon keeps its `daemon.log`) whose logs are printed when a failing test drops it.
 #[derive(Debug)]

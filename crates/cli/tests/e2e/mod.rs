@@ -120,10 +120,12 @@ impl Drop for Server {
             // The sandboxes' daemons' logs; the server's own is printed as `process` drops.
             sandman_testkit::print_logs_under(&self.state);
         }
-        // Sandboxes outlive a server on purpose; the tests end theirs.
+        // Sandboxes outlive a server on purpose; the tests end theirs, and the cgroups of those
+        // still held, which no server will find again once the state directory goes.
         if let Ok(out) = Command::new("pkill").arg("-KILL").arg("-f").arg(self.state.display().to_string()).output() {
             let _ = out;
         }
+        sandman_testkit::remove_sandbox_cgroups(&self.sandbox_dirs());
     }
 }
 
