@@ -145,21 +145,12 @@ async fn networks(rounds: usize, summary: &mut Vec<String>) {
     // With a baseline build (`SANDMAN_BENCH_BASELINE`: a directory with another build's `sandman`
     // and `sandmand`, e.g. the release before sandboxes had networks of their own, whose
     // sandboxes shared the host's network), its creates join the same rounds.
-    let baseline_dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
-    let baseline = std::env::var_os("SANDMAN_BENCH_BASELINE").map(std::path::PathBuf::from).map(|dir| {
-        let daemon = dir.join("sandmand").display().to_string();
-        let server = Server::start_bin(
-            &dir.join("sandman"),
-            &baseline_dir.path().join("state"),
-            &["--daemon", &daemon, "--create-rate", "0"],
-        );
-        (dir, server)
-    });
+    let baseline = figures::baseline_server(&e2e::scratch());
     let mut sides: Vec<(String, Http, &Value)> = vec![
         ("egress (own namespace, veth, NAT)".into(), http.clone(), &egress),
         ("none (own namespace, loopback only)".into(), http.clone(), &none),
     ];
-    if let Some((dir, server)) = &baseline {
+    if let Some((dir, server, _)) = &baseline {
         sides.push((format!("egress, baseline build {}", dir.display()), server.client(), &egress));
     }
     println!("\nnetworks: create-to-ready and exec /bin/true, {} sides in alternating rounds", sides.len());

@@ -572,20 +572,10 @@ async fn bench() {
         &plain_dir.path().join("state"),
         &["--daemon", &daemon_arg, "--isolation", "none", "--create-rate", "0"],
     );
-    let baseline = std::env::var_os("SANDMAN_BENCH_BASELINE").map(PathBuf::from);
-    let baseline_dir = tempfile::tempdir_in(&scratch).unwrap();
-    let baseline = baseline.map(|dir| {
-        let daemon = dir.join("sandmand").display().to_string();
-        let server = Server::start_bin(
-            &dir.join("sandman"),
-            &baseline_dir.path().join("state"),
-            &["--daemon", &daemon, "--create-rate", "0"],
-        );
-        (dir, server)
-    });
+    let baseline = figures::baseline_server(&scratch);
     let mut sides: Vec<(String, Http)> =
         vec![("isolated (--isolation full)".into(), http.clone()), ("--isolation none".into(), plain.client())];
-    if let Some((dir, server)) = &baseline {
+    if let Some((dir, server, _)) = &baseline {
         sides.push((format!("baseline {}", dir.display()), server.client()));
     }
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); sides.len()];

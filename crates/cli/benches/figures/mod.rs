@@ -2,6 +2,7 @@
 //! durations they measure.
 #![allow(dead_code)]
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// `name` from the environment as a number, else `default`.
@@ -41,4 +42,19 @@ pub fn pss_kib(pid: u32) -> u64 {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+/// With `SANDMAN_BENCH_BASELINE` (a directory holding another build's `sandman` and `sandmand`),
+/// a server of that build on a state directory in `scratch`, its create rate unlimited: the
+/// directory, the server, and the state's directory (removed when dropped).
+pub fn baseline_server(scratch: &Path) -> Option<(PathBuf, crate::e2e::Server, tempfile::TempDir)> {
+    let dir = PathBuf::from(std::env::var_os("SANDMAN_BENCH_BASELINE")?);
+    let state = tempfile::tempdir_in(scratch).unwrap();
+    let daemon = dir.join("sandmand").display().to_string();
+    let server = crate::e2e::Server::start_bin(
+        &dir.join("sandman"),
+        &state.path().join("state"),
+        &["--daemon", &daemon, "--create-rate", "0"],
+    );
+    Some((dir, server, state))
 }
