@@ -17,6 +17,7 @@ second, p50/p99 latency of a call, and how many were scored right (all must be),
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import secrets
@@ -40,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import verl_client  # noqa: E402
 
 verl = verl_client.load()
+# verl's client logs every failed call at ERROR on stderr; the run counts and prints them itself.
+logging.getLogger(verl_client.NAME).setLevel(logging.CRITICAL + 1)
 
 #: verl's default per-case timeout (compile and run); its request timeout is 10 s more than both.
 TIMEOUT = 10
@@ -99,9 +102,11 @@ def drive(side: str, calls: List[Call], in_flight: int, one: Callable[[int, Call
     notes: List[str] = [""] * len(calls)
     it = iter(range(len(calls)))
     lock = threading.Lock()
+    # Set on ^C: the threads finish the call they are in and take no other.
+    stopping = threading.Event()
 
     def worker() -> None:
-        while True:
+        while not stopping.is_set():
             with lock:
                 i = next(it, None)
             if i is None:
@@ -112,8 +117,12 @@ def drive(side: str, calls: List[Call], in_flight: int, one: Callable[[int, Call
 
     begun = time.monotonic()
     with ThreadPoolExecutor(max_workers=in_flight) as pool:
-        for f in [pool.submit(worker) for _ in range(in_flight)]:
-            f.result()
+        try:
+            for f in [pool.submit(worker) for _ in range(in_flight)]:
+                f.result()
+        except BaseException:
+            stopping.set()
+            raise
     seconds = time.monotonic() - begun
     failures = [f"call {i}: {notes[i]}" for i in range(len(calls)) if not ok[i]]
     return Result(side, len(calls), seconds, latencies, sum(ok), failures)
