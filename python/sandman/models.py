@@ -800,8 +800,10 @@ class PrepareResult:
 @dataclass(frozen=True)
 class Event:
     """One event of the server: a sandbox's lifecycle (`kind` `sandbox`: `sandbox` and `state`
-    are set) or the preparation of an image (`kind` `prepare`: `image` and `phase` are set, and
-    for a `pulling` line `node`, `nodes_ready` and `nodes_total`)."""
+    are set), the preparation of an image (`kind` `prepare`: `image` and `phase` are set, and
+    for a `pulling` line `node`, `nodes_ready` and `nodes_total`), or a SandboxFusion API call
+    the service failed (`kind` `fusion`: `message` says why, `sandbox` names its sandbox when it
+    had one)."""
 
     seq: int
     time_ms: int
@@ -812,7 +814,7 @@ class Event:
     job: Optional[str] = None
     reason: Optional[str] = None
     message: Optional[str] = None
-    #: `sandbox` or `prepare`.
+    #: `sandbox`, `prepare` or `fusion`.
     kind: str = "sandbox"
     #: For a `queued` sandbox: about how many creates will be admitted before it.
     queue_position: Optional[int] = None

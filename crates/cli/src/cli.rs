@@ -396,6 +396,9 @@ pub enum JobCmd {
     Heartbeat(JobNameCmd),
     /// Show what a job's sandboxes used: counts by how they ended, sandbox-, CPU-seconds, memory.
     Usage(JobNameCmd),
+    /// Print the job's SandboxFusion URL (made when it has none), for clients that send no
+    /// credentials: verl's `sandbox_fusion.url` is it with `/run_code` appended.
+    FusionUrl(JobFusionUrlCmd),
 }
 
 impl JobCmd {
@@ -403,8 +406,21 @@ impl JobCmd {
         match self {
             JobCmd::Put(cmd) => &cmd.conn,
             JobCmd::Get(cmd) | JobCmd::Rm(cmd) | JobCmd::Heartbeat(cmd) | JobCmd::Usage(cmd) => &cmd.conn,
+            JobCmd::FusionUrl(cmd) => &cmd.conn,
         }
     }
+}
+
+#[derive(Debug, Args)]
+pub struct JobFusionUrlCmd {
+    #[command(flatten)]
+    pub conn: Connection,
+    pub name: String,
+    /// Revoke the URL instead: calls through it are refused from now on.
+    #[arg(long)]
+    pub revoke: bool,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

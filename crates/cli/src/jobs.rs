@@ -1,4 +1,5 @@
-//! `job put|get|rm|heartbeat|usage`: a job's quota, release-all, heartbeat and what it used.
+//! `job put|get|rm|heartbeat|usage|fusion-url`: a job's quota, release-all, heartbeat, what it
+//! used, and its SandboxFusion URL.
 
 use std::process::ExitCode;
 
@@ -23,6 +24,20 @@ pub async fn job(client: &Client, cmd: JobCmd) -> anyhow::Result<ExitCode> {
         JobCmd::Get(get) => show_job(&client.get_job(&get.name).await?, get.json)?,
         JobCmd::Rm(rm) => show_action(&client.delete_job(&rm.name).await?, rm.json, "released")?,
         JobCmd::Heartbeat(hb) => show_action(&client.heartbeat(&hb.name).await?, hb.json, "renewed the lease of")?,
+        JobCmd::FusionUrl(cmd) => {
+            let key = if cmd.revoke {
+                client.revoke_fusion_key(&cmd.name).await?
+            } else {
+                client.fusion_key(&cmd.name).await?
+            };
+            if cmd.json {
+                outln!("{}", format::json(&key)?)?;
+            } else if let Some(url) = &key.url {
+                outln!("{url}")?;
+            } else {
+                outln!("job `{}`: its SandboxFusion URL is revoked", key.job)?;
+            }
+        }
         JobCmd::Usage(cmd) => {
             let usage = client.job_usage(&cmd.name).await?;
             if cmd.json {

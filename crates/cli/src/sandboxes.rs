@@ -269,6 +269,12 @@ fn event_line(e: &Event) -> String {
             e.image.as_deref().unwrap_or("-"),
             e.phase.map(|p| format!("{p:?}").to_lowercase()).unwrap_or_default()
         ),
+        EventKind::Fusion => format!(
+            "{}  #{}  {}  fusion call failed",
+            timestamp(e.time_ms),
+            e.seq,
+            if e.sandbox.is_empty() { "-" } else { &e.sandbox }
+        ),
         EventKind::Sandbox => format!(
             "{}  #{}  {}  {}",
             timestamp(e.time_ms),

@@ -14,8 +14,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use sandman_wire::ErrorBody;
 use sandman_wire::server::{
-    CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, ImageList, ImageQuery, ImagesRemoved, Job,
-    JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolList, PoolSpec, PrepareRequest, PrepareResult, Sandbox,
+    CreateSandbox, Event, EventList, EventStreamItem, EventsQuery, FusionKey, ImageList, ImageQuery, ImagesRemoved,
+    Job, JobAction, JobSpec, JobUsage, ListQuery, Pool, PoolList, PoolSpec, PrepareRequest, PrepareResult, Sandbox,
     SandboxList, ServerHealth, SignedConditions, Verification,
 };
 use serde::Serialize;
@@ -181,6 +181,17 @@ impl Client {
     /// `POST /v1/jobs/{job}/heartbeat`: renew the lease of every sandbox of the job.
     pub async fn heartbeat(&self, name: &str) -> Result<JobAction, ClientError> {
         self.json(Req::new(Method::POST, job_path(name, "/heartbeat"))).await
+    }
+
+    /// `POST /v1/jobs/{job}/fusion-key`: the job's SandboxFusion capability URL, made when it
+    /// has none.
+    pub async fn fusion_key(&self, name: &str) -> Result<FusionKey, ClientError> {
+        self.json(Req::new(Method::POST, job_path(name, "/fusion-key"))).await
+    }
+
+    /// `DELETE /v1/jobs/{job}/fusion-key`: revokes it.
+    pub async fn revoke_fusion_key(&self, name: &str) -> Result<FusionKey, ClientError> {
+        self.json(Req::new(Method::DELETE, job_path(name, "/fusion-key"))).await
     }
 
     /// `GET /v1/jobs/{job}/usage`: the sums of the job's accounting records.

@@ -53,6 +53,14 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("DELETE", "/v1/jobs/{job}"),
     ("POST", "/v1/jobs/{job}/heartbeat"),
     ("GET", "/v1/jobs/{job}/usage"),
+    ("POST", "/v1/jobs/{job}/fusion-key"),
+    ("DELETE", "/v1/jobs/{job}/fusion-key"),
+    ("POST", "/fusion/run_code"),
+    ("POST", "/fusion/run_jupyter"),
+    ("GET", "/fusion/v1/ping"),
+    ("POST", "/fusion/job/{key}/run_code"),
+    ("POST", "/fusion/job/{key}/run_jupyter"),
+    ("GET", "/fusion/job/{key}/v1/ping"),
     ("GET", "/v1/pools"),
     ("PUT", "/v1/pools/{name}"),
     ("GET", "/v1/pools/{name}"),
@@ -66,6 +74,11 @@ pub const ROUTES: &[(&str, &str)] = &[
 ];
 
 pub fn router(service: Arc<Service>, limits: Limits) -> Router {
+    router_with(service, limits, crate::fusion::FusionConfig::default())
+}
+
+/// [`router`], with the SandboxFusion API served as `fusion` says.
+pub fn router_with(service: Arc<Service>, limits: Limits, fusion: crate::fusion::FusionConfig) -> Router {
     let control = Router::new()
         .route("/metrics", get(metrics))
         .route("/v1/sandboxes", post(create).get(list))
@@ -107,8 +120,13 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .concurrency_limit(limits.max_concurrent)
         .service(app);
     // Liveness is answered beside the limit, never shed: a probe that got 503 under load would
-    // have the server killed for being busy.
-    Router::new().route("/healthz", get(healthz)).with_state(service).fallback_service(limited)
+    // have the server killed for being busy. So is the SandboxFusion API, whose clients score
+    // a shed call as a wrong answer: its calls wait for a slot of their own (`--fusion-max-calls`).
+    Router::new()
+        .route("/healthz", get(healthz))
+        .with_state(service.clone())
+        .merge(crate::fusion::router(service, fusion))
+        .fallback_service(limited)
 }
 
 /// Answers the edge layers' refusals with the wire error body.

@@ -133,6 +133,18 @@ pub struct ServeArgs {
     /// Most creates waiting for admission; past it a create gets 429 with Retry-After.
     #[arg(long, default_value_t = crate::service::DEFAULT_MAX_QUEUE, value_parser = count(0, 10_000_000))]
     pub max_queue: usize,
+    /// The SandboxFusion API (`/fusion`): the image every call runs in (`host`: this machine's
+    /// root, read-only; any image the provider runs). A call needs the language's tools in it.
+    #[arg(long, value_name = "IMAGE", default_value = "host")]
+    pub fusion_image: String,
+    /// The SandboxFusion API: calls running at once; more wait for a slot, up to their own
+    /// `run_timeout`, then answer 504 (which verl retries). Never shed.
+    #[arg(long, value_name = "N", default_value_t = crate::fusion::DEFAULT_MAX_CALLS, value_parser = count(1, 100_000))]
+    pub fusion_max_calls: usize,
+    /// The URL clients reach this server at, for the URLs it hands out (a job's SandboxFusion
+    /// URL). Default: http:// and the address it listens on.
+    #[arg(long, value_name = "URL")]
+    pub public_url: Option<String>,
     /// Log filter (also RUST_LOG).
     #[arg(long, default_value = "info")]
     pub log: String,

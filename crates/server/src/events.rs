@@ -69,6 +69,15 @@ impl Events {
         self.push(e);
     }
 
+    /// A SandboxFusion API call the service failed (`SandboxError`, or not started in time), on
+    /// `sandbox` when it had one.
+    pub fn emit_fusion(&self, sandbox: Option<&str>, job: Option<&str>, message: String) {
+        let mut e = blank(EventKind::Fusion, job);
+        e.sandbox = sandbox.unwrap_or_default().to_string();
+        e.message = Some(message);
+        self.push(e);
+    }
+
     /// Progress of preparing an image.
     pub fn emit_prepare(&self, image: &str, job: Option<&str>, phase: PreparePhase, message: Option<String>) {
         let mut e = blank(EventKind::Prepare, job);

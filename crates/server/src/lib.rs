@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod e2b;
 pub mod error;
 pub mod events;
+pub mod fusion;
 pub mod journal;
 pub mod metrics;
 pub mod pool;
@@ -273,11 +274,16 @@ pub async fn run(
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         max_concurrent: args.max_concurrent_requests.max(1),
     };
-    let app = api::router(service.clone(), limits);
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
     let listen = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| args.listen.clone());
+    let fusion = fusion::FusionConfig {
+        image: args.fusion_image.clone(),
+        max_calls: args.fusion_max_calls,
+        public_url: args.public_url.clone().unwrap_or_else(|| public_url(&listen)),
+    };
+    let app = api::router_with(service.clone(), limits, fusion);
     let edge = sandman_http::serve::Edge {
         header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
         max_connections,
@@ -311,6 +317,16 @@ pub async fn run(
     service.tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), service.tasks.wait()).await;
     Ok(())
+}
+
+/// The URL clients reach the server at, from the address it listens on: an unspecified
+/// address (`0.0.0.0`) is given as this machine's loopback.
+fn public_url(listen: &str) -> String {
+    match listen.parse::<std::net::SocketAddr>() {
+        Ok(a) if a.ip().is_unspecified() => format!("http://127.0.0.1:{}", a.port()),
+        Ok(a) => format!("http://{a}"),
+        Err(_) => format!("http://{listen}"),
+    }
 }
 
 /// How long open connections get to finish after a shutdown signal.

@@ -29,6 +29,15 @@ pub struct JobLabel {
     pub job: String,
 }
 
+/// A SandboxFusion API call's job (empty for the server's token) and outcome: `success`,
+/// `failed` (the program's own failure), `sandbox_error` (the service's), `not_started` (504),
+/// `invalid`, `unauthorized`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FusionLabel {
+    pub job: String,
+    pub outcome: String,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct JobStateLabel {
     pub job: String,
@@ -90,6 +99,8 @@ pub struct Metrics {
     /// Ready sandboxes a timer should have ended a while ago, set at each scrape: non-zero
     /// means the reaper is behind or stuck.
     pub past_deadline: Gauge,
+    // ---- the SandboxFusion API ----
+    pub fusion_calls: Family<FusionLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -178,6 +189,12 @@ impl Default for Metrics {
             "Ready sandboxes whose lease, idle timeout or lifetime passed over a minute ago and that are not reclaimed",
             past_deadline.clone(),
         );
+        let fusion_calls = Family::<FusionLabel, Counter>::default();
+        registry.register(
+            "fusion_calls",
+            "SandboxFusion API calls, by job and outcome (sandbox_error and not_started are the service's failures)",
+            fusion_calls.clone(),
+        );
         // Every state shows, at zero when empty.
         for s in SandboxState::ALL {
             let _ = sandboxes.get_or_create(&StateLabel { state: s.as_str().into() });
@@ -204,6 +221,7 @@ impl Default for Metrics {
             job_ended,
             job_sandboxes,
             past_deadline,
+            fusion_calls,
         }
     }
 }

@@ -474,6 +474,22 @@ pub struct JobAction {
     pub sandboxes: u64,
 }
 
+/// `POST /v1/jobs/{job}/fusion-key` and `DELETE`: a job's capability URL for the SandboxFusion
+/// API, for clients that send no credentials (verl, skyrl-agent). Whoever has the URL runs code
+/// as the job until it is revoked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FusionKey {
+    pub job: String,
+    /// The base URL (`<server>/fusion/job/<key>`): clients append `/run_code`, `/run_jupyter`
+    /// or `/v1/ping`. Absent once revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// True when this call revoked it.
+    #[serde(default)]
+    pub revoked: bool,
+}
+
 /// What an event is about.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -485,6 +501,10 @@ pub enum EventKind {
     Sandbox,
     /// Progress of `POST /v1/prepare` for one image: `image` and `phase` are set.
     Prepare,
+    /// A call of the SandboxFusion API that the service failed (answered `SandboxError`, or
+    /// 504 when it could not start in time): `message` says why, `sandbox` names its sandbox
+    /// when it had one.
+    Fusion,
 }
 
 impl EventKind {

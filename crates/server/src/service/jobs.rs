@@ -26,6 +26,9 @@ struct JobEntry {
     spec: JobSpec,
     created: u64,
     last_heartbeat_ms: Option<u64>,
+    /// The secret of the job's SandboxFusion capability URL, while it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fusion_key: Option<String>,
 }
 
 impl Jobs {
@@ -62,6 +65,11 @@ impl Jobs {
         self.lock().get(name).and_then(|e| e.spec.weight)
     }
 
+    /// The job's create rate, when it set one.
+    pub(super) fn create_rate(&self, name: &str) -> Option<f64> {
+        self.lock().get(name).and_then(|e| e.spec.create_rate)
+    }
+
     /// The job's `max_sandboxes` quota, when it set one.
     pub(super) fn max_sandboxes(&self, name: &str) -> Option<u64> {
         self.lock().get(name).and_then(|e| e.spec.max_sandboxes)
@@ -88,6 +96,44 @@ impl Jobs {
             self.save(&entries);
         }
         known
+    }
+
+    /// The job's SandboxFusion key, made (with the job, when it has no spec) when it has none.
+    fn fusion_key(&self, name: &str) -> std::io::Result<String> {
+        let mut entries = self.lock();
+        let entry = entries.entry(name.to_string()).or_default();
+        if let Some(key) = &entry.fusion_key {
+            return Ok(key.clone());
+        }
+        let key = crate::auth::random_token()?;
+        entry.fusion_key = Some(key.clone());
+        self.save(&entries);
+        Ok(key)
+    }
+
+    /// Forgets the job's SandboxFusion key; false when it had none.
+    fn revoke_fusion_key(&self, name: &str) -> bool {
+        let mut entries = self.lock();
+        let had = entries.get_mut(name).and_then(|e| e.fusion_key.take()).is_some();
+        if had {
+            self.save(&entries);
+        }
+        had
+    }
+
+    /// The job whose SandboxFusion key `key` is. Every key is compared in constant time, so
+    /// the answer's timing says nothing of how close a guess came.
+    fn job_of_fusion_key(&self, key: &str) -> Option<String> {
+        let entries = self.lock();
+        let mut found = None;
+        for (name, e) in entries.iter() {
+            if let Some(k) = &e.fusion_key
+                && sandman_http::constant_time_eq(k.as_bytes(), key.as_bytes())
+            {
+                found = Some(name.clone());
+            }
+        }
+        found
     }
 
     fn get(&self, name: &str) -> Option<JobEntry> {
@@ -139,6 +185,33 @@ impl Service {
             created: entry.created,
             last_heartbeat_ms: entry.last_heartbeat_ms,
         })
+    }
+
+    /// The job's SandboxFusion capability key, made when it has none (the job too, with no
+    /// quota, when it has no spec).
+    pub fn fusion_key(&self, name: &str) -> ServerResult<String> {
+        if name.is_empty() || name.contains('/') {
+            return Err(ServerError::InvalidArgument(format!("invalid job name `{name}`")));
+        }
+        let key = self.jobs.fusion_key(name).map_err(|e| ServerError::Internal(format!("cannot draw a key: {e}")))?;
+        // A job made here is admitted like one made by PUT.
+        let (weight, rate) = (self.jobs.weight(name), self.jobs.create_rate(name));
+        self.queue.set_tenant(Tenant::Job(name.to_string()), weight, rate, Instant::now());
+        Ok(key)
+    }
+
+    /// Revokes the job's SandboxFusion key: calls through its URL are refused from now on.
+    pub fn revoke_fusion_key(&self, name: &str) -> ServerResult<()> {
+        if self.jobs.revoke_fusion_key(name) {
+            Ok(())
+        } else {
+            Err(ServerError::NotFound(format!("job `{name}` has no SandboxFusion key")))
+        }
+    }
+
+    /// The job a SandboxFusion key belongs to, if it is one.
+    pub fn job_of_fusion_key(&self, key: &str) -> Option<String> {
+        self.jobs.job_of_fusion_key(key)
     }
 
     /// The sums of the job's accounting records, and its live sandboxes.
