@@ -88,7 +88,13 @@ class Result:
 
     @property
     def rate(self) -> float:
+        """Calls answered a second, whatever the answer."""
         return self.calls / self.seconds
+
+    @property
+    def good_rate(self) -> float:
+        """Calls scored right a second: the reward step's real throughput."""
+        return self.correct / self.seconds
 
     def pct(self, p: float) -> float:
         lat = sorted(self.latencies)
@@ -334,8 +340,12 @@ def main() -> int:
     p.add_argument("--python", default="/usr/bin/python3", help="the floor's interpreter")
     p.add_argument("--fusion-dir", default="target/bench-fusion")
     p.add_argument("--sandman-bin", default="target/release/sandman")
-    p.add_argument("--sandman-arg", action="append", default=[], help="an extra argument of `sandman serve`")
+    p.add_argument("--sandman-arg", action="append", default=None,
+                   help="an argument of `sandman serve` (repeat it; default: --create-rate 0, the one-machine "
+                        "setting of docs/sandboxfusion.md)")
     args = p.parse_args()
+    if args.sandman_arg is None:
+        args.sandman_arg = ["--create-rate", "0"]
     for name, v in (("--programs", args.programs), ("--cases", args.cases), ("--in-flight", args.in_flight)):
         if not 1 <= v <= 100_000:
             p.error(f"{name} must be between 1 and 100000")
@@ -356,14 +366,18 @@ def main() -> int:
               f"correct {r.correct}/{r.calls}", flush=True)
 
     print()
-    print(f"{'side':32} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'correct':>12}")
+    print("calls/s: calls answered a second; right/s: calls scored right (1) a second")
+    print(f"{'side':32} {'calls/s':>9} {'right/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'correct':>12}")
     for side, r in results.items():
-        print(f"{LABELS[side]:32} {r.rate:9.1f} {r.pct(0.5):8.0f} {r.pct(0.99):8.0f} {f'{r.correct}/{r.calls}':>12}")
+        print(f"{LABELS[side]:32} {r.rate:9.1f} {r.good_rate:9.1f} {r.pct(0.5):8.0f} {r.pct(0.99):8.0f} "
+              f"{f'{r.correct}/{r.calls}':>12}")
     print()
 
     def ratio(a: str, b: str, target: str = "") -> None:
         if a in results and b in results:
-            print(f"{a}/{b}: {results[a].rate / results[b].rate:.2f}x calls/s{target}")
+            ra, rb = results[a], results[b]
+            good = f"{ra.good_rate / rb.good_rate:.2f}x" if rb.good_rate > 0 else "n/a (none scored right)"
+            print(f"{a}/{b}: {ra.rate / rb.rate:.2f}x calls/s, {good} right/s{target}")
 
     ratio("sandman", "floor", " (target >= 0.6)")
     ratio("sandman", "fusion-lite", " (target >= 8)")

@@ -95,15 +95,20 @@ def start(name: str, args: List[str]) -> Iterator[Fusion]:
         gen.close()
 
 
+#: The one-machine setting of docs/sandboxfusion.md: every call is a create, and the global create
+#: rate (a pace meant for a cluster's API server) would be the bottleneck.
+ONE_MACHINE = ["--create-rate", "0"]
+
+
 @pytest.fixture(scope="module")
 def fusion() -> Iterator[Fusion]:
-    yield from start("verl", [])
+    yield from start("verl", ONE_MACHINE)
 
 
 @pytest.fixture(scope="module")
 def saturated() -> Iterator[Fusion]:
     """A server that runs at most 4 calls at once: the others queue."""
-    yield from start("verl-saturated", ["--fusion-max-calls", "4"])
+    yield from start("verl-saturated", [*ONE_MACHINE, "--fusion-max-calls", "4"])
 
 
 # --- Solutions and what verl must score them ------------------------------------------------
@@ -191,9 +196,10 @@ def flight_call(i: int) -> Tuple[str, str, str, Any]:
     return ("import sys\nn = int(input())\nsys.exit(n % 7 + 1)", str(i), "", -2)
 
 
-def run_in_flight(url: str, calls: int) -> List[Tuple[int, Any, dict]]:
-    """`calls` calls through verl's `_process_single_case`, from IN_FLIGHT threads that all send
-    their first call at once (a barrier): IN_FLIGHT requests are in flight together."""
+def run_in_flight(url: str, calls: int, timeout: int = 10) -> List[Tuple[int, Any, dict]]:
+    """`calls` calls through verl's `_process_single_case` (per-case `timeout`, verl's default
+    10 s), from IN_FLIGHT threads that all send their first call at once (a barrier):
+    IN_FLIGHT requests are in flight together."""
     barrier = threading.Barrier(IN_FLIGHT)
     results: List[Optional[Tuple[int, Any, dict]]] = [None] * calls
 
@@ -201,7 +207,7 @@ def run_in_flight(url: str, calls: int) -> List[Tuple[int, Any, dict]]:
         barrier.wait()
         for i in range(t, calls, IN_FLIGHT):
             code, stdin, expected, _ = flight_call(i)
-            score, meta = verl._process_single_case(i, stdin, expected, url, code, 10, 1024, "python")
+            score, meta = verl._process_single_case(i, stdin, expected, url, code, timeout, 1024, "python")
             results[i] = (i, score, meta)
 
     with ThreadPoolExecutor(max_workers=IN_FLIGHT) as pool:
@@ -222,9 +228,13 @@ def test_256_calls_in_flight_none_lost(fusion: Fusion) -> None:
 
 
 def test_saturated_server_queues_256_calls_in_flight_none_scored_wrong(saturated: Fusion) -> None:
-    """At most 4 calls run at once; the rest wait in the server's queue and are answered in
-    turn (a 504 would be retried by verl, any other refusal would score -1 and fail here)."""
-    assert_all_scored_right(run_in_flight(saturated.run_code, 2 * IN_FLIGHT))
+    """At most 4 calls run at once; the other 252 wait in the server's queue and are answered in
+    turn. A call may wait up to its run_timeout before it answers 504, which verl retries (three
+    attempts, 1 s and 2 s apart); any other refusal would score -1 and fail here. verl's per-case
+    timeout (a setting of its reward config) is 30 s here rather than its default 10 s: the test
+    is of queueing, and the queue of one wave of 256 on a loaded machine must not run out of
+    verl's three attempts (about 3 x 30 s) for a reason of throughput."""
+    assert_all_scored_right(run_in_flight(saturated.run_code, IN_FLIGHT, timeout=30))
 
 
 def test_saturated_server_answers_504_only_past_the_calls_run_timeout(saturated: Fusion) -> None:
