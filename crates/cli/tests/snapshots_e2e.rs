@@ -222,14 +222,9 @@ async fn docker_provider_forks_share_a_committed_snapshot_and_keep_their_writes_
     // The image's own configuration, not the container's: the daemon is not its entry point.
     let listed = http.get(&format!("/v1/snapshots?job={job}")).await.ok();
     let snap_id = listed["snapshots"][0]["id"].as_str().unwrap().to_string();
-    let inspected = std::process::Command::new("docker")
-        .args(["image", "inspect", "--format", "{{json .Config.Entrypoint}} {{.Config.WorkingDir}}"])
-        .arg(format!("sandman-snapshot:{snap_id}"))
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&inspected.stdout).to_string();
-    assert!(!said.contains("sandmand"), "the snapshot's config is the container's: {said}");
-    assert!(said.contains("/work"), "the image's working directory is lost: {said}");
+    let child = http.create(json!({"image": format!("snapshot:{snap_id}"), "job": job})).await;
+    assert_eq!(child["image_config"]["workdir"], "/work", "the image's working directory is lost: {child}");
+    assert!(!child["image_config"].to_string().contains("sandmand"), "the container's config: {child}");
     the_jobs_end_takes_its_snapshots(&http, job).await;
     let gone = std::process::Command::new("docker")
         .args(["image", "inspect", &format!("sandman-snapshot:{snap_id}")])
