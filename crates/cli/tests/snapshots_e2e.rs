@@ -107,6 +107,21 @@ async fn forks_share_the_past_and_keep_their_own_future(http: &Http, image: &str
     all
 }
 
+/// The job's snapshot pushed to a registry as an image, and a sandbox started from that image:
+/// what another machine, or the kubernetes provider, would do.
+async fn an_exported_snapshot_runs_elsewhere(http: &Http, job: &str, registry: &Registry) {
+    let listed = http.get(&format!("/v1/snapshots?job={job}")).await.ok();
+    let snap_id = listed["snapshots"][0]["id"].as_str().unwrap().to_string();
+    let reference = registry.reference("snap/exported", "1");
+    let pushed = http.post(&format!("/v1/snapshots/{snap_id}/export"), json!({"reference": reference})).await.ok();
+    assert!(pushed["digest"].as_str().unwrap().starts_with("sha256:"), "{pushed}");
+    let elsewhere = http.create(json!({"image": reference})).await;
+    assert_eq!(elsewhere["state"], "ready", "{elsewhere}");
+    let id = elsewhere["id"].as_str().unwrap().to_string();
+    assert_eq!(stdout(http, &id, "cat /data/a.txt; ls /srv/old; test -e /srv/app/hello.txt || echo gone").await, "base\nfresh.txt\ngone\n");
+    http.release(&id).await.ok();
+}
+
 /// Listed, then gone with the job: a create from it is refused with `not_found`.
 async fn the_jobs_end_takes_its_snapshots(http: &Http, job: &str) {
     let listed = http.get(&format!("/v1/snapshots?job={job}")).await.ok();
@@ -144,6 +159,7 @@ async fn process_provider_forks_share_a_snapshot_layer_and_keep_their_writes_apa
         .unwrap_or_else(|| panic!("no snapshot image in the store: {images}"));
     assert_eq!(snap_image["sandboxes"], 4, "{snap_image}");
     assert_eq!(snap_image["layers"], 3, "the image's two layers and the snapshot's: {snap_image}");
+    an_exported_snapshot_runs_elsewhere(&http, "snap-e2e", &registry).await;
 
     the_jobs_end_takes_its_snapshots(&http, "snap-e2e").await;
     // With no sandbox left on it, the snapshot's image has left the store.
@@ -216,6 +232,7 @@ async fn docker_provider_forks_share_a_committed_snapshot_and_keep_their_writes_
     let prepared = http.post(&format!("/v1/sandboxes/{base_id}/snapshots"), json!({})).await.ok();
     let image = prepared["image"].as_str().unwrap().to_string();
     http.release(&base_id).await.ok();
+    let registry = Registry::start(Auth::Anonymous, dir.path());
 
     let job = "snap-e2e-docker";
     forks_share_the_past_and_keep_their_own_future(&http, &image, job).await;
@@ -225,6 +242,7 @@ async fn docker_provider_forks_share_a_committed_snapshot_and_keep_their_writes_
     let child = http.create(json!({"image": format!("snapshot:{snap_id}"), "job": job})).await;
     assert_eq!(child["image_config"]["workdir"], "/work", "the image's working directory is lost: {child}");
     assert!(!child["image_config"].to_string().contains("sandmand"), "the container's config: {child}");
+    an_exported_snapshot_runs_elsewhere(&http, job, &registry).await;
     the_jobs_end_takes_its_snapshots(&http, job).await;
     let gone = std::process::Command::new("docker")
         .args(["image", "inspect", &format!("sandman-snapshot:{snap_id}")])

@@ -509,6 +509,40 @@ impl ImageStore {
         pull::install(&self.inner, plan, Blobs::Local(Arc::new(blobs)), Progress::none()).await
     }
 
+    /// Pushes image `id` to `reference` (`registry/repository:tag`, with the credentials and
+    /// insecure registries of a pull): each layer written again as an uncompressed tar (so its
+    /// diff_id is what the pushed config says), the config with those diff_ids. The layers are
+    /// held in memory while they are pushed. Answers the pushed manifest's digest.
+    pub async fn push(&self, id: &str, reference: &str) -> Result<String, ImageError> {
+        let ImageSource::Registry { name, .. } = ImageSource::parse(reference)? else {
+            return Err(ImageError::Unsupported {
+                what: format!("pushing to `{reference}`"),
+                why: "an image can be pushed to a registry only: name one as registry/repository:tag".into(),
+            });
+        };
+        let dirs = self.layers_of(id).ok_or_else(|| ImageError::NotInStore(id.to_string()))?;
+        let config_bytes = self.config_bytes(id)?;
+        let written = blocking(move || {
+            let mut out = Vec::with_capacity(dirs.len());
+            for dir in dirs {
+                let mut tar = Vec::new();
+                let layer = write_layer(&dir, 0, &mut tar)?;
+                out.push((layer.digest, bytes::Bytes::from(tar)));
+            }
+            Ok(out)
+        })
+        .await?;
+        let what = format!("the config of image {id}");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&config_bytes).map_err(|e| ImageError::malformed(&what, e))?;
+        let diff_ids: Vec<serde_json::Value> = written.iter().map(|(d, _)| serde_json::Value::String(d.clone())).collect();
+        let rootfs = config.pointer_mut("/rootfs/diff_ids").ok_or_else(|| ImageError::malformed(&what, "it has no rootfs.diff_ids"))?;
+        *rootfs = serde_json::Value::Array(diff_ids);
+        let config = serde_json::to_vec(&config).map_err(|e| ImageError::malformed(&what, e))?;
+        let remote = self.inner.registries.connect(&name).await?;
+        remote.push(written.into_iter().map(|(_, b)| b).collect(), bytes::Bytes::from(config)).await
+    }
+
     /// The directories of image `id`'s layers, bottom first, with its config and manifest
     /// bytes: what an export pushes.
     pub fn layers_of(&self, id: &str) -> Option<Vec<PathBuf>> {

@@ -1126,6 +1126,10 @@ impl Provider for ProcessProvider {
         self.remove_snapshot(snapshot).await
     }
 
+    async fn export_snapshot(&self, snapshot: &str, reference: &str) -> Result<String, ProviderError> {
+        self.push_snapshot(snapshot, reference).await
+    }
+
     async fn applied(&self, id: &str) -> Result<Applied, ProviderError> {
         if check_id(id).is_err() {
             return Err(ProviderError::NotFound(id.to_string()));

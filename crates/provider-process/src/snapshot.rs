@@ -135,6 +135,24 @@ impl ProcessProvider {
     }
 }
 
+impl ProcessProvider {
+    /// `Provider::export_snapshot`: the snapshot's image (its image's layers and its own) pushed
+    /// from the store to `reference`, with the credentials of a pull.
+    pub(crate) async fn push_snapshot(&self, snapshot: &str, reference: &str) -> Result<String, ProviderError> {
+        check_snapshot_id(snapshot)?;
+        let (images, _) = self.store_and_use().await?;
+        let image = images
+            .store()
+            .find(&reference_of(snapshot))
+            .ok_or_else(|| ProviderError::NotFound(format!("snapshot `{snapshot}` in the image store")))?;
+        images
+            .store()
+            .push(&image.id, reference)
+            .await
+            .map_err(|e| ProviderError::Backend(format!("cannot push snapshot `{snapshot}` to `{reference}`: {e}")))
+    }
+}
+
 /// The daemon of an isolated sandbox: the child of the waiter the provider started.
 fn daemon_of(waiter: i32) -> Option<i32> {
     std::fs::read_to_string(format!("/proc/{waiter}/task/{waiter}/children"))
