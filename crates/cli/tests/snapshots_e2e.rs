@@ -118,7 +118,10 @@ async fn an_exported_snapshot_runs_elsewhere(http: &Http, job: &str, registry: &
     let elsewhere = http.create(json!({"image": reference})).await;
     assert_eq!(elsewhere["state"], "ready", "{elsewhere}");
     let id = elsewhere["id"].as_str().unwrap().to_string();
-    assert_eq!(stdout(http, &id, "cat /data/a.txt; ls /srv/old; test -e /srv/app/hello.txt || echo gone").await, "base\nfresh.txt\ngone\n");
+    assert_eq!(
+        stdout(http, &id, "cat /data/a.txt; ls /srv/old; test -e /srv/app/hello.txt || echo gone").await,
+        "base\nfresh.txt\ngone\n"
+    );
     http.release(&id).await.ok();
 }
 

@@ -535,8 +535,11 @@ impl ImageStore {
         let what = format!("the config of image {id}");
         let mut config: serde_json::Value =
             serde_json::from_slice(&config_bytes).map_err(|e| ImageError::malformed(&what, e))?;
-        let diff_ids: Vec<serde_json::Value> = written.iter().map(|(d, _)| serde_json::Value::String(d.clone())).collect();
-        let rootfs = config.pointer_mut("/rootfs/diff_ids").ok_or_else(|| ImageError::malformed(&what, "it has no rootfs.diff_ids"))?;
+        let diff_ids: Vec<serde_json::Value> =
+            written.iter().map(|(d, _)| serde_json::Value::String(d.clone())).collect();
+        let rootfs = config
+            .pointer_mut("/rootfs/diff_ids")
+            .ok_or_else(|| ImageError::malformed(&what, "it has no rootfs.diff_ids"))?;
         *rootfs = serde_json::Value::Array(diff_ids);
         let config = serde_json::to_vec(&config).map_err(|e| ImageError::malformed(&what, e))?;
         let remote = self.inner.registries.connect(&name).await?;
