@@ -310,6 +310,7 @@ mod tests {
         );
 
         let back = tmp.path().join("back");
+        std::fs::create_dir(&back).unwrap_or_else(|e| panic!("{e}"));
         unpack_plain(&tar, &back, &written.digest, &crate::Limits::default()).unwrap_or_else(|e| panic!("{e}"));
         let conf = std::fs::metadata(back.join("etc/app.conf")).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((conf.uid(), conf.gid(), conf.mode() & 0o7777, conf.nlink()), (1000, 1000, 0o640, 2));
