@@ -212,3 +212,79 @@ impl Service {
         Ok(Forked { snapshot, sandboxes })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use sandman_provider::Endpoint;
+    use sandman_provider::fake::FakeProvider;
+
+    use super::*;
+    use crate::provider::AnyProvider;
+    use crate::service::{Daemons, Settings};
+
+    fn service(dir: &std::path::Path) -> Arc<Service> {
+        let settings = Settings {
+            default_lease: Duration::from_secs(30),
+            max_ttl: None,
+            ready_timeout: Duration::from_secs(5),
+            create_rate: None,
+            daemons: Daemons::Absent,
+            ..Settings::new(dir.to_path_buf())
+        };
+        let provider = AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.join("nowhere.sock"))));
+        let s = Service::new(settings, provider, "t".into());
+        s.start_background();
+        s
+    }
+
+    fn fake(s: &Service) -> &FakeProvider {
+        match &s.provider {
+            AnyProvider::Fake(f) => f,
+            _ => unreachable!(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_fork_copies_the_sources_job_and_labels_and_its_snapshot_ends_with_the_job() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let s = service(dir.path());
+        let labels = BTreeMap::from([("role".to_string(), "source".to_string())]);
+        let req = CreateSandbox {
+            image: "img".into(),
+            job: Some("j".into()),
+            labels,
+            wait: true,
+            ..CreateSandbox::default()
+        };
+        let source = s.create(req).await.unwrap_or_else(|e| panic!("{e}"));
+
+        let bad = s.fork(&source.id, ForkRequest { count: 0, ..ForkRequest::default() }).await;
+        assert!(matches!(&bad, Err(ServerError::InvalidArgument(m)) if m.contains("`count`")), "{bad:?}");
+
+        let forked = s
+            .fork(&source.id, ForkRequest { count: 3, wait: true, ..ForkRequest::default() })
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(forked.sandboxes.len(), 3);
+        for kid in &forked.sandboxes {
+            assert_eq!((kid.job.as_deref(), kid.labels.get("role").map(String::as_str)), (Some("j"), Some("source")));
+            assert_eq!(kid.image, forked.snapshot.image);
+        }
+        assert_eq!(fake(&s).snapshots(), vec![forked.snapshot.id.clone()]);
+
+        // Unknown snapshots are refused before the provider is asked.
+        let missing = CreateSandbox { image: "snapshot:snap-none".into(), ..CreateSandbox::default() };
+        assert!(matches!(s.create(missing).await, Err(ServerError::NotFound(m)) if m.contains("snap-none")));
+
+        // Kept across a restart, then gone with the job.
+        let again = service(dir.path());
+        assert_eq!(again.snapshot_list(Some("j"), None).len(), 1);
+        s.delete_job("j").await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(s.snapshot_list(None, None).is_empty());
+        assert!(fake(&s).snapshots().is_empty());
+        assert!(matches!(s.snapshot_info(&forked.snapshot.id), Err(ServerError::NotFound(_))));
+    }
+}
