@@ -181,6 +181,10 @@ async fn the_cli_takes_lists_forks_from_and_removes_snapshots() {
     let http = server.client();
     let src = http.create(json!({"image": image})).await["id"].as_str().unwrap().to_string();
     sh(&http, &src, "echo from-cli > /srv/app/note.txt").await;
+    // The layer the daemon keeps open for snapshots is not the sandbox's to reach (its daemon is
+    // undumpable): above it are the image's layers, shared by other sandboxes.
+    let reach = "ls /proc/1/fd/999/ >/dev/null 2>&1 && echo reachable || echo unreachable";
+    assert_eq!(stdout(&http, &src, reach).await, "unreachable\n");
 
     let (code, out, err) = cli(&server, &["snapshot", "create", &src, "--name", "cli"]);
     assert_eq!(code, 0, "{out}{err}");
