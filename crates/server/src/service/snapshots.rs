@@ -225,7 +225,7 @@ mod tests {
     use crate::provider::AnyProvider;
     use crate::service::{Daemons, Settings};
 
-    fn service(dir: &std::path::Path) -> Arc<Service> {
+    fn service(dir: &Path) -> Arc<Service> {
         let settings = Settings {
             default_lease: Duration::from_secs(30),
             max_ttl: None,
