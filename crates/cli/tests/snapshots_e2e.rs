@@ -218,6 +218,25 @@ async fn the_cli_takes_lists_forks_from_and_removes_snapshots() {
     assert!(err["message"].as_str().unwrap().contains("host"), "{err}");
 }
 
+/// Removes, however the test ends, the engine's images it made: the snapshots (labelled with the
+/// server's owner, its docker state directory) and the exported image the engine pulled.
+struct EngineImages {
+    owner: std::path::PathBuf,
+    pulled: String,
+}
+
+impl Drop for EngineImages {
+    fn drop(&mut self) {
+        let label = format!("label=sandman.dev/owner={}", self.owner.display());
+        let listed = std::process::Command::new("docker").args(["images", "-q", "--filter", &label]).output();
+        let mut images: Vec<String> = listed
+            .map(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default();
+        images.push(self.pulled.clone());
+        let _ = std::process::Command::new("docker").args(["image", "rm", "-f"]).args(&images).output();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docker_provider_forks_share_a_committed_snapshot_and_keep_their_writes_apart() {
     require_docker();
@@ -240,6 +259,10 @@ async fn docker_provider_forks_share_a_committed_snapshot_and_keep_their_writes_
     let image = prepared["image"].as_str().unwrap().to_string();
     http.release(&base_id).await.ok();
     let registry = Registry::start(Auth::Anonymous, dir.path());
+    let _images = EngineImages {
+        owner: std::fs::canonicalize(&state).unwrap().join("docker"),
+        pulled: registry.reference("snap/exported", "1"),
+    };
 
     let job = "snap-e2e-docker";
     forks_share_the_past_and_keep_their_own_future(&http, &image, job).await;
