@@ -75,9 +75,13 @@ from .models import (
     Usage,
     Verification,
 )
+from .snapshots import Snapshot, snapshot_image
 
 __all__ = [
     "__version__",
+    # snapshots
+    "Snapshot",
+    "snapshot_image",
     # clients
     "Sandman",
     "Sandbox",

@@ -73,6 +73,11 @@ pub enum Command {
     /// Run a command in fresh sandboxes of one spec and report whether the results agree: exits
     /// 0 when every run gave the same exit status, stdout and stderr, 1 when not.
     Determinism(DeterminismCmd),
+    /// Snapshots of sandboxes' files: create (print the id), ls, get, rm, export. A create of
+    /// image `snapshot:<id>` starts from one; processes are not kept.
+    Snapshot(crate::snapshots::SnapshotCmd),
+    /// Snapshot a sandbox and start `-n` new sandboxes from it, printing their ids.
+    Fork(crate::snapshots::ForkCmd),
 }
 
 /// A sandbox's resources (shared by creates and pools).

@@ -17,6 +17,7 @@ mod procs;
 mod report;
 mod sandboxes;
 mod serve;
+mod snapshots;
 mod tty;
 
 use std::process::ExitCode;
@@ -71,6 +72,8 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Conditions(cmd) => eval::conditions(&connect(&cmd.conn)?, cmd).await,
         Command::Verify(cmd) => eval::verify(cmd).await,
         Command::Determinism(cmd) => eval::determinism(&connect(&cmd.conn)?, cmd).await,
+        Command::Snapshot(cmd) => snapshots::snapshot(&connect(&cmd.conn)?, cmd).await,
+        Command::Fork(cmd) => snapshots::fork(&connect(&cmd.conn)?, cmd).await,
     }
 }
 

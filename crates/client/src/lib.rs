@@ -21,6 +21,7 @@ mod client;
 pub mod env;
 mod error;
 mod sandbox;
+mod snapshots;
 
 pub use body::{ByteStream, MAX_LINE_BYTES, NdjsonStream, UploadBody};
 pub use client::Client;

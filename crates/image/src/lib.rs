@@ -14,6 +14,7 @@ mod auth;
 mod engine;
 mod error;
 mod flight;
+pub mod layer;
 mod manifest;
 mod pull;
 pub mod reference;
@@ -27,6 +28,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 pub use error::ImageError;
+pub use layer::{LayerWritten, write_layer};
 pub use reference::{DockerRef, ImageSource};
 use sandman_wire::server::ImageConfig;
 
@@ -410,6 +412,150 @@ impl ImageStore {
     /// under its `max_size`, then every layer and blob no remaining image uses.
     pub fn prune(&self, in_use: &InUse) -> Result<Pruned, ImageError> {
         self.inner.disk.prune(self.inner.max_size, in_use)
+    }
+}
+
+impl ImageStore {
+    /// The image `reference` names in the store's tag index, if any: nothing is pulled.
+    pub fn find(&self, reference: &str) -> Option<Image> {
+        let canonical = ImageSource::parse(reference).ok()?.canonical();
+        self.inner.disk.by_reference(&canonical)
+    }
+
+    /// A path in the store's `tmp/` (on the store's file system) to write a layer to before
+    /// [`ImageStore::commit`]; the caller removes it.
+    pub fn spool_path(&self, prefix: &str) -> PathBuf {
+        self.inner.disk.spool_path(prefix)
+    }
+
+    /// Adds an image made of image `base`'s layers and one more, the uncompressed layer tar at
+    /// `layer` ([`write_layer`] wrote it and says its digest), with `base`'s config (its
+    /// `rootfs` and history grown by the layer), under `reference`. The layer is unpacked into
+    /// the store as any pulled layer is, and shared read-only by every sandbox of the image.
+    pub async fn commit(
+        &self,
+        base: &str,
+        layer: &Path,
+        written: &LayerWritten,
+        reference: &str,
+        created_by: &str,
+    ) -> Result<Image, ImageError> {
+        let canonical = ImageSource::parse(reference)?.canonical();
+        let disk = self.inner.disk.clone();
+        let base_id = base.to_string();
+        let (record, config_bytes, manifest_bytes) = blocking(move || {
+            let record = disk.image_record(&base_id).ok_or_else(|| ImageError::NotInStore(base_id.clone()))?;
+            let config = disk.read_blob(&record.id)?;
+            let manifest = disk.read_blob(&record.manifest_digest).unwrap_or_default();
+            Ok((record, config, manifest))
+        })
+        .await?;
+        let what = format!("the config of image {base}");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&config_bytes).map_err(|e| ImageError::malformed(&what, e))?;
+        let diff_ids = config
+            .pointer_mut("/rootfs/diff_ids")
+            .and_then(|d| d.as_array_mut())
+            .ok_or_else(|| ImageError::malformed(&what, "it has no rootfs.diff_ids"))?;
+        diff_ids.push(serde_json::Value::String(written.digest.clone()));
+        if let Some(history) = config.get_mut("history").and_then(|h| h.as_array_mut()) {
+            history.push(serde_json::json!({ "created_by": created_by, "comment": "sandman snapshot" }));
+        }
+        let config_bytes = serde_json::to_vec(&config).map_err(|e| ImageError::malformed(&what, e))?;
+        let config_digest = manifest::digest_of(&config_bytes);
+        let parsed = manifest::Config::parse(&config_bytes, &what)?;
+        let mut layers: Vec<serde_json::Value> = serde_json::from_slice::<serde_json::Value>(&manifest_bytes)
+            .ok()
+            .and_then(|m| m.get("layers").and_then(|l| l.as_array()).cloned())
+            .unwrap_or_default();
+        layers.push(serde_json::json!({
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+            "digest": written.digest,
+            "size": written.size,
+        }));
+        let manifest_bytes = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": manifest::OCI_MANIFEST,
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": config_digest,
+                "size": config_bytes.len(),
+            },
+            "layers": layers,
+        }))
+        .map_err(|e| ImageError::malformed("a snapshot's manifest", e))?;
+        let mut planned: Vec<pull::PlannedLayer> = record
+            .layers
+            .iter()
+            .map(|diff_id| pull::PlannedLayer { diff_id: diff_id.clone(), blob: None, descriptor: None })
+            .collect();
+        planned.push(pull::PlannedLayer {
+            diff_id: written.digest.clone(),
+            blob: Some((written.digest.clone(), written.size)),
+            descriptor: None,
+        });
+        // The base's layers are in the store (and pinned by the install): only the last is read.
+        let at = archive::BlobAt { path: layer.to_path_buf(), offset: 0, len: written.size };
+        let blobs = vec![at; planned.len()];
+        let plan = pull::Plan {
+            reference: canonical,
+            manifest_digest: manifest::digest_of(&manifest_bytes),
+            manifest_bytes,
+            config_digest,
+            config_bytes,
+            config: parsed,
+            layers: planned,
+        };
+        pull::install(&self.inner, plan, Blobs::Local(Arc::new(blobs)), Progress::none()).await
+    }
+
+    /// Pushes image `id` to `reference` (`registry/repository:tag`, with the credentials and
+    /// insecure registries of a pull): each layer written again as an uncompressed tar (so its
+    /// diff_id is what the pushed config says), the config with those diff_ids. The layers are
+    /// held in memory while they are pushed. Answers the pushed manifest's digest.
+    pub async fn push(&self, id: &str, reference: &str) -> Result<String, ImageError> {
+        let ImageSource::Registry { name, .. } = ImageSource::parse(reference)? else {
+            return Err(ImageError::Unsupported {
+                what: format!("pushing to `{reference}`"),
+                why: "an image can be pushed to a registry only: name one as registry/repository:tag".into(),
+            });
+        };
+        let dirs = self.layers_of(id).ok_or_else(|| ImageError::NotInStore(id.to_string()))?;
+        let config_bytes = self.config_bytes(id)?;
+        let written = blocking(move || {
+            let mut out = Vec::with_capacity(dirs.len());
+            for dir in dirs {
+                let mut tar = Vec::new();
+                let layer = write_layer(&dir, 0, &mut tar)?;
+                out.push((layer.digest, bytes::Bytes::from(tar)));
+            }
+            Ok(out)
+        })
+        .await?;
+        let what = format!("the config of image {id}");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&config_bytes).map_err(|e| ImageError::malformed(&what, e))?;
+        let diff_ids: Vec<serde_json::Value> =
+            written.iter().map(|(d, _)| serde_json::Value::String(d.clone())).collect();
+        let rootfs = config
+            .pointer_mut("/rootfs/diff_ids")
+            .ok_or_else(|| ImageError::malformed(&what, "it has no rootfs.diff_ids"))?;
+        *rootfs = serde_json::Value::Array(diff_ids);
+        let config = serde_json::to_vec(&config).map_err(|e| ImageError::malformed(&what, e))?;
+        let remote = self.inner.registries.connect(&name).await?;
+        remote.push(written.into_iter().map(|(_, b)| b).collect(), bytes::Bytes::from(config)).await
+    }
+
+    /// The directories of image `id`'s layers, bottom first, with its config and manifest
+    /// bytes: what an export pushes.
+    pub fn layers_of(&self, id: &str) -> Option<Vec<PathBuf>> {
+        let record = self.inner.disk.image_record(id)?;
+        Some(record.layers.iter().map(|l| self.inner.disk.layer_fs(l)).collect())
+    }
+
+    /// The config bytes of image `id`.
+    pub fn config_bytes(&self, id: &str) -> Result<Vec<u8>, ImageError> {
+        self.inner.disk.read_blob(id)
     }
 }
 

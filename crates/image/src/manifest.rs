@@ -285,6 +285,13 @@ pub(crate) fn hex_of(digest: &str) -> &str {
     digest.strip_prefix("sha256:").unwrap_or(digest)
 }
 
+/// The digest (`sha256:…`) of `bytes`.
+pub(crate) fn digest_of(bytes: &[u8]) -> String {
+    let mut h = Hasher::new();
+    h.update(bytes);
+    h.finish()
+}
+
 /// A SHA-256 computed as bytes pass.
 pub(crate) struct Hasher(ring::digest::Context);
 

@@ -99,6 +99,24 @@ impl Registries {
 }
 
 impl Remote {
+    /// Pushes an image whose layers (uncompressed tars) and config are in memory under this
+    /// remote's reference; answers the manifest's digest as the registry has it.
+    pub(crate) async fn push(&self, layers: Vec<Bytes>, config: Bytes) -> Result<String, ImageError> {
+        let reference = self.name.to_oci();
+        let layers: Vec<oci_client::client::ImageLayer> =
+            layers.into_iter().map(|data| oci_client::client::ImageLayer::oci_v1(data, None)).collect();
+        let config = oci_client::client::Config::new(config, "application/vnd.oci.image.config.v1+json".into(), None);
+        if let Err(e) = self.client.push(&reference, &layers, config, &self.auth, None).await {
+            return Err(self.error("pushing", e).await);
+        }
+        match self.client.fetch_manifest_digest(&reference, &self.auth).await {
+            Ok(digest) => Ok(digest),
+            Err(e) => Err(self.error("reading the pushed manifest's digest", e).await),
+        }
+    }
+}
+
+impl Remote {
     fn registry(&self) -> String {
         format!("registry {}", self.name.registry())
     }

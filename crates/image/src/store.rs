@@ -334,6 +334,17 @@ impl Disk {
         self.write_atomic(&self.root.join("images").join(format!("{}.json", hex_of(&record.id))), &json)
     }
 
+    /// The record of image `id` (its manifest's digest and its layers' diff_ids).
+    pub(crate) fn image_record(&self, id: &str) -> Option<ImageRecord> {
+        self.state().images.get(id).cloned()
+    }
+
+    /// A manifest or config the store keeps, by digest.
+    pub(crate) fn read_blob(&self, digest: &str) -> Result<Vec<u8>, ImageError> {
+        let path = self.blob_path(digest);
+        fs::read(&path).map_err(|e| ImageError::io(format!("cannot read {}", path.display()), e))
+    }
+
     /// The image a reference names in the tag index.
     pub(crate) fn by_reference(&self, reference: &str) -> Option<Image> {
         let state = self.state();

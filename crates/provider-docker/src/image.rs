@@ -48,10 +48,15 @@ impl Pinned {
 }
 
 /// What the sandbox's info shows of an image's configuration; empty strings and lists are "not
-/// set".
+/// set". An entry point that is the daemon's (a snapshot of an image that named neither an entry
+/// point nor a command: `docker commit` fills them from the container) is not the image's: none.
 pub fn config_of(c: &ImageConfig) -> sandman_wire::server::ImageConfig {
     let text = |s: &Option<String>| s.clone().filter(|s| !s.is_empty());
-    let list = |l: &Option<Vec<String>>| l.clone().filter(|l| !l.is_empty());
+    let daemons = c
+        .entrypoint
+        .as_ref()
+        .is_some_and(|e| e.first().map(String::as_str) == Some(crate::container::DAEMON_IN_CONTAINER));
+    let list = |l: &Option<Vec<String>>| l.clone().filter(|l| !l.is_empty() && !daemons);
     sandman_wire::server::ImageConfig {
         user: text(&c.user),
         workdir: text(&c.working_dir),

@@ -15,6 +15,7 @@ mod elf;
 mod hostdir;
 mod image;
 mod network;
+pub mod snapshot;
 mod watch;
 
 use std::collections::HashSet;
@@ -275,7 +276,10 @@ impl DockerProvider {
 
     async fn make(&self, spec: &SandboxSpec, limits: container::Limits, dir: &HostDir) -> Result<(), ProviderError> {
         let reporter = image::Reporter { id: &spec.id, tx: &self.progress_tx };
-        let pinned = image::ensure(&self.docker, &spec.image, self.config.pull_stall, Some(reporter)).await?;
+        // A snapshot's image is on the engine or nowhere: never pulled.
+        self.check_snapshot_image(&spec.image).await?;
+        let engine_image = snapshot::engine_image(&spec.image).unwrap_or_else(|| spec.image.clone());
+        let pinned = image::ensure(&self.docker, &engine_image, self.config.pull_stall, Some(reporter)).await?;
         let prepared = {
             let (dir, token) = (dir.clone(), spec.token.clone());
             tokio::task::spawn_blocking(move || dir.prepare(&token)).await
@@ -539,6 +543,18 @@ impl Provider for DockerProvider {
             None => Vec::new(),
         };
         Ok(container::applied_of(&found, &digests, self.cgroup_version.as_deref()))
+    }
+
+    async fn snapshot(&self, id: &str, snapshot: &str) -> Result<sandman_provider::SnapshotMade, ProviderError> {
+        self.take_snapshot(id, snapshot).await
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> Result<(), ProviderError> {
+        self.remove_snapshot(snapshot).await
+    }
+
+    async fn export_snapshot(&self, snapshot: &str, reference: &str) -> Result<String, ProviderError> {
+        self.push_snapshot(snapshot, reference).await
     }
 
     /// The configuration of the image the container was made from (by its ID): its `USER`,

@@ -539,9 +539,19 @@ impl Drop for Creating<'_> {
     }
 }
 
+/// Why the kubernetes provider refuses snapshots and forks.
+pub const SNAPSHOT_REFUSED: &str = "the kubernetes provider cannot snapshot a sandbox: a pod's file system belongs to its node's container runtime, which the Kubernetes API cannot commit into an image; take snapshots on the process or docker provider and export them to a registry (POST /v1/snapshots/{id}/export) that the cluster pulls from";
+
 impl Provider for KubeProvider {
     fn name(&self) -> &'static str {
         "kubernetes"
+    }
+
+    /// Refused at once: a pod's files are in its node's container runtime, which neither the
+    /// API server nor the daemon can commit into an image.
+    async fn snapshot(&self, id: &str, snapshot: &str) -> Result<sandman_provider::SnapshotMade, ProviderError> {
+        let _ = (id, snapshot);
+        Err(ProviderError::Unsupported(SNAPSHOT_REFUSED.into()))
     }
 
     fn isolation(&self) -> sandman_wire::server::Isolation {

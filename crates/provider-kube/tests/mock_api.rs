@@ -1579,3 +1579,17 @@ async fn a_pod_write_keeps_nothing_of_the_pod_while_it_waits() {
     let post = mock.writes().into_iter().find(|w| w.method == "POST").unwrap();
     assert!(post.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadata;")), "{:?}", post.accept);
 }
+
+/// A snapshot (and so a fork) is refused at once, naming the provider and why, and asks the API
+/// server nothing.
+#[tokio::test]
+async fn a_snapshot_is_refused_at_once_naming_the_provider_and_the_reason() {
+    let watches = Arc::new(Mutex::new(Watches::default()));
+    let (client, api) = scripted(watches);
+    let p = provider(client);
+    let before = api.seen().len();
+    let refused = p.snapshot("sb-1", "snap-1").await.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(refused.starts_with("the kubernetes provider cannot snapshot a sandbox: "), "{refused}");
+    assert!(refused.contains("container runtime"), "{refused}");
+    assert_eq!(api.seen().len(), before, "the refusal asked the API server");
+}

@@ -19,6 +19,7 @@ mod layout;
 pub mod net;
 mod procs;
 pub mod room;
+pub mod snapshot;
 mod spawner;
 mod sys;
 mod template;
@@ -738,7 +739,18 @@ impl ProcessProvider {
     async fn resolve_image(&self, spec: &SandboxSpec) -> Result<Option<image::SandboxImage>, ProviderError> {
         let Some(images) = self.images.as_ref().filter(|_| spec.image != HOST_IMAGE) else { return Ok(None) };
         let images = images.get().await?;
-        let (resolved, pulled) = images.resolve(&spec.id, &spec.image, &self.progress_tx).await?;
+        // A snapshot's image is in the store or nowhere: nothing is pulled for it.
+        let snapshot = snapshot::store_reference(&spec.image);
+        if let Some(reference) = &snapshot
+            && images.store().find(reference).is_none()
+        {
+            return Err(ProviderError::Failed {
+                reason: Reason::ImagePullFailed,
+                message: format!("`{}`: no such snapshot in the image store", spec.image),
+            });
+        }
+        let reference = snapshot.map_or_else(|| spec.image.clone(), |r| format!("docker://{r}"));
+        let (resolved, pulled) = images.resolve(&spec.id, &reference, &self.progress_tx).await?;
         if pulled {
             let (images, sandboxes) = (images.clone(), self.sandboxes.clone());
             let creating: Vec<String> = {
@@ -1106,6 +1118,18 @@ impl Provider for ProcessProvider {
 
     /// Read back from the sandbox's cgroup files (eval), the daemon's namespaces (`/proc`), and
     /// the environment and rlimits the provider gave its daemon.
+    async fn snapshot(&self, id: &str, snapshot: &str) -> Result<sandman_provider::SnapshotMade, ProviderError> {
+        self.take_snapshot(id, snapshot).await
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> Result<(), ProviderError> {
+        self.remove_snapshot(snapshot).await
+    }
+
+    async fn export_snapshot(&self, snapshot: &str, reference: &str) -> Result<String, ProviderError> {
+        self.push_snapshot(snapshot, reference).await
+    }
+
     async fn applied(&self, id: &str) -> Result<Applied, ProviderError> {
         if check_id(id).is_err() {
             return Err(ProviderError::NotFound(id.to_string()));

@@ -42,6 +42,8 @@ pub struct FakeProvider {
     create_delay: Mutex<std::time::Duration>,
     /// What [`Provider::proves_daemon`] answers (see [`FakeProvider::set_proves_daemon`]).
     proves_daemon: AtomicBool,
+    /// The snapshots taken, each with the image of the sandbox it was taken of.
+    snapshots: Mutex<BTreeMap<String, String>>,
 }
 
 /// Where the fake's sandboxes answer.
@@ -90,6 +92,7 @@ impl FakeProvider {
             elsewhere: Mutex::default(),
             create_delay: Mutex::default(),
             proves_daemon: AtomicBool::new(false),
+            snapshots: Mutex::default(),
         }
     }
 
@@ -154,6 +157,11 @@ impl FakeProvider {
     pub fn count(&self) -> usize {
         self.records.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
+
+    /// The snapshots the fake holds.
+    pub fn snapshots(&self) -> Vec<String> {
+        self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).keys().cloned().collect()
+    }
 }
 
 impl Provider for FakeProvider {
@@ -175,6 +183,14 @@ impl Provider for FakeProvider {
             return Err(ProviderError::Failed {
                 reason: Reason::ImagePullFailed,
                 message: format!("pull access denied for {}", spec.image),
+            });
+        }
+        if let Some(snapshot) = sandman_wire::snapshots::snapshot_of_image(&spec.image)
+            && !self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).contains_key(snapshot)
+        {
+            return Err(ProviderError::Failed {
+                reason: Reason::ImagePullFailed,
+                message: format!("the fake holds no snapshot `{snapshot}`"),
             });
         }
         let delay = *self.create_delay.lock().unwrap_or_else(PoisonError::into_inner);
@@ -262,6 +278,20 @@ impl Provider for FakeProvider {
             return Err(ProviderError::Claimed(format!("`{id}` is claimed already")));
         }
         record.claim = Some(claim.clone());
+        Ok(())
+    }
+
+    async fn snapshot(&self, id: &str, snapshot: &str) -> Result<crate::SnapshotMade, ProviderError> {
+        let image = match self.records.lock().unwrap_or_else(PoisonError::into_inner).get(id) {
+            Some(r) => r.spec.image.clone(),
+            None => return Err(ProviderError::NotFound(id.to_string())),
+        };
+        self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).insert(snapshot.to_string(), image);
+        Ok(crate::SnapshotMade { size: Some(0) })
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> Result<(), ProviderError> {
+        self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).remove(snapshot);
         Ok(())
     }
 }

@@ -205,6 +205,13 @@ pub struct Prepared {
     pub nodes_total: u32,
 }
 
+/// What a provider made of a snapshot ([`Provider::snapshot`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SnapshotMade {
+    /// Bytes of the snapshot's own layer (the sandbox's changes), where the provider knows them.
+    pub size: Option<u64>,
+}
+
 /// Why a provider call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
@@ -342,6 +349,35 @@ pub trait Provider: Send + Sync {
     fn claim(&self, claim: &Claim) -> impl Future<Output = Result<(), ProviderError>> + Send {
         let _ = claim;
         async { Ok(()) }
+    }
+
+    /// Records sandbox `id`'s files as they are now under `snapshot` (its changes over its
+    /// image, as one more layer of that image, with the image's configuration), so that a
+    /// create whose image is `snapshot:<snapshot>` starts with them. Processes are not kept.
+    /// The default refuses, naming the provider.
+    fn snapshot(&self, id: &str, snapshot: &str) -> impl Future<Output = Result<SnapshotMade, ProviderError>> + Send {
+        let _ = (id, snapshot);
+        let name = self.name();
+        async move { Err(ProviderError::Unsupported(format!("the {name} provider cannot snapshot a sandbox"))) }
+    }
+
+    /// Removes `snapshot`; sandboxes started from it keep running. Removing one that is gone
+    /// already is fine.
+    fn delete_snapshot(&self, snapshot: &str) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = snapshot;
+        async { Ok(()) }
+    }
+
+    /// Pushes `snapshot` as an image to `reference` (`registry/repository:tag`), so that other
+    /// machines and providers can start from it; answers the manifest's digest.
+    fn export_snapshot(
+        &self,
+        snapshot: &str,
+        reference: &str,
+    ) -> impl Future<Output = Result<String, ProviderError>> + Send {
+        let _ = (snapshot, reference);
+        let name = self.name();
+        async move { Err(ProviderError::Unsupported(format!("the {name} provider cannot export a snapshot"))) }
     }
 }
 

@@ -427,6 +427,9 @@ fn assemble(iso: &Isolation, host: &Path, userns: BorrowedFd<'_>) -> Result<Path
         prep("make the layer's directories", dir, std::fs::create_dir(dir))?;
     }
     prep("own the writable layer", &upper, ns::lchown(&upper, iso.ids, iso.ids))?;
+    // Kept open for the daemon's life: a snapshot reads the layer through it (the tmpfs is in
+    // no mount the host sees, and in none of the sandbox's once its root is switched).
+    prep("keep the writable layer open", &upper, ns::keep_dir_at(&upper, sandman_wire::snapshots::LAYER_FD))?;
     let image = !iso.lower.is_empty();
     if !image {
         // An image has nothing of the host's to hide.

@@ -47,6 +47,13 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("DELETE", "/v1/sandboxes/{id}"),
     ("POST", "/v1/sandboxes/{id}/keepalive"),
     ("GET", "/v1/sandboxes/{id}/conditions"),
+    ("POST", "/v1/sandboxes/{id}/snapshots"),
+    ("GET", "/v1/sandboxes/{id}/snapshots"),
+    ("POST", "/v1/sandboxes/{id}/fork"),
+    ("GET", "/v1/snapshots"),
+    ("GET", "/v1/snapshots/{snapshot}"),
+    ("DELETE", "/v1/snapshots/{snapshot}"),
+    ("POST", "/v1/snapshots/{snapshot}/export"),
     ("ANY", "/v1/sandboxes/{id}/{*call}"),
     ("PUT", "/v1/jobs/{job}"),
     ("GET", "/v1/jobs/{job}"),
@@ -85,6 +92,7 @@ pub fn router_with(service: Arc<Service>, limits: Limits, fusion: crate::fusion:
         .route("/v1/sandboxes/{id}", get(get_one).delete(release))
         .route("/v1/sandboxes/{id}/keepalive", post(keepalive))
         .route("/v1/sandboxes/{id}/conditions", get(conditions))
+        .merge(crate::snapshots_api::routes())
         .route("/v1/jobs/{job}", get(get_job).put(put_job).delete(delete_job))
         .route("/v1/jobs/{job}/heartbeat", post(heartbeat))
         .route("/v1/jobs/{job}/usage", get(job_usage))

@@ -21,6 +21,7 @@ pub mod provider;
 pub mod proxy;
 pub mod sandbox;
 pub mod service;
+pub mod snapshots_api;
 mod sys;
 pub mod ui;
 

@@ -4,6 +4,7 @@
 use sandman_provider::fake::FakeProvider;
 use sandman_provider::{
     Claim, Endpoint, NodeProgress, Prepared, Progress, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
+    SnapshotMade,
 };
 use sandman_provider_docker::DockerProvider;
 use sandman_provider_kube::KubeProvider;
@@ -152,6 +153,33 @@ impl Provider for AnyProvider {
             AnyProvider::Docker(p) => p.claim(claim).await,
             AnyProvider::Kube(p) => p.claim(claim).await,
             AnyProvider::Fake(p) => p.claim(claim).await,
+        }
+    }
+
+    async fn snapshot(&self, id: &str, snapshot: &str) -> Result<SnapshotMade, ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.snapshot(id, snapshot).await,
+            AnyProvider::Docker(p) => p.snapshot(id, snapshot).await,
+            AnyProvider::Kube(p) => p.snapshot(id, snapshot).await,
+            AnyProvider::Fake(p) => p.snapshot(id, snapshot).await,
+        }
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.delete_snapshot(snapshot).await,
+            AnyProvider::Docker(p) => p.delete_snapshot(snapshot).await,
+            AnyProvider::Kube(p) => p.delete_snapshot(snapshot).await,
+            AnyProvider::Fake(p) => p.delete_snapshot(snapshot).await,
+        }
+    }
+
+    async fn export_snapshot(&self, snapshot: &str, reference: &str) -> Result<String, ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.export_snapshot(snapshot, reference).await,
+            AnyProvider::Docker(p) => p.export_snapshot(snapshot, reference).await,
+            AnyProvider::Kube(p) => p.export_snapshot(snapshot, reference).await,
+            AnyProvider::Fake(p) => p.export_snapshot(snapshot, reference).await,
         }
     }
 }

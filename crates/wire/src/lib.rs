@@ -10,6 +10,7 @@ pub mod daemon;
 pub mod error;
 pub mod mode;
 pub mod server;
+pub mod snapshots;
 pub mod state_dir;
 
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};

@@ -37,7 +37,7 @@ from typing import (
 
 import httpx
 
-from .. import _core, errors
+from .. import _core, errors, snapshots as _snapshots
 from .._core import Call, Command
 from ..models import (
     DaemonInfo,
@@ -64,6 +64,7 @@ from ..models import (
     SignedConditions,
     Verification,
 )
+from ..snapshots import Snapshot
 from . import _rt
 
 T = TypeVar("T")
@@ -287,6 +288,26 @@ class AsyncSandman:
         """`GET /v1/jobs/{name}/usage`: what the job's ended sandboxes used (sandbox and CPU
         seconds, peak memory, counts by reason), and how many are alive now."""
         return JobUsage.from_dict(await self._json(_core.job_usage_call(name)))
+
+    # ---- snapshots ----
+
+    async def snapshots(self, *, job: Optional[str] = None) -> List[Snapshot]:
+        """`GET /v1/snapshots`: the snapshots the server holds (of `job` only), oldest first."""
+        return _snapshots.snapshots_of(await self._json(_snapshots.list_call(job)))
+
+    async def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        """`GET /v1/snapshots/{id}`."""
+        return Snapshot.from_dict(await self._json(_snapshots.get_call(snapshot_id)))
+
+    async def delete_snapshot(self, snapshot_id: str) -> Snapshot:
+        """`DELETE /v1/snapshots/{id}`: the sandboxes started from it keep running."""
+        return Snapshot.from_dict(await self._json(_snapshots.delete_call(snapshot_id)))
+
+    async def export_snapshot(self, snapshot_id: str, reference: str) -> str:
+        """Pushes a snapshot as an image to `reference` (`registry/repository:tag`), so that other
+        machines and providers can run it; answers the pushed manifest's digest."""
+        body = await self._json(_snapshots.export_call(snapshot_id, reference))
+        return str(body["digest"])
 
     # ---- warm pools ----
 
@@ -551,6 +572,8 @@ class AsyncSandbox:
         self.id = sandbox_id
         #: The record as last seen (by `create`, `refresh`, `keepalive` or `release`).
         self.info = info
+        #: The snapshot this sandbox was forked from, when `fork()` made it.
+        self.snapshot_of: Optional[Snapshot] = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.id!r})"
@@ -598,6 +621,52 @@ class AsyncSandbox:
         return await self.client.conditions(self.id)
 
     # ---- commands ----
+
+    async def snapshot(self, *, name: Optional[str] = None) -> Snapshot:
+        """Records the sandbox's files as they are now (not its processes) as a snapshot, kept until
+        deleted or its job is; start sandboxes from it with `create(snapshot.image)`."""
+        return Snapshot.from_dict(await self.client._json(_snapshots.take_call(self.id, name)))
+
+    async def fork(
+        self,
+        count: int = 1,
+        *,
+        name: Optional[str] = None,
+        job: Optional[str] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        resources: Optional[Mapping[str, Any]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        lease: Optional[int] = None,
+        ttl: Optional[int] = None,
+        idle_timeout: Optional[int] = None,
+        wait: bool = True,
+        wait_timeout: Optional[int] = None,
+    ) -> "List[AsyncSandbox]":
+        """A snapshot of this sandbox and `count` new sandboxes from it, in one call: each starts
+        with this one's files (not its processes), and writes its own. The children get this
+        sandbox's job, labels, resources, environment (with `env` added), lease and user unless
+        given. The snapshot is each child's `snapshot_of` (delete it when done, or let the job's
+        end delete it)."""
+        call = _snapshots.fork_call(
+            self.id,
+            count,
+            name=name,
+            job=job,
+            labels=labels,
+            resources=resources,
+            env=env,
+            lease=lease,
+            ttl=ttl,
+            idle_timeout=idle_timeout,
+            wait=wait,
+            wait_timeout=wait_timeout,
+        )
+        body = await self.client._json(call)
+        snapshot = Snapshot.from_dict(body["snapshot"])
+        children = [AsyncSandbox(self.client, d["id"], SandboxInfo.from_dict(d)) for d in body.get("sandboxes", [])]
+        for child in children:
+            child.snapshot_of = snapshot
+        return children
 
     async def exec(
         self,

@@ -221,6 +221,27 @@ pub fn lchown(path: &Path, uid: u32, gid: u32) -> io::Result<()> {
     std::os::unix::fs::lchown(path, Some(uid), Some(gid))
 }
 
+/// Opens the directory `path` and keeps it open at descriptor `at` (close-on-exec) for the rest of
+/// the process's life, replacing whatever `at` was.
+pub fn keep_dir_at(path: &Path, at: i32) -> io::Result<()> {
+    use std::os::fd::IntoRawFd;
+    let dir = std::fs::File::open(path)?;
+    if !dir.metadata()?.is_dir() {
+        return Err(io::Error::from_raw_os_error(libc::ENOTDIR));
+    }
+    let fd = dir.into_raw_fd();
+    if fd == at {
+        return Ok(());
+    }
+    // SAFETY: `fd` is a descriptor this function owns (just opened) and `at` a number; dup3 makes
+    // `at` a copy of it, then `fd` is closed and never used again.
+    let duped = unsafe { libc::dup3(fd, at, libc::O_CLOEXEC) };
+    let err = io::Error::last_os_error();
+    // SAFETY: as above, `fd` is owned here and not used after.
+    unsafe { libc::close(fd) };
+    if duped < 0 { Err(err) } else { Ok(()) }
+}
+
 /// Makes an overlay whiteout at `path`: a character device numbered 0/0, which an overlay's upper
 /// layer holds in place of a lower layer's file or directory to say it is not there.
 pub fn whiteout(path: &Path) -> io::Result<()> {

@@ -45,7 +45,7 @@ impl ControlError {
         ControlError { status, message: message.into() }
     }
 
-    fn invalid(message: impl Into<String>) -> Self {
+    pub(super) fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 }
@@ -80,6 +80,7 @@ pub fn router(e2b: Arc<E2b>, request_timeout: Duration) -> Router {
         .route("/sandboxes/{id}/refreshes", post(refresh))
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/connect", post(connect))
+        .merge(super::snapshots::routes())
         .layer(ServiceBuilder::new().layer(HandleErrorLayer::new(edge_error)).timeout(request_timeout))
         .route_layer(middleware::from_fn_with_state(e2b.clone(), authorize))
         .fallback(unsupported)
@@ -106,13 +107,14 @@ async fn authorize(State(e2b): State<Arc<E2b>>, req: Request, next: Next) -> Res
 }
 
 /// What E2B has and Sandman does not: a clear refusal, never a hang.
-async fn unsupported(method: Method, uri: Uri) -> ControlError {
+pub(super) async fn unsupported(method: Method, uri: Uri) -> ControlError {
     let path = uri.path();
     let what = if path.contains("/pause") || path.contains("/resume") {
         "pausing and resuming sandboxes is not supported by Sandman: a sandbox runs until its timeout or its kill"
             .to_string()
     } else if path.contains("snapshot") {
-        "snapshots are not supported by Sandman".to_string()
+        "this snapshot call is not supported by Sandman (create_snapshot, list_snapshots, delete_snapshot and fork are)"
+            .to_string()
     } else if path.contains("/templates") {
         "building templates is not supported by Sandman: pass an image, or a warm pool's name, as the template"
             .to_string()
@@ -199,6 +201,10 @@ async fn create_inner(e2b: &E2b, headers: &HeaderMap, raw: serde_json::Value) ->
     if is_pool {
         // A claim: the pool's image, resources and lease.
         create.pool = Some(template.clone());
+    } else if service.snapshot_info(&template).is_ok() {
+        // `Sandbox.create(snapshot_id)`: a snapshot's files, with the create's lifetime.
+        create.image = format!("{}{template}", sandman_wire::snapshots::IMAGE_PREFIX);
+        create.lease_s = Some(MAX_TIMEOUT_S);
     } else {
         // E2B's default template is "base": on the process provider, this machine.
         create.image =
@@ -211,7 +217,7 @@ async fn create_inner(e2b: &E2b, headers: &HeaderMap, raw: serde_json::Value) ->
 }
 
 /// The answer of a create or a connect.
-fn created(token: &str, sb: &WireSandbox, template: &str) -> serde_json::Value {
+pub(super) fn created(token: &str, sb: &WireSandbox, template: &str) -> serde_json::Value {
     serde_json::json!({
         "templateID": template,
         "sandboxID": sb.id,
@@ -222,7 +228,7 @@ fn created(token: &str, sb: &WireSandbox, template: &str) -> serde_json::Value {
     })
 }
 
-fn template_of(sb: &WireSandbox) -> String {
+pub(super) fn template_of(sb: &WireSandbox) -> String {
     sb.labels.get(TEMPLATE_LABEL).cloned().unwrap_or_else(|| sb.image.clone())
 }
 
@@ -251,7 +257,7 @@ fn described(token: &str, sb: &WireSandbox) -> serde_json::Value {
 }
 
 /// A live sandbox, or 404 (gone ones included: E2B forgets them).
-fn live(e2b: &E2b, id: &str) -> ControlResult<WireSandbox> {
+pub(super) fn live(e2b: &E2b, id: &str) -> ControlResult<WireSandbox> {
     let sb = e2b.service.get(id)?;
     if sb.state().is_terminal() {
         return Err(ControlError::from(sb.gone_error()));

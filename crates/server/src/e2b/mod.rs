@@ -12,6 +12,7 @@ pub mod control;
 pub mod envd;
 pub mod fs;
 pub mod process;
+pub mod snapshots;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

@@ -249,7 +249,8 @@ impl Service {
         let queued = self.queue.remove_tenant(&Tenant::Job(name.to_string()));
         let members = self.table.of_job(name);
         let known = self.jobs.remove(name);
-        if members.is_empty() && !known {
+        let has_snapshots = !self.snapshot_list(Some(name), None).is_empty();
+        if members.is_empty() && !known && !has_snapshots {
             return Err(ServerError::NotFound(format!("no job `{name}`")));
         }
         tracing::info!(job = name, queued = queued.len(), "deleting a job");
@@ -257,6 +258,8 @@ impl Service {
         let releases = live.iter().map(|sb| self.release(sb.id(), Reason::JobDeleted));
         let results = futures_util::future::join_all(releases).await;
         let n = results.iter().filter(|r| r.is_ok()).count() as u64;
+        // A job's snapshots end with it, after the sandboxes that may run from them.
+        self.delete_job_snapshots(name).await;
         Ok(JobAction { job: name.to_string(), sandboxes: n })
     }
 }

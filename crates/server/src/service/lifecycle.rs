@@ -55,6 +55,7 @@ impl Service {
             Self::apply_pool(&mut req, &name, spec)?;
         }
         let mut parsed = self.parse_create(&req)?;
+        self.check_snapshot_image(&parsed.spec.image)?;
         self.provider.check(&parsed.spec).map_err(ServerError::Provider)?;
         let deadline = req.wait_timeout_s.map(|s| crate::sandbox::later(started, Duration::from_secs(s)));
         // A claim needs a pool whose sandboxes' daemons keep a lease as long as this one's.

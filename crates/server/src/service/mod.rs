@@ -14,6 +14,7 @@
 //! - [`recovery`]: finding the provider's sandboxes again at start, and its events.
 //! - [`conditions`]: signed conditions records.
 //! - [`prepare`]: preparing images and holding creates until enough nodes have them.
+//! - [`snapshots`]: snapshots of sandboxes' files, kept until deleted or their job is, and forks.
 
 mod conditions;
 mod images;
@@ -25,6 +26,7 @@ mod prepare;
 mod queue;
 mod recovery;
 mod request;
+mod snapshots;
 mod table;
 #[cfg(test)]
 mod tests;
@@ -133,6 +135,7 @@ pub struct Service {
     pools: WarmPools,
     queue: Queue,
     leases: Leases,
+    snapshots: snapshots::Snapshots,
     /// Sandboxes that became ready, for a restarted server to tell them from interrupted creates.
     ready_journal: ReadyJournal,
     pub accounting: Accounting,
@@ -179,6 +182,7 @@ impl Service {
             pools: WarmPools::open(&settings.state_dir),
             queue,
             leases: Leases::default(),
+            snapshots: snapshots::Snapshots::open(&settings.state_dir),
             ready_journal: ReadyJournal::open(&settings.state_dir),
             accounting: Accounting::open(&settings.state_dir),
             events: Events::default(),
