@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use tokio::signal::unix::{SignalKind, signal};
@@ -25,6 +26,28 @@ pub struct Children {
     table: Mutex<Table>,
     /// Keeps the reaper's sweep from running while std's `Command` forks (see [`ForkGate`]).
     gate: ForkGate,
+    /// Execs between their request and their answer ([`Children::exec_running`]): whether one
+    /// is alone, and so may start its command on the event loop.
+    execs: AtomicUsize,
+}
+
+/// One exec under way, counted in [`Children`] until dropped.
+#[derive(Debug)]
+pub struct ExecRunning {
+    children: Arc<Children>,
+}
+
+impl ExecRunning {
+    /// No other exec is under way: this one's start holds nobody up if it blocks the event loop.
+    pub fn alone(&self) -> bool {
+        self.children.execs.load(Ordering::Relaxed) == 1
+    }
+}
+
+impl Drop for ExecRunning {
+    fn drop(&mut self) {
+        self.children.execs.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -243,6 +266,12 @@ impl Children {
 
     pub fn count(&self) -> usize {
         lock(&self.table).waiters.len()
+    }
+
+    /// Counts an exec as under way until the guard is dropped.
+    pub fn exec_running(self: &Arc<Self>) -> ExecRunning {
+        self.execs.fetch_add(1, Ordering::Relaxed);
+        ExecRunning { children: Arc::clone(self) }
     }
 }
 
