@@ -313,6 +313,21 @@ mod tests {
         rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap_or_else(|_| panic!("deadlock: {what}"))
     }
 
+    /// Issue 34: an exec starts its command on the event loop only while no other exec is under
+    /// way; concurrent ones start theirs side by side on the pool. The count follows the guards.
+    #[test]
+    fn an_exec_is_alone_only_while_no_other_is_under_way() {
+        let children = Children::new();
+        let first = children.exec_running();
+        assert!(first.alone());
+        let second = children.exec_running();
+        assert!(!first.alone() && !second.alone());
+        drop(first);
+        assert!(second.alone());
+        drop(second);
+        assert!(children.exec_running().alone());
+    }
+
     /// Regression (issue 16, and the daemon's throughput with concurrent execs): starts took
     /// one lock around their fork, then a read lock that the reaper took exclusively on the
     /// event loop, so every exec waited for the forks of the others. A start now holds nothing
