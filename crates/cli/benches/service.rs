@@ -38,79 +38,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use e2e::{Http, Server};
-use figures::{env_usize, pct, pss_kib, us};
-use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1;
+use figures::{Conn, env_usize, pct, pss_kib, us};
 use serde_json::json;
-
-/// A kept-alive HTTP/1.1 connection.
-struct Conn {
-    sender: http1::SendRequest<Full<bytes::Bytes>>,
-    token: String,
-}
-
-impl Conn {
-    async fn tcp(addr: &str, token: &str) -> Conn {
-        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.set_nodelay(true).unwrap();
-        Conn::over(hyper_util::rt::TokioIo::new(s), token).await
-    }
-
-    async fn unix(path: &Path, token: &str) -> Conn {
-        let s = tokio::net::UnixStream::connect(path).await.unwrap();
-        Conn::over(hyper_util::rt::TokioIo::new(s), token).await
-    }
-
-    async fn over<T>(io: T, token: &str) -> Conn
-    where
-        T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    {
-        let (sender, conn) = http1::handshake(io).await.unwrap();
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Conn { sender, token: token.to_string() }
-    }
-
-    async fn send(&mut self, method: &str, path: &str, body: bytes::Bytes, content_type: Option<&str>) -> u16 {
-        let status = self.try_send(method, path, body, content_type).await;
-        assert!(status < 300, "{method} {path}: {status}");
-        status
-    }
-
-    /// The status of one call, whatever it is.
-    async fn try_send(&mut self, method: &str, path: &str, body: bytes::Bytes, content_type: Option<&str>) -> u16 {
-        self.sender.ready().await.unwrap();
-        let mut req = hyper::Request::builder()
-            .method(method)
-            .uri(path)
-            .header("host", "bench")
-            .header("authorization", format!("Bearer {}", self.token));
-        if let Some(ct) = content_type {
-            req = req.header("content-type", ct);
-        }
-        let resp = self.sender.send_request(req.body(Full::new(body)).unwrap()).await.unwrap();
-        let status = resp.status().as_u16();
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        if status >= 300 {
-            eprintln!("{method} {path}: {status} {}", String::from_utf8_lossy(&body));
-        }
-        status
-    }
-
-    async fn post(&mut self, path: &str, body: &serde_json::Value) -> u16 {
-        let body = bytes::Bytes::from(serde_json::to_vec(body).unwrap());
-        self.send("POST", path, body, Some("application/json")).await
-    }
-
-    async fn get(&mut self, path: &str) -> u16 {
-        self.send("GET", path, bytes::Bytes::new(), None).await
-    }
-
-    async fn put(&mut self, path: &str, body: bytes::Bytes, content_type: &str) -> u16 {
-        self.send("PUT", path, body, Some(content_type)).await
-    }
-}
 
 /// One line of the closing summary: a figure, the floor it is measured against, and the target
 /// on their ratio.

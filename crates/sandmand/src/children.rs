@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use tokio::signal::unix::{SignalKind, signal};
@@ -25,6 +26,28 @@ pub struct Children {
     table: Mutex<Table>,
     /// Keeps the reaper's sweep from running while std's `Command` forks (see [`ForkGate`]).
     gate: ForkGate,
+    /// Execs between their request and their answer ([`Children::exec_running`]): whether one
+    /// is alone, and so may start its command on the event loop.
+    execs: AtomicUsize,
+}
+
+/// One exec under way, counted in [`Children`] until dropped.
+#[derive(Debug)]
+pub struct ExecRunning {
+    children: Arc<Children>,
+}
+
+impl ExecRunning {
+    /// No other exec is under way: this one's start holds nobody up if it blocks the event loop.
+    pub fn alone(&self) -> bool {
+        self.children.execs.load(Ordering::Relaxed) == 1
+    }
+}
+
+impl Drop for ExecRunning {
+    fn drop(&mut self) {
+        self.children.execs.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -244,6 +267,12 @@ impl Children {
     pub fn count(&self) -> usize {
         lock(&self.table).waiters.len()
     }
+
+    /// Counts an exec as under way until the guard is dropped.
+    pub fn exec_running(self: &Arc<Self>) -> ExecRunning {
+        self.execs.fetch_add(1, Ordering::Relaxed);
+        ExecRunning { children: Arc::clone(self) }
+    }
 }
 
 /// Runs the reaper until cancelled: one `wait4` sweep per SIGCHLD. Must be started (the signal
@@ -282,6 +311,21 @@ mod tests {
             let _ = tx.send(f());
         });
         rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap_or_else(|_| panic!("deadlock: {what}"))
+    }
+
+    /// Issue 34: an exec starts its command on the event loop only while no other exec is under
+    /// way; concurrent ones start theirs side by side on the pool. The count follows the guards.
+    #[test]
+    fn an_exec_is_alone_only_while_no_other_is_under_way() {
+        let children = Children::new();
+        let first = children.exec_running();
+        assert!(first.alone());
+        let second = children.exec_running();
+        assert!(!first.alone() && !second.alone());
+        drop(first);
+        assert!(second.alone());
+        drop(second);
+        assert!(children.exec_running().alone());
     }
 
     /// Regression (issue 16, and the daemon's throughput with concurrent execs): starts took

@@ -12,9 +12,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 use crate::budget::OutputBudget;
+use crate::children::ExecRunning;
 use crate::error::{DaemonError, DaemonResult};
 use crate::extract::ApiJson;
-use crate::run::{self, Io, OutputSink, Started, Utf8Chunks};
+use crate::run::{self, Io, OutputSink, Started, Utf8Chunks, Where};
 use crate::spawn::{Launch, LaunchRequest};
 use crate::state::Daemon;
 use crate::stream;
@@ -54,10 +55,12 @@ fn parse(daemon: &Daemon, req: ExecRequest, output_ceiling: Option<u64>) -> Daem
 
 /// Starts the process and feeds it its stdin from a task of its own, so that a large stdin and
 /// a large output cannot deadlock each other. Answers the rest of the request.
-async fn start(daemon: &Daemon, parsed: Parsed) -> DaemonResult<(Started, Options)> {
+/// `running` counts this exec: one alone in the daemon starts its command on the event loop.
+async fn start(daemon: &Daemon, parsed: Parsed, running: &ExecRunning) -> DaemonResult<(Started, Options)> {
     let Parsed { launch, stdin, timeout, cap, merge } = parsed;
     let io = Io::Pipes { stdin: stdin.is_some(), merge };
-    let mut started = run::start(&daemon.children, launch, io).await?;
+    let place = if running.alone() { Where::Inline } else { Where::Pool };
+    let mut started = run::start(&daemon.children, launch, io, place).await?;
     if let (Some(mut pipe), Some(text)) = (started.stdin.take(), stdin) {
         daemon.tasks.spawn(async move {
             // A command that exits without reading its stdin closes the pipe: not an error.
@@ -133,7 +136,8 @@ pub async fn exec(
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> DaemonResult<Json<ExecResult>> {
     let parsed = parse(&daemon, req, Some(daemon.config.limits.max_output_bytes))?;
-    let (started, opts) = start(&daemon, parsed).await?;
+    let running = daemon.children.exec_running();
+    let (started, opts) = start(&daemon, parsed, &running).await?;
     let mut sink = Capped::new(opts.cap, daemon.output_budget.clone());
     let status = run::drive(started, opts.timeout, &mut sink).await;
     Ok(Json(ExecResult {
@@ -189,10 +193,12 @@ pub async fn exec_stream(
 ) -> DaemonResult<Response> {
     // Streamed output is sent as it comes, never held: any `max_output_bytes` will do.
     let parsed = parse(&daemon, req, None)?;
-    let (started, Options { timeout, cap }) = start(&daemon, parsed).await?;
+    let running = daemon.children.exec_running();
+    let (started, Options { timeout, cap }) = start(&daemon, parsed, &running).await?;
     let (tx, rx) = mpsc::channel(STREAM_EVENTS);
     let pid = started.pid as u32;
     daemon.tasks.spawn(async move {
+        let _running = running;
         if tx.send(ExecEvent::Started { pid }).await.is_err() {
             crate::tree::kill_tree(pid as i32);
         }

@@ -207,6 +207,18 @@ pub async fn run(mut settings: Settings) -> Result<Ending, StartError> {
 
     let mut defaults = Defaults::from_process(settings.shell.clone(), settings.workdir.clone());
     defaults.rlimits = settings.rlimits;
+    // A file size limit held by the daemon itself is inherited by every child: a plain command
+    // still starts with posix_spawn rather than a fork of the daemon (the process provider gives
+    // every sandbox one, its disk size).
+    if let Some(bytes) = settings.rlimits.file_size {
+        match sys::hold_file_size(bytes) {
+            Ok(()) => {
+                defaults.file_size_held = true;
+                defaults.ignored_signals = defaults.ignored_signals.with(sys::SIGXFSZ);
+            }
+            Err(err) => tracing::warn!(%err, "cannot hold the file size limit; each command sets it"),
+        }
+    }
     let env = std::sync::Arc::make_mut(&mut defaults.env);
     env.extend(std::mem::take(&mut settings.env));
     env.retain(|k, _| !settings.drop_env.iter().any(|p| k.starts_with(p.as_str())));

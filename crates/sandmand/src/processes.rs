@@ -300,7 +300,7 @@ pub async fn start(
         n
     };
     let argv = launch.argv.clone();
-    let mut started = match run::start(&daemon.children, launch, io).await {
+    let mut started = match run::start(&daemon.children, launch, io, run::Where::Pool).await {
         Ok(s) => s,
         Err(e) => {
             if let Some(tag) = &req.tag {

@@ -66,7 +66,17 @@ fn watch_err<T>(pid: i32, res: std::io::Result<T>) -> DaemonResult<T> {
 /// Starts `launch` with its stdin, stdout and stderr as `io` says. The fork and exec run on the
 /// blocking pool: the event loop serves on meanwhile, and concurrent starts fork side by side on
 /// as many threads (see [`Children`]). A start whose caller went away meanwhile is killed.
-pub async fn start(children: &Arc<Children>, launch: Launch, io: Io) -> DaemonResult<Started> {
+///
+/// With `Where::Inline`, a command that starts without a fork (a vfork-style `posix_spawn`,
+/// which holds the thread only until the command has exec'd) is started on the calling thread,
+/// the event loop: a start handed to the pool wakes one of its threads and then the event loop
+/// again, two context switches that cost as much as the spawn itself when the machine has gone
+/// idle between calls (an agent's sandbox, called between model turns). Only an exec alone in
+/// the daemon asks for it, so concurrent execs still start side by side on the pool.
+pub async fn start(children: &Arc<Children>, launch: Launch, io: Io, place: Where) -> DaemonResult<Started> {
+    if place == Where::Inline && matches!(io, Io::Pipes { .. }) && launch.spawns_without_fork() {
+        return start_here(children, &launch, io);
+    }
     let children = Arc::clone(children);
     let (tx, rx) = oneshot::channel();
     tokio::task::spawn_blocking(move || {
@@ -75,6 +85,15 @@ pub async fn start(children: &Arc<Children>, launch: Launch, io: Io) -> DaemonRe
         }
     });
     rx.await.map_err(|_| DaemonError::Internal("the thread starting the command failed".into()))?
+}
+
+/// Where [`start`] starts a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Where {
+    /// On the blocking pool.
+    Pool,
+    /// On the calling thread when it can start without a fork; else on the pool.
+    Inline,
 }
 
 /// [`start`] on the calling thread, which it blocks for the fork and exec.

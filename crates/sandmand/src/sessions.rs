@@ -1034,6 +1034,7 @@ mod tests {
             passwd: PathBuf::from("/etc/passwd"),
             euid: sys::euid(),
             rlimits: sys::Rlimits::default(),
+            file_size_held: false,
             // As the daemon decides: a test run from a background job ignores SIGINT
             // (regression: the shell could not be interrupted there).
             ignored_signals: sys::ignored_signals(),

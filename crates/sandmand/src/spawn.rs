@@ -28,9 +28,12 @@ pub struct Defaults {
     pub euid: u32,
     /// Resource limits set on every process started (`--rlimit-*`).
     pub rlimits: Rlimits,
-    /// The signals the daemon ignores (it was started from a background job, say): every child
-    /// resets them to their defaults before it execs. Checked once: the daemon never ignores a
-    /// signal itself.
+    /// The daemon holds `rlimits.file_size` itself ([`crate::sys::hold_file_size`]): every child
+    /// inherits it, so a start need not set it and can do without a fork.
+    pub file_size_held: bool,
+    /// The signals the daemon ignores (it was started from a background job, say, or SIGXFSZ
+    /// once it holds the file size limit): every child resets them to their defaults before it
+    /// execs.
     pub ignored_signals: SignalSet,
 }
 
@@ -47,6 +50,7 @@ impl Defaults {
             passwd: PathBuf::from("/etc/passwd"),
             euid: crate::sys::euid(),
             rlimits: Rlimits::default(),
+            file_size_held: false,
             ignored_signals: crate::sys::ignored_signals(),
         }
     }
@@ -172,7 +176,11 @@ impl Launch {
                 p
             }
         };
-        Ok(Launch { argv, env, cwd, user, rlimits: defaults.rlimits, ignored_signals: defaults.ignored_signals })
+        let mut rlimits = defaults.rlimits;
+        if defaults.file_size_held {
+            rlimits.file_size = None;
+        }
+        Ok(Launch { argv, env, cwd, user, rlimits, ignored_signals: defaults.ignored_signals })
     }
 
     /// A `Command` in a new process group, with stdout and stderr piped and the given stdin.
@@ -320,6 +328,7 @@ mod tests {
             passwd,
             euid: 0,
             rlimits: Rlimits::default(),
+            file_size_held: false,
             ignored_signals: SignalSet::default(),
         }
     }
@@ -375,6 +384,11 @@ mod tests {
         let limited = Defaults { rlimits: Rlimits { file_size: Some(1), ..Rlimits::default() }, ..d };
         let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
         assert!(Launch::parse(&limited, plain).is_ok_and(|l| !l.spawns_without_fork()));
+        // Regression (issue 34): the process provider gives every sandbox a file size limit, so
+        // every exec forked. The daemon holds that limit itself now and its children inherit it.
+        let held = Defaults { file_size_held: true, ..limited };
+        let plain = LaunchRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+        assert!(Launch::parse(&held, plain).is_ok_and(|l| l.spawns_without_fork()));
     }
 
     #[test]

@@ -237,6 +237,20 @@ impl Rlimits {
     }
 }
 
+/// Sets the daemon's own `RLIMIT_FSIZE` (soft and hard, never above the hard limit it has) to
+/// `bytes`, with SIGXFSZ ignored, so that the daemon's own writes past it fail with `EFBIG`
+/// instead of killing it. Every child inherits the limit without setting it between fork and exec,
+/// so that a plain command still starts with `posix_spawn`; the caller has children reset
+/// SIGXFSZ to its default, so that a command writing past the limit is stopped as it would be
+/// with the limit set in it. Nothing the daemon writes for itself comes near a sandbox's disk.
+pub fn hold_file_size(bytes: u64) -> io::Result<()> {
+    // SAFETY: SIG_IGN is a valid disposition for SIGXFSZ, which no handler of ours uses.
+    if unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) } == libc::SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    apply_rlimits(Rlimits { file_size: Some(bytes), ..Rlimits::default() })
+}
+
 /// Makes `cmd` set `limits` (soft and hard) in the child just before it execs.
 pub fn set_rlimits_on_exec(cmd: &mut Command, limits: Rlimits) {
     if limits.is_empty() {
@@ -801,6 +815,7 @@ pub const SIGKILL: i32 = libc::SIGKILL;
 pub const SIGTERM: i32 = libc::SIGTERM;
 pub const SIGINT: i32 = libc::SIGINT;
 pub const SIGCHLD: i32 = libc::SIGCHLD;
+pub const SIGXFSZ: i32 = libc::SIGXFSZ;
 
 #[cfg(test)]
 mod tests {

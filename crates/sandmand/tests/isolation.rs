@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{Daemon, alive, eventually};
+use sandman_testkit::http::Body;
 use serde_json::json;
 
 /// The host id the tests' sandboxes' root is: apart from the process provider's ranges.
@@ -329,6 +330,35 @@ async fn rlimit_fsize_stops_a_larger_write() {
     assert!(size <= 1 << 20, "wrote {size} bytes past a 1 MiB limit");
     let small = sh(&d, &format!("head -c 1000 /dev/zero > {}.small", file.display())).await;
     assert_eq!(small["exit_code"], 0, "{small}");
+}
+
+/// Regression (issue 34): the process provider gives every sandbox a file size limit, and every
+/// exec forked the daemon to set it. The daemon holds the limit itself now, so that commands start
+/// with posix_spawn: they still have the limit as their own, with SIGXFSZ at its default (the
+/// daemon ignores it), and the daemon's own write past the limit is refused rather than its death.
+#[tokio::test]
+async fn a_file_size_limit_the_daemon_holds_is_the_commands_own() {
+    let d = Daemon::start_in(&base(), &["--rlimit-fsize", "1048576"]).await;
+    let file = d.dir().join("big");
+    let dd =
+        d.exec(json!({"argv": ["dd", "if=/dev/zero", format!("of={}", file.display()), "bs=1M", "count=2"]})).await;
+    assert_eq!(dd["signal"], 25, "dd past the limit is killed by SIGXFSZ: {dd}");
+    let limits = d.exec(json!({"argv": ["grep", "Max file size", "/proc/self/limits"]})).await;
+    assert!(stdout(&limits).contains("1048576"), "{limits}");
+    let session = d.json("POST", "/v1/sessions", json!({})).await.json();
+    let run = d
+        .json(
+            "POST",
+            &format!("/v1/sessions/{}/run", session["id"].as_str().unwrap()),
+            json!({"command": format!("dd if=/dev/zero of={}.s bs=1M count=2 2>/dev/null; echo $?", file.display())}),
+        )
+        .await
+        .json();
+    assert_eq!(run["stdout"].as_str().unwrap().trim(), "153", "a session's command too (128 + SIGXFSZ): {run}");
+    let path = format!("/v1/files?path={}", d.dir().join("upload").display());
+    let upload = d.call("PUT", &path, Some(common::TOKEN), Body::Octets(vec![0; 2 << 20])).await.unwrap();
+    assert_ne!(upload.status, 200, "the daemon wrote 2 MiB past a 1 MiB limit");
+    assert_eq!(d.get("/v1/info").await.status, 200, "the daemon still serves");
 }
 
 #[tokio::test]
