@@ -1004,7 +1004,11 @@ impl Provider for ProcessProvider {
             return Ok(());
         }
         // A create of the same sandbox still under way finishes first (fails or succeeds), so that
-        // nothing it makes after this delete looked is left behind.
+        // nothing it makes after this delete looked is left behind; one still waiting for memory
+        // is called off, rather than made when memory frees only to be deleted.
+        if let Some(room) = &self.room {
+            room.cancel(id);
+        }
         let started = tokio::time::Instant::now();
         while self.creating.contains(id) && started.elapsed() < CREATE_WAIT {
             tokio::time::sleep(Duration::from_millis(10)).await;

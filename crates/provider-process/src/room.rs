@@ -44,6 +44,8 @@ pub enum RoomError {
     NeverFits { ask: u64, total: u64 },
     #[error("waited {waited_s} s for memory and none freed: {waiting}")]
     TimedOut { waited_s: u64, waiting: Waiting },
+    #[error("the sandbox was deleted while it waited for memory")]
+    Cancelled,
 }
 
 /// The machine's memory as sandboxes reserve it.
@@ -61,8 +63,10 @@ struct State {
     /// Each sandbox's reservation, by id.
     held: HashMap<String, u64>,
     reserved: u64,
-    /// The creates waiting, by arrival.
-    queue: BTreeMap<u64, u64>,
+    /// The creates waiting, by arrival: what each asks, for which sandbox.
+    queue: BTreeMap<u64, (u64, String)>,
+    /// Sandboxes whose wait was called off (a delete came while they waited).
+    cancelled: std::collections::HashSet<String>,
     next_ticket: u64,
 }
 
@@ -102,6 +106,17 @@ impl Room {
         }
     }
 
+    /// Calls off the wait of sandbox `id`, if it waits: its `admit` answers
+    /// [`RoomError::Cancelled`] at once, and those behind it move up.
+    pub fn cancel(&self, id: &str) {
+        let mut s = self.lock();
+        if s.queue.values().any(|(_, waiting)| waiting == id) {
+            s.cancelled.insert(id.to_string());
+            drop(s);
+            self.changed.notify_waiters();
+        }
+    }
+
     /// Waits until `ask` bytes fit, first come first served, telling `waiting` each time its
     /// place changes; then holds them for `id`. Refuses at once what could never fit, and gives
     /// up at `deadline`.
@@ -120,7 +135,7 @@ impl Room {
             let mut s = self.lock();
             let t = s.next_ticket;
             s.next_ticket += 1;
-            s.queue.insert(t, ask);
+            s.queue.insert(t, (ask, id.to_string()));
             t
         };
         let _queued = Queued { room: self, ticket };
@@ -132,6 +147,9 @@ impl Room {
             changed.as_mut().enable();
             let wait = {
                 let mut s = self.lock();
+                if s.cancelled.remove(id) {
+                    return Err(RoomError::Cancelled);
+                }
                 let ahead = s.queue.range(..ticket).count();
                 if ahead == 0 && s.reserved + ask <= self.total {
                     s.queue.remove(&ticket);
@@ -186,6 +204,27 @@ mod tests {
 
     fn far() -> Instant {
         Instant::now() + Duration::from_secs(3600)
+    }
+
+    /// Regression: a sandbox released while its create waited for memory kept its place, then
+    /// was made (and at once deleted) when memory freed, ahead of the creates behind it.
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_wait_ends_at_once_and_those_behind_move_up() {
+        let room = Arc::new(Room::new(10));
+        room.admit("a", 10, far(), |_| {}).await.unwrap_or_else(|e| panic!("{e}"));
+        let r = room.clone();
+        let b = tokio::spawn(async move { r.admit("b", 5, far(), |_| {}).await });
+        tokio::task::yield_now().await;
+        let r = room.clone();
+        let c = tokio::spawn(async move { r.admit("c", 5, far(), |_| {}).await });
+        tokio::task::yield_now().await;
+        room.cancel("b");
+        assert_eq!(b.await.ok(), Some(Err(RoomError::Cancelled)));
+        room.release("a");
+        assert_eq!(c.await.ok(), Some(Ok(())));
+        // Calling off what does not wait leaves nothing behind to refuse a later wait.
+        room.cancel("d");
+        room.admit("d", 5, far(), |_| {}).await.unwrap_or_else(|e| panic!("{e}"));
     }
 
     #[tokio::test(start_paused = true)]

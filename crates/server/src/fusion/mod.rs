@@ -352,9 +352,10 @@ impl Fusion {
         e.into_response()
     }
 
-    /// A fresh sandbox for one call, made (or claimed) within `start`: a slot first, then the
-    /// server's admission. Past `start` the call is refused with 504; a sandbox that failed to
-    /// come up is the service's failure, answered as `SandboxError`.
+    /// A fresh sandbox for one call, ready within `start`: a slot first, then the server's
+    /// admission, then the provider's create (which may wait for memory). Past `start` the call
+    /// is refused with 504; a sandbox that failed to come up is the service's failure, answered
+    /// as `SandboxError`.
     async fn sandbox(
         &self,
         caller: &Caller,
@@ -365,7 +366,7 @@ impl Fusion {
         let deadline = Instant::now() + start;
         let late = || {
             Refused::NotStarted(format!(
-                "the call could not start within its run_timeout ({:.1} s): the server is at its capacity; retry",
+                "the call could not start within its run_timeout ({:.1} s): the server is at its capacity (calls, admission or the machine's memory); retry",
                 start.as_secs_f64()
             ))
         };
@@ -411,18 +412,20 @@ impl Fusion {
             return Ok(Err(format!("sandbox `{}` is gone before it was ready", sb.id)));
         };
         let mut state = handle.subscribe();
-        // Admission is what may take long: a call still queued at its deadline is taken off the
-        // queue (by the lease's release) and answered 504. Once admitted, a create is given the
-        // server's ready timeout, like any other.
-        let admitted = tokio::time::timeout_at(deadline, state.wait_for(|s| *s != SandboxState::Queued)).await.is_ok();
-        if !admitted {
+        // A call starts once its sandbox is ready: whatever holds it back before (admission,
+        // memory on the machine, a slow create) counts against its deadline, and a call still
+        // waiting then is called off (the lease's drop releases its sandbox) and answered 504.
+        let started = tokio::time::timeout_at(
+            deadline,
+            state.wait_for(|s| !matches!(s, SandboxState::Queued | SandboxState::Creating)),
+        )
+        .await
+        .is_ok();
+        if !started {
             return Err(late());
         }
-        let ready = self.service.settings.ready_timeout;
-        let settled = tokio::time::timeout(ready, state.wait_for(|s| *s != SandboxState::Creating)).await.is_ok();
         match handle.state() {
             SandboxState::Ready => Ok(Ok((lease, permit))),
-            _ if !settled => Ok(Err(format!("sandbox `{}` was not ready within {} s", sb.id, ready.as_secs()))),
             _ => Ok(Err(format!("sandbox `{}` did not come up: {}", sb.id, handle.gone_error()))),
         }
     }
