@@ -539,9 +539,23 @@ impl Drop for Creating<'_> {
     }
 }
 
+/// Why the kubernetes provider refuses pause and resume.
+const NO_FREEZE: &str = "a pod cannot be frozen without a runtime's help (the Kubernetes API has no pause; a \
+                         runtime class whose runtime freezes, such as a microVM's, would be needed)";
+
 impl Provider for KubeProvider {
     fn name(&self) -> &'static str {
         "kubernetes"
+    }
+
+    /// Refused at once: Kubernetes has no way to freeze a pod's processes (no pause in the pod
+    /// API or the kubelet), and the container runtime's own pause is not reachable through it.
+    async fn pause(&self, id: &str) -> Result<(), ProviderError> {
+        Err(ProviderError::Unsupported(format!("the kubernetes provider cannot pause sandbox `{id}`: {NO_FREEZE}")))
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), ProviderError> {
+        Err(ProviderError::Unsupported(format!("the kubernetes provider cannot resume sandbox `{id}`: {NO_FREEZE}")))
     }
 
     fn isolation(&self) -> sandman_wire::server::Isolation {
@@ -753,7 +767,7 @@ impl Provider for KubeProvider {
                     None
                 }
             };
-            records.push(Record { spec, endpoint, ended, claim });
+            records.push(Record { spec, endpoint, ended, claim, paused: false });
         }
         Ok(records)
     }
