@@ -46,6 +46,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}"),
     ("DELETE", "/v1/sandboxes/{id}"),
     ("POST", "/v1/sandboxes/{id}/keepalive"),
+    ("POST", "/v1/sandboxes/{id}/pause"),
+    ("POST", "/v1/sandboxes/{id}/resume"),
     ("GET", "/v1/sandboxes/{id}/conditions"),
     ("ANY", "/v1/sandboxes/{id}/{*call}"),
     ("PUT", "/v1/jobs/{job}"),
@@ -71,6 +73,8 @@ pub fn router(service: Arc<Service>, limits: Limits) -> Router {
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(release))
         .route("/v1/sandboxes/{id}/keepalive", post(keepalive))
+        .route("/v1/sandboxes/{id}/pause", post(pause))
+        .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/conditions", get(conditions))
         .route("/v1/jobs/{job}", get(get_job).put(put_job).delete(delete_job))
         .route("/v1/jobs/{job}/heartbeat", post(heartbeat))
@@ -172,6 +176,14 @@ async fn release(State(service): State<Arc<Service>>, Path(id): Path<String>) ->
 
 async fn keepalive(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
     service.keepalive(&id).map(Json)
+}
+
+async fn pause(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
+    service.pause(&id).await.map(Json)
+}
+
+async fn resume(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
+    service.resume(&id).await.map(Json)
 }
 
 async fn put_job(

@@ -14,12 +14,14 @@
 //! - [`recovery`]: finding the provider's sandboxes again at start, and its events.
 //! - [`conditions`]: signed conditions records.
 //! - [`prepare`]: preparing images and holding creates until enough nodes have them.
+//! - [`pause`]: pausing and resuming sandboxes, and resuming one a call finds paused.
 
 mod conditions;
 mod images;
 mod jobs;
 mod leases;
 mod lifecycle;
+mod pause;
 mod pools;
 mod prepare;
 mod queue;
@@ -273,6 +275,7 @@ impl Service {
         let mut inner = sb.lock();
         match inner.state {
             SandboxState::Ready => {}
+            SandboxState::Paused => return Err(ServerError::Paused(id.to_string())),
             s if s.is_terminal() => {
                 drop(inner);
                 return Err(sb.gone_error());
