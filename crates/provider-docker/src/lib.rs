@@ -332,7 +332,7 @@ impl DockerProvider {
     }
 
     /// Pauses (`paused`) or unpauses the sandbox's container through the engine; one already
-    /// so is fine (the engine's 409, checked by an inspect).
+    /// so is fine (the engine's refusal, checked by an inspect).
     async fn set_paused(&self, id: &str, paused: bool) -> Result<(), ProviderError> {
         if check_id(id).is_err() {
             return Err(ProviderError::NotFound(id.to_string()));
@@ -346,7 +346,8 @@ impl DockerProvider {
             Err(BollardError::DockerResponseServerError { status_code: 404, .. }) => {
                 Err(ProviderError::NotFound(id.to_string()))
             }
-            Err(e @ BollardError::DockerResponseServerError { status_code: 409, .. }) => {
+            // "already paused" is a 409, "not paused" a 500 on some engines: the state decides.
+            Err(e @ BollardError::DockerResponseServerError { .. }) => {
                 let state = self.docker.inspect_container(&name, None).await.ok().and_then(|c| c.state);
                 if state.and_then(|s| s.paused) == Some(paused) {
                     Ok(())
