@@ -13,6 +13,7 @@ from e2b import (
     Sandbox,
     SandboxException,
     SandboxQuery,
+    SandboxState,
     TimeoutException,
 )
 
@@ -193,9 +194,9 @@ def test_pause_keeps_processes_and_files_and_connect_resumes(e2b_env: E2bServer)
         assert Sandbox.pause(s.sandbox_id) is False
         assert s.beta_pause() is False
         assert Sandbox.get_info(s.sandbox_id).state.value == "paused"
-        paused = Sandbox.list(query=SandboxQuery(state=["paused"])).next_items()
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
         assert s.sandbox_id in [i.sandbox_id for i in paused]
-        running = Sandbox.list(query=SandboxQuery(state=["running"])).next_items()
+        running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
         assert s.sandbox_id not in [i.sandbox_id for i in running]
         # Connecting resumes it: its files and its running process are still there.
         again = Sandbox.connect(s.sandbox_id)
