@@ -1138,15 +1138,17 @@ impl Provider for ProcessProvider {
 const FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl ProcessProvider {
+    /// One blocking task: the sandbox's `cgroups.json` read, its cgroup frozen or thawed.
     async fn freeze(&self, id: &str, frozen: bool) -> Result<(), ProviderError> {
-        let dirs = self.cgroups_of(id).await?;
-        tokio::task::spawn_blocking(move || dirs.freeze(frozen, FREEZE_TIMEOUT))
+        let dir = self.freezable_dir(id)?;
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || cgroups_of(&dir, &id)?.freeze(frozen, FREEZE_TIMEOUT))
             .await
             .map_err(|e| ProviderError::io("cannot freeze or thaw a cgroup", std::io::Error::other(e)))?
     }
 
-    /// The cgroups of sandbox `id`, as its `cgroups.json` says; refused without isolation.
-    async fn cgroups_of(&self, id: &str) -> Result<cgroup::Dirs, ProviderError> {
+    /// The directory of sandbox `id`, which has cgroups of its own; refused without isolation.
+    fn freezable_dir(&self, id: &str) -> Result<SandboxDir, ProviderError> {
         if check_id(id).is_err() {
             return Err(ProviderError::NotFound(id.to_string()));
         }
@@ -1155,23 +1157,24 @@ impl ProcessProvider {
                 "the process provider cannot pause a sandbox without isolation (--isolation none): its processes have no cgroup of their own to freeze".into(),
             ));
         }
-        let dir = SandboxDir::new(&self.sandboxes, id);
-        let found = tokio::task::spawn_blocking(move || dir.root.is_dir().then(|| dir.read_cgroups()))
-            .await
-            .map_err(|e| ProviderError::io("cannot read a sandbox's cgroups", std::io::Error::other(e)))?;
-        match found {
-            None => Err(ProviderError::NotFound(id.to_string())),
-            Some(None) => Err(ProviderError::Backend(format!("sandbox `{id}` has no cgroups recorded"))),
-            Some(Some(dirs)) => Ok(dirs),
-        }
+        Ok(SandboxDir::new(&self.sandboxes, id))
     }
 
     /// Microseconds of CPU sandbox `id`'s processes have used, from its v2 cgroup (the one
     /// that pauses it); `None` without one.
     pub async fn cpu_usage_usec(&self, id: &str) -> Option<u64> {
-        let dirs = self.cgroups_of(id).await.ok()?;
-        tokio::task::spawn_blocking(move || dirs.cpu_usage_usec()).await.ok().flatten()
+        let dir = self.freezable_dir(id).ok()?;
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || cgroups_of(&dir, &id).ok()?.cpu_usage_usec()).await.ok().flatten()
     }
+}
+
+/// The cgroups of the sandbox in `dir`, as its `cgroups.json` says. Blocking.
+fn cgroups_of(dir: &SandboxDir, id: &str) -> Result<cgroup::Dirs, ProviderError> {
+    if !dir.root.is_dir() {
+        return Err(ProviderError::NotFound(id.to_string()));
+    }
+    dir.read_cgroups().ok_or_else(|| ProviderError::Backend(format!("sandbox `{id}` has no cgroups recorded")))
 }
 
 /// `Provider::applied`, blocking.
