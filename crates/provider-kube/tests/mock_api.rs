@@ -1579,3 +1579,22 @@ async fn a_pod_write_keeps_nothing_of_the_pod_while_it_waits() {
     let post = mock.writes().into_iter().find(|w| w.method == "POST").unwrap();
     assert!(post.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadata;")), "{:?}", post.accept);
 }
+
+// ---- pause ----
+
+#[tokio::test]
+async fn pause_and_resume_are_refused_at_once_naming_the_provider_and_why() {
+    let cluster = Cluster::shared();
+    let (client, _mock) = client_on(&cluster);
+    let p = provider(client);
+    for refused in [p.pause("pz").await, p.resume("pz").await] {
+        match refused {
+            Err(ProviderError::Unsupported(m)) => {
+                assert!(m.contains("kubernetes provider") && m.contains("`pz`"), "{m}");
+                assert!(m.contains("a pod cannot be frozen without a runtime's help"), "{m}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    assert!(cluster.lock().unwrap().pods.is_empty(), "a refused pause touched the cluster");
+}
