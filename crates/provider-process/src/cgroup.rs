@@ -22,6 +22,10 @@ pub const MOUNT: &str = "/sys/fs/cgroup";
 /// The CFS period the cpu quota is a share of, in microseconds (the kernel's default).
 pub const PERIOD_US: u64 = 100_000;
 
+/// The longest a freeze or thaw waits for `cgroup.events` to change before reading it again
+/// (see [`Dirs::freeze`]): a few reads of a small file per pause at most.
+const NOTIFY_CAP: std::time::Duration = std::time::Duration::from_micros(200);
+
 /// The smallest CFS quota the kernel takes, in microseconds.
 pub const MIN_QUOTA_US: u64 = 1_000;
 
@@ -335,8 +339,11 @@ impl Dirs {
                     timeout.as_millis()
                 )));
             }
-            let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1);
-            sys::wait_changed(&events, ms).map_err(fail)?;
+            // The kernel sends a cgroup file's change notifications at most once per 10 ms
+            // (`CGROUP_FILE_NOTIFY_MIN_INTV`), delaying one that comes sooner after the last (a
+            // pause right after a resume), while the file itself is current at once: so the
+            // wait is cut short and the file read again.
+            sys::wait_changed(&events, left.min(NOTIFY_CAP)).map_err(fail)?;
         }
     }
 
