@@ -25,6 +25,7 @@ from .conditions import canonical_json, conditions_key, verify_conditions
 from ._sync.client import ExecStream, Job, OutputStream, Process, Pty, Sandbox, Sandman, Session, Stream
 from .errors import (
     Conflict,
+    Paused,
     Forbidden,
     Gone,
     Internal,
@@ -107,6 +108,7 @@ __all__ = [
     "NotFound",
     "Gone",
     "Conflict",
+    "Paused",
     "TooLarge",
     "Timeout",
     "QuotaExceeded",

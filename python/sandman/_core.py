@@ -280,6 +280,7 @@ def create_call(
     wait: bool,
     wait_timeout: Optional[int],
     user: Optional[str] = None,
+    auto_resume: bool = False,
 ) -> Call:
     """`POST /v1/sandboxes`, always keyed: a resend after a lost answer returns the same sandbox.
 
@@ -307,6 +308,8 @@ def create_call(
             "user": user,
         }
     )
+    if auto_resume:
+        body["auto_resume"] = True
     if not wait:
         body["wait"] = False
     read = CREATE_TIMEOUT if wait_timeout is None else wait_timeout + CALL_TIMEOUT_SLACK
@@ -349,6 +352,15 @@ def release_call(sandbox_id: str) -> Call:
 
 def keepalive_call(sandbox_id: str) -> Call:
     return Call("POST", sandbox_path(sandbox_id, "/keepalive"), idempotent=True)
+
+
+def pause_call(sandbox_id: str) -> Call:
+    # Pausing a paused sandbox answers it as it is: safe to send again.
+    return Call("POST", sandbox_path(sandbox_id, "/pause"), idempotent=True)
+
+
+def resume_call(sandbox_id: str) -> Call:
+    return Call("POST", sandbox_path(sandbox_id, "/resume"), idempotent=True)
 
 
 def put_job_call(

@@ -20,6 +20,7 @@ __all__ = [
     "NotFound",
     "Gone",
     "Conflict",
+    "Paused",
     "TooLarge",
     "Timeout",
     "QuotaExceeded",
@@ -98,6 +99,13 @@ class Conflict(SandmanError):
     code = "conflict"
 
 
+class Paused(Conflict):
+    """409: the sandbox is paused; `resume()` it first, or create it with `auto_resume=True` so
+    that calls resume it. A subclass of `Conflict`."""
+
+    code = "paused"
+
+
 class TooLarge(SandmanError):
     """413: a body over the server's limit."""
 
@@ -147,6 +155,7 @@ _BY_CODE: Dict[str, Type[SandmanError]] = {
         NotFound,
         Gone,
         Conflict,
+        Paused,
         TooLarge,
         Timeout,
         QuotaExceeded,

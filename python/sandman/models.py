@@ -558,7 +558,7 @@ class SandboxInfo:
     id: str
     image: str
     provider: str
-    #: `queued`, `creating`, `ready`, `releasing`, `gone` or `failed`.
+    #: `queued`, `creating`, `ready`, `paused`, `releasing`, `gone` or `failed`.
     state: str
     profile: str
     network: str
@@ -583,6 +583,10 @@ class SandboxInfo:
     user: Optional[str] = None
     #: The image's configuration where the provider knows it (docker), else None.
     image_config: Optional[ImageConfig] = None
+    #: While `paused`: since when (milliseconds since the Unix epoch).
+    paused_at_ms: Optional[int] = None
+    #: Calls on it while paused resume it (the create's `auto_resume`).
+    auto_resume: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SandboxInfo":
@@ -609,6 +613,8 @@ class SandboxInfo:
             isolation=d.get("isolation"),
             user=d.get("user"),
             image_config=ImageConfig.from_dict(image_config) if image_config else None,
+            paused_at_ms=_opt_int(d.get("paused_at_ms")),
+            auto_resume=bool(d.get("auto_resume", False)),
         )
 
     @property

@@ -45,6 +45,11 @@ pub enum Command {
     Rm(RmCmd),
     /// Renew a sandbox's lease.
     Keepalive(IdCmd),
+    /// Freeze every process of a sandbox: it uses no CPU, keeps its memory, and its lease and
+    /// idle timeout stop (its lifetime still counts).
+    Pause(IdCmd),
+    /// Thaw a paused sandbox.
+    Resume(IdCmd),
     /// Copy files between this machine and a sandbox: `SRC DST` where one side is `ID:/abs/path`
     /// (and `-` is a tar stream on stdin or stdout).
     Cp(CpCmd),
@@ -147,6 +152,9 @@ pub struct SandboxFlags {
     /// `uid[:gid]`); on the docker provider the image's USER is the default without it.
     #[arg(long, value_name = "USER")]
     pub default_user: Option<String>,
+    /// A call on the sandbox while it is paused resumes it, instead of failing with `paused`.
+    #[arg(long)]
+    pub auto_resume: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -61,6 +61,8 @@ async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Get(cmd) => sandboxes::get(&connect(&cmd.conn)?, cmd).await,
         Command::Rm(cmd) => sandboxes::rm(&connect(&cmd.conn)?, cmd).await,
         Command::Keepalive(cmd) => sandboxes::keepalive(&connect(&cmd.conn)?, cmd).await,
+        Command::Pause(cmd) => sandboxes::pause(&connect(&cmd.conn)?, cmd, true).await,
+        Command::Resume(cmd) => sandboxes::pause(&connect(&cmd.conn)?, cmd, false).await,
         Command::Events(cmd) => sandboxes::events(&connect(&cmd.conn)?, cmd).await,
         Command::Cp(cmd) => cp::cp(&connect(&cmd.conn)?, cmd).await,
         Command::Ps(cmd) => procs::ps(&connect(&cmd.conn)?, cmd).await,

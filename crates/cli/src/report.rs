@@ -106,6 +106,9 @@ fn hint(err: &anyhow::Error) -> Option<String> {
         (Some(ErrorCode::Gone), Some("ttl_expired")) => {
             Some("a sandbox lives at most its TTL: create it with a longer `--ttl`".to_owned())
         }
+        (Some(ErrorCode::Paused), _) => Some(
+            "resume it with `sandman resume ID`, or create it with `--auto-resume` so that calls resume it".to_owned(),
+        ),
         (Some(ErrorCode::QuotaExceeded), _) => {
             Some("see the job's quota with `sandman job get JOB`, and raise it with `sandman job put`".to_owned())
         }

@@ -34,6 +34,7 @@ pub fn create_request(image: &str, flags: &SandboxFlags, wait: bool) -> CreateSa
         wait,
         wait_timeout_s: flags.wait_timeout,
         user: flags.default_user.clone(),
+        auto_resume: flags.auto_resume,
     }
 }
 
@@ -226,6 +227,17 @@ pub async fn rm(client: &Client, cmd: RmCmd) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(worst))
 }
 
+/// `sandman pause ID` (`pause`) and `sandman resume ID`.
+pub async fn pause(client: &Client, cmd: IdCmd, pause: bool) -> anyhow::Result<ExitCode> {
+    let sandbox = if pause { client.pause(&cmd.id).await? } else { client.resume(&cmd.id).await? };
+    if cmd.json {
+        outln!("{}", format::json(&sandbox)?)?;
+    } else {
+        outln!("{}: {}", sandbox.id, sandbox.state)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub async fn keepalive(client: &Client, cmd: IdCmd) -> anyhow::Result<ExitCode> {
     let sandbox = client.keepalive(&cmd.id).await?;
     if cmd.json {
@@ -332,6 +344,8 @@ mod tests {
             isolation: Some(sandman_wire::server::Isolation::UserNamespace),
             user: None,
             image_config: None,
+            paused_at_ms: None,
+            auto_resume: false,
         }
     }
 

@@ -163,6 +163,16 @@ impl Client {
         self.json(Req::new(Method::POST, sandbox_path(id, "/keepalive"))).await
     }
 
+    /// `POST /v1/sandboxes/{id}/pause`: freeze every process of the sandbox.
+    pub async fn pause(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(Req::new(Method::POST, sandbox_path(id, "/pause"))).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume`: thaw a paused sandbox.
+    pub async fn resume(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(Req::new(Method::POST, sandbox_path(id, "/resume"))).await
+    }
+
     /// `PUT /v1/jobs/{job}`: create or change a job's quota and defaults.
     pub async fn put_job(&self, name: &str, spec: &JobSpec) -> Result<Job, ClientError> {
         self.json(Req::new(Method::PUT, job_path(name, "")).json(spec)?).await

@@ -335,6 +335,34 @@ impl DockerProvider {
         Ok(())
     }
 
+    /// Pauses (`paused`) or unpauses the sandbox's container through the engine; one already
+    /// so is fine (the engine's refusal, checked by an inspect).
+    async fn set_paused(&self, id: &str, paused: bool) -> Result<(), ProviderError> {
+        if check_id(id).is_err() {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        let name = container_name(id);
+        let done =
+            if paused { self.docker.pause_container(&name).await } else { self.docker.unpause_container(&name).await };
+        let what = if paused { "pause" } else { "unpause" };
+        match done {
+            Ok(()) => Ok(()),
+            Err(BollardError::DockerResponseServerError { status_code: 404, .. }) => {
+                Err(ProviderError::NotFound(id.to_string()))
+            }
+            // "already paused" is a 409, "not paused" a 500 on some engines: the state decides.
+            Err(e @ BollardError::DockerResponseServerError { .. }) => {
+                let state = self.docker.inspect_container(&name, None).await.ok().and_then(|c| c.state);
+                if state.and_then(|s| s.paused) == Some(paused) {
+                    Ok(())
+                } else {
+                    Err(engine_error(&format!("cannot {what} container `{name}`"), e))
+                }
+            }
+            Err(e) => Err(engine_error(&format!("cannot {what} container `{name}`"), e)),
+        }
+    }
+
     /// Force-removes the container; one that does not exist is fine.
     async fn remove_container(&self, id: &str) -> Result<(), ProviderError> {
         let name = container_name(id);
@@ -439,6 +467,15 @@ impl Provider for DockerProvider {
         outcome
     }
 
+    /// The engine's pause: its cgroup freezer freezes every process of the container.
+    async fn pause(&self, id: &str) -> Result<(), ProviderError> {
+        self.set_paused(id, true).await
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), ProviderError> {
+        self.set_paused(id, false).await
+    }
+
     /// Every container with this provider's labels, with its spec from the labels and its token
     /// from the host directory. A container that no longer runs is reported ended (as its death
     /// was reported); one whose spec cannot be read is reported ended with a placeholder spec, so
@@ -480,17 +517,24 @@ impl Provider for DockerProvider {
                     let ended =
                         Ended { reason: Reason::ProviderError, message: format!("unreadable sandbox record: {why}") };
                     let image = labels.get(IMAGE_LABEL).cloned().or(summary.image).unwrap_or_default();
-                    records.push(Record { spec: placeholder(&id, &image), endpoint, ended: Some(ended), claim: None });
+                    records.push(Record {
+                        spec: placeholder(&id, &image),
+                        endpoint,
+                        ended: Some(ended),
+                        claim: None,
+                        paused: false,
+                    });
                     continue;
                 }
             };
+            let paused = summary.state == Some(ContainerSummaryStateEnum::PAUSED);
             let running = match summary.state {
                 Some(ContainerSummaryStateEnum::RUNNING | ContainerSummaryStateEnum::PAUSED) => true,
                 Some(ContainerSummaryStateEnum::CREATED) => creating.contains(&id),
                 _ => false,
             };
             let ended = if running { None } else { Some(self.ended(&id, &dir, Some(&spec)).await) };
-            records.push(Record { spec, endpoint, ended, claim: None });
+            records.push(Record { spec, endpoint, ended, claim: None, paused });
         }
         Ok(records)
     }

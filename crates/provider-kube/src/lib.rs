@@ -541,6 +541,9 @@ impl Drop for Creating<'_> {
 
 /// Why the kubernetes provider refuses snapshots and forks.
 pub const SNAPSHOT_REFUSED: &str = "the kubernetes provider cannot snapshot a sandbox: a pod's file system belongs to its node's container runtime, which the Kubernetes API cannot commit into an image; take snapshots on the process or docker provider and export them to a registry (POST /v1/snapshots/{id}/export) that the cluster pulls from";
+/// Why the kubernetes provider refuses pause and resume.
+const NO_FREEZE: &str = "a pod cannot be frozen without a runtime's help (the Kubernetes API has no pause; a \
+                         runtime class whose runtime freezes, such as a microVM's, would be needed)";
 
 impl Provider for KubeProvider {
     fn name(&self) -> &'static str {
@@ -552,6 +555,16 @@ impl Provider for KubeProvider {
     async fn snapshot(&self, id: &str, snapshot: &str) -> Result<sandman_provider::SnapshotMade, ProviderError> {
         let _ = (id, snapshot);
         Err(ProviderError::Unsupported(SNAPSHOT_REFUSED.into()))
+    }
+
+    /// Refused at once: Kubernetes has no way to freeze a pod's processes (no pause in the pod
+    /// API or the kubelet), and the container runtime's own pause is not reachable through it.
+    async fn pause(&self, id: &str) -> Result<(), ProviderError> {
+        Err(ProviderError::Unsupported(format!("the kubernetes provider cannot pause sandbox `{id}`: {NO_FREEZE}")))
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), ProviderError> {
+        Err(ProviderError::Unsupported(format!("the kubernetes provider cannot resume sandbox `{id}`: {NO_FREEZE}")))
     }
 
     fn isolation(&self) -> sandman_wire::server::Isolation {
@@ -763,7 +776,7 @@ impl Provider for KubeProvider {
                     None
                 }
             };
-            records.push(Record { spec, endpoint, ended, claim });
+            records.push(Record { spec, endpoint, ended, claim, paused: false });
         }
         Ok(records)
     }

@@ -1593,3 +1593,22 @@ async fn a_snapshot_is_refused_at_once_naming_the_provider_and_the_reason() {
     assert!(refused.contains("container runtime"), "{refused}");
     assert_eq!(api.seen().len(), before, "the refusal asked the API server");
 }
+
+// ---- pause ----
+
+#[tokio::test]
+async fn pause_and_resume_are_refused_at_once_naming_the_provider_and_why() {
+    let cluster = Cluster::shared();
+    let (client, _mock) = client_on(&cluster);
+    let p = provider(client);
+    for refused in [p.pause("pz").await, p.resume("pz").await] {
+        match refused {
+            Err(ProviderError::Unsupported(m)) => {
+                assert!(m.contains("kubernetes provider") && m.contains("`pz`"), "{m}");
+                assert!(m.contains("a pod cannot be frozen without a runtime's help"), "{m}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    assert!(cluster.lock().unwrap().pods.is_empty(), "a refused pause touched the cluster");
+}

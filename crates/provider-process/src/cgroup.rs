@@ -2,7 +2,10 @@
 //! or in each of the v1 cpu, memory and pids controllers, with limits written at create
 //! ([`create`]: pids always, cpu and memory when asked, and for eval no swap beyond memory),
 //! read back for `applied` ([`Dirs::read_back`]) and removed at delete. Start at
-//! [`Dirs::own`]. Blocking file I/O throughout; callers run it off the async threads.
+//! [`Dirs::own`]. Pause and resume freeze a sandbox through cgroup v2's `cgroup.freeze`
+//! ([`Dirs::freeze`]): in its v2 directory, or on a hybrid host (v1 controllers, the unified
+//! hierarchy at `/sys/fs/cgroup/unified`) in a v2 cgroup of its own there that holds no
+//! controller. Blocking file I/O throughout; callers run it off the async threads.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -18,6 +21,10 @@ pub const MOUNT: &str = "/sys/fs/cgroup";
 
 /// The CFS period the cpu quota is a share of, in microseconds (the kernel's default).
 pub const PERIOD_US: u64 = 100_000;
+
+/// The longest a freeze or thaw waits for `cgroup.events` to change before reading it again
+/// (see [`Dirs::freeze`]): a few reads of a small file per pause at most.
+const NOTIFY_CAP: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// The smallest CFS quota the kernel takes, in microseconds.
 pub const MIN_QUOTA_US: u64 = 1_000;
@@ -53,6 +60,11 @@ pub struct Dirs {
     #[serde(default)]
     pub memory: Option<PathBuf>,
     pub pids: PathBuf,
+    /// The v2 cgroup whose `cgroup.freeze` pauses the sandbox: the v2 directory itself, or on a
+    /// hybrid host one in the unified hierarchy; `None` where the host has no cgroup v2 (or for
+    /// a sandbox made before pausing existed), and pausing is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freezer: Option<PathBuf>,
 }
 
 /// What a sandbox's cgroups hold it to.
@@ -118,7 +130,13 @@ impl Dirs {
             if !sys::writable(&own) {
                 return Err(format!("cgroup v2: the server's cgroup `{}` is not writable", own.display()));
             }
-            return Ok(Dirs { version: Version::V2, cpu: Some(own.clone()), memory: Some(own.clone()), pids: own });
+            return Ok(Dirs {
+                version: Version::V2,
+                cpu: Some(own.clone()),
+                memory: Some(own.clone()),
+                freezer: Some(own.clone()),
+                pids: own,
+            });
         }
         let mut found = Vec::new();
         let mut missing = Vec::new();
@@ -130,9 +148,18 @@ impl Dirs {
                 None => missing.push(format!("`{controller}` (not in /proc/self/cgroup)")),
             }
         }
+        // A hybrid host's unified hierarchy, for the freezer alone: a cgroup there needs no
+        // controller, so it costs the kernel little.
+        let unified = mount.join("unified");
+        let freezer = lines
+            .iter()
+            .find(|(controllers, _)| controllers.is_empty())
+            .filter(|_| unified.join("cgroup.controllers").is_file())
+            .map(|(_, p)| under(unified.clone(), p))
+            .filter(|dir| dir.is_dir() && sys::writable(dir));
         match <[PathBuf; 3]>::try_from(found) {
             Ok([cpu, memory, pids]) if missing.is_empty() => {
-                Ok(Dirs { version: Version::V1, cpu: Some(cpu), memory: Some(memory), pids })
+                Ok(Dirs { version: Version::V1, cpu: Some(cpu), memory: Some(memory), pids, freezer })
             }
             _ => Err(format!("no writable cgroup v1 controller {}", missing.join(", "))),
         }
@@ -150,13 +177,15 @@ impl Dirs {
             cpu: limited(&self.cpu, limits.cpu.is_some()),
             memory: limited(&self.memory, limits.memory.is_some()),
             pids: self.pids.join(&name),
+            freezer: self.freezer.as_ref().map(|d| d.join(&name)),
         }
     }
 
     /// Each directory once (v2 has one).
     pub fn unique(&self) -> Vec<&Path> {
         let mut dirs: Vec<&Path> = Vec::new();
-        for d in [self.cpu.as_deref(), self.memory.as_deref(), Some(self.pids.as_path())].into_iter().flatten() {
+        let all = [self.cpu.as_deref(), self.memory.as_deref(), Some(self.pids.as_path()), self.freezer.as_deref()];
+        for d in all.into_iter().flatten() {
             if !dirs.contains(&d) {
                 dirs.push(d);
             }
@@ -275,6 +304,72 @@ impl Dirs {
         }
     }
 
+    /// Freezes (`frozen`) or thaws every process of the sandbox through its v2 cgroup's
+    /// `cgroup.freeze`, then waits until the kernel says they all are (`frozen 1` or `frozen 0`
+    /// in `cgroup.events`), at most `timeout`. The wait is on the file's change notification
+    /// (`POLLPRI`), never a sleep: it ends the moment the last process stops.
+    pub fn freeze(&self, frozen: bool, timeout: std::time::Duration) -> Result<(), ProviderError> {
+        use std::io::{Read, Seek};
+        let dir = self.freezer.as_deref().ok_or_else(|| {
+            ProviderError::Unsupported(
+                "the process provider cannot pause this sandbox: it has no cgroup v2 to freeze it with (the host mounts no \
+                 unified hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified, or the sandbox was made before pausing existed)"
+                    .into(),
+            )
+        })?;
+        let path = dir.join("cgroup.events");
+        let fail = |e| ProviderError::io(format!("cannot read `{}`", path.display()), e);
+        let mut events = std::fs::File::open(&path).map_err(fail)?;
+        write(dir, "cgroup.freeze", if frozen { "1" } else { "0" })?;
+        let want = if frozen { "frozen 1" } else { "frozen 0" };
+        let deadline = std::time::Instant::now().checked_add(timeout);
+        let mut text = String::with_capacity(64);
+        loop {
+            text.clear();
+            events.seek(io::SeekFrom::Start(0)).and_then(|_| events.read_to_string(&mut text)).map_err(fail)?;
+            if text.lines().any(|l| l.trim() == want) {
+                return Ok(());
+            }
+            let left = deadline.map_or(timeout, |d| d.saturating_duration_since(std::time::Instant::now()));
+            if left.is_zero() {
+                return Err(ProviderError::Backend(format!(
+                    "the processes of cgroup `{}` are still not {} after {} ms",
+                    dir.display(),
+                    if frozen { "frozen" } else { "thawed" },
+                    timeout.as_millis()
+                )));
+            }
+            // The kernel sends a cgroup file's change notifications at most once per 10 ms
+            // (`CGROUP_FILE_NOTIFY_MIN_INTV`), delaying one that comes sooner after the last (a
+            // pause right after a resume), while the file itself is current at once: so the
+            // wait is cut short and the file read again.
+            sys::wait_changed(&events, left.min(NOTIFY_CAP)).map_err(fail)?;
+        }
+    }
+
+    /// Whether the sandbox's processes are frozen now (`cgroup.freeze` holds 1).
+    pub fn is_frozen(&self) -> bool {
+        self.freezer.as_deref().and_then(|d| read(d, "cgroup.freeze")).is_some_and(|v| v == "1")
+    }
+
+    /// Asks the kernel to thaw the sandbox without waiting: what a delete does first, so that
+    /// its processes can take their signals.
+    pub fn thaw_now(&self) {
+        if self.is_frozen()
+            && let Some(dir) = self.freezer.as_deref()
+            && let Err(err) = write(dir, "cgroup.freeze", "0")
+        {
+            tracing::warn!(%err, "cannot thaw a paused sandbox's cgroup");
+        }
+    }
+
+    /// Microseconds of CPU the sandbox's processes have used, from its v2 cgroup's `cpu.stat`
+    /// (`usage_usec`, kept by every v2 cgroup whatever its controllers).
+    pub fn cpu_usage_usec(&self) -> Option<u64> {
+        let stat = read(self.freezer.as_deref()?, "cpu.stat")?;
+        stat.lines().find_map(|l| l.strip_prefix("usage_usec ")).and_then(|v| v.trim().parse().ok())
+    }
+
     /// Removes the directories once: fails while processes are still in one (`EBUSY`); one that
     /// is gone already is fine.
     pub fn remove(&self) -> io::Result<()> {
@@ -388,7 +483,13 @@ mod tests {
         for (f, v) in [("cpu.max", "max 100000"), ("memory.max", "max"), ("pids.max", "max")] {
             put(&d, f, v);
         }
-        let dirs = Dirs { version: Version::V2, cpu: Some(d.clone()), memory: Some(d.clone()), pids: d.clone() };
+        let dirs = Dirs {
+            version: Version::V2,
+            cpu: Some(d.clone()),
+            memory: Some(d.clone()),
+            pids: d.clone(),
+            freezer: None,
+        };
         let limits = Limits { cpu: None, memory: None, no_swap: false, pids: 4096 };
         dirs.write_limits(limits, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
         let back = dirs.read_back(Some(1 << 30));
@@ -448,6 +549,7 @@ mod tests {
             cpu: Some(r.join("cpu")),
             memory: Some(r.join("memory")),
             pids: r.join("pids"),
+            freezer: None,
         };
         // What the kernel puts in a new cgroup.
         for (f, v) in [
@@ -483,7 +585,13 @@ mod tests {
         {
             put(&d, f, v);
         }
-        let dirs = Dirs { version: Version::V2, cpu: Some(d.clone()), memory: Some(d.clone()), pids: d.clone() };
+        let dirs = Dirs {
+            version: Version::V2,
+            cpu: Some(d.clone()),
+            memory: Some(d.clone()),
+            pids: d.clone(),
+            freezer: None,
+        };
         dirs.write_limits(eval(0.25, 1 << 30, 1024), 1 << 30).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(std::fs::read_to_string(d.join("cpu.max")).ok().as_deref(), Some("25000 100000"));
         let back = dirs.read_back(Some(1 << 30));

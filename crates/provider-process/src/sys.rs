@@ -1,6 +1,6 @@
 //! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `waitpid`,
 //! `kill`, `pidfd_send_signal`, `geteuid`, `access`, `unshare(CLONE_FILES)`, `close_range`,
-//! `gettid` and (in tests) `setns`, which std does not expose.
+//! `gettid`, `ppoll` (for a cgroup's events) and (in tests) `setns`, which std does not expose.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -134,6 +134,29 @@ pub fn writable(dir: &std::path::Path) -> bool {
     let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
     // SAFETY: `path` is a NUL-terminated string that outlives the call.
     unsafe { libc::access(path.as_ptr(), libc::W_OK) == 0 }
+}
+
+/// Waits up to `timeout` for a change of a kernfs file `fd` is open on (a cgroup's
+/// `cgroup.events`), which the kernel signals as `POLLPRI`: true when it changed (or the wait
+/// was interrupted), false when the time ran out. Read the file before each wait: a change since
+/// the last read ends the wait at once, so none is missed.
+pub fn wait_changed(fd: &impl AsRawFd, timeout: std::time::Duration) -> io::Result<bool> {
+    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLPRI, revents: 0 };
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
+    };
+    // SAFETY: `pfd` is one valid `pollfd` and `ts` one valid `timespec`, both outliving the
+    // call; the count says one; no signal mask is passed.
+    let r = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+    match r {
+        0 => Ok(false),
+        r if r > 0 => Ok(true),
+        _ => {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted { Ok(true) } else { Err(e) }
+        }
+    }
 }
 
 pub const SIGKILL: i32 = libc::SIGKILL;

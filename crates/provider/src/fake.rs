@@ -207,7 +207,7 @@ impl Provider for FakeProvider {
             Endpoints::Same(endpoint) => endpoint.clone(),
             Endpoints::Each(endpoint_of) => endpoint_of(spec),
         };
-        let record = Record { spec: spec.clone(), endpoint: endpoint.clone(), ended: None, claim: None };
+        let record = Record { spec: spec.clone(), endpoint: endpoint.clone(), ended: None, claim: None, paused: false };
         self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
         Ok(endpoint)
     }
@@ -292,6 +292,28 @@ impl Provider for FakeProvider {
 
     async fn delete_snapshot(&self, snapshot: &str) -> Result<(), ProviderError> {
         self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).remove(snapshot);
+        Ok(())
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), ProviderError> {
+        self.set_paused(id, true)
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), ProviderError> {
+        self.set_paused(id, false)
+    }
+}
+
+impl FakeProvider {
+    /// Whether sandbox `id` is paused, as its record says.
+    pub fn is_paused(&self, id: &str) -> bool {
+        self.records.lock().unwrap_or_else(PoisonError::into_inner).get(id).is_some_and(|r| r.paused)
+    }
+
+    fn set_paused(&self, id: &str, paused: bool) -> Result<(), ProviderError> {
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let record = records.get_mut(id).ok_or_else(|| ProviderError::NotFound(id.to_string()))?;
+        record.paused = paused;
         Ok(())
     }
 }

@@ -59,6 +59,10 @@ pub struct ServerMeta {
     /// between the jobs waiting by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<f64>,
+    /// A proxied call on the sandbox while it is paused resumes it first (the create's
+    /// `auto_resume`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_resume: bool,
 }
 
 /// The label that marks a warm pool's sandboxes in [`SandboxSpec::labels`] (its value: the
@@ -126,6 +130,10 @@ pub struct Record {
     /// [`Provider::claim`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim: Option<Claim>,
+    /// Its processes are frozen ([`Provider::pause`]), as the backend says now: a restarted
+    /// server finds it paused.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 /// A warm-pool sandbox taken by a create: the sandbox as its claimer made it. The server
@@ -378,6 +386,23 @@ pub trait Provider: Send + Sync {
         let _ = (snapshot, reference);
         let name = self.name();
         async move { Err(ProviderError::Unsupported(format!("the {name} provider cannot export a snapshot"))) }
+    }
+
+    /// Freezes every process of sandbox `id` (the daemon's included) and answers once they
+    /// are all frozen: they use no CPU and keep their memory until [`Provider::resume`].
+    /// Pausing a paused sandbox is fine. The default refuses, naming the provider.
+    fn pause(&self, id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = id;
+        let name = self.name();
+        async move { Err(ProviderError::Unsupported(format!("the {name} provider cannot pause a sandbox"))) }
+    }
+
+    /// Thaws what [`Provider::pause`] froze, answering once every process runs again.
+    /// Resuming a running sandbox is fine. The default refuses, naming the provider.
+    fn resume(&self, id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = id;
+        let name = self.name();
+        async move { Err(ProviderError::Unsupported(format!("the {name} provider cannot resume a sandbox"))) }
     }
 }
 

@@ -1,5 +1,6 @@
 //! The daemon's dead-man switch: with no authenticated call for the lease period, it kills every
 //! process it started and exits, so that a sandbox dies even when its server is gone for good.
+//! Time the daemon spends frozen (its sandbox paused) does not count: nobody could call it then.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -61,19 +62,45 @@ impl Lease {
         self.deadline().map(|d| d.saturating_duration_since(Instant::now()))
     }
 
-    /// Resolves when the lease lapses; never when no lease is kept.
+    /// Resolves when the lease lapses; never when no lease is kept. It looks at the clock at
+    /// least every [`TICK`]: a wake much later than asked for means the daemon did not run
+    /// meanwhile (its sandbox was paused, its processes frozen), and that time is given back
+    /// to the lease, so that a resumed sandbox's daemon does not end it before its server's
+    /// renewal arrives.
     pub async fn lapsed(&self) {
         loop {
             let Some(deadline) = self.deadline() else {
                 return std::future::pending().await;
             };
-            if deadline <= Instant::now() {
+            let now = Instant::now();
+            if deadline <= now {
                 return;
             }
-            tokio::time::sleep_until(deadline).await;
+            let wake = now.checked_add(TICK).map_or(deadline, |tick| tick.min(deadline));
+            tokio::time::sleep_until(wake).await;
+            let late = Instant::now().saturating_duration_since(wake);
+            if late > LATE {
+                self.stood_still(late);
+            }
         }
     }
+
+    /// The daemon was frozen for about `gap`: the lease stood still meanwhile.
+    fn stood_still(&self, gap: Duration) {
+        let mut state = self.state();
+        let now = Instant::now();
+        state.last = state.last.checked_add(gap).map_or(now, |t| t.min(now));
+    }
 }
+
+/// The longest the lease's watcher sleeps between two looks at the clock: a freeze longer than
+/// this (and [`LATE`]) is noticed, and the lease loses at most this much to it. The server
+/// renews the daemon's lease well before it runs out, a minute beyond its own, so the loss never
+/// ends a sandbox.
+const TICK: Duration = Duration::from_secs(10);
+
+/// How much later than asked a wake must be to count as a freeze rather than a busy machine.
+const LATE: Duration = Duration::from_secs(2);
 
 /// A call under way on the daemon; its end renews the lease.
 #[derive(Debug)]
@@ -122,6 +149,24 @@ mod tests {
         assert_eq!(lease.remaining(), Some(Duration::from_secs(1)));
         let done = tokio::time::timeout(Duration::from_secs(2), lease.lapsed()).await;
         assert!(done.is_ok(), "the lease runs again once the call ended");
+    }
+
+    /// Before, a paused sandbox's daemon woke from its freeze past its lease and ended the
+    /// sandbox before the server's renewal after the resume could reach it.
+    #[tokio::test(start_paused = true)]
+    async fn time_spent_frozen_does_not_count_against_the_lease() {
+        let lease = Lease::new(Some(Duration::from_secs(30)));
+        let lapsed = lease.lapsed();
+        tokio::pin!(lapsed);
+        assert!(tokio::time::timeout(Duration::from_millis(1), &mut lapsed).await.is_err());
+        // Frozen for 100 s: the watcher wakes once, far later than it asked.
+        tokio::time::advance(Duration::from_secs(100)).await;
+        assert!(tokio::time::timeout(Duration::from_millis(1), &mut lapsed).await.is_err(), "lapsed after a freeze");
+        let left = lease.remaining().unwrap_or_default();
+        assert!(left >= Duration::from_secs(15) && left <= Duration::from_secs(30), "{left:?}");
+        // It still lapses once the remaining time passes with the daemon running.
+        let done = tokio::time::timeout(Duration::from_secs(31), &mut lapsed).await;
+        assert!(done.is_ok(), "the lease runs again after the freeze");
     }
 
     #[tokio::test(start_paused = true)]

@@ -46,6 +46,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/sandboxes/{id}"),
     ("DELETE", "/v1/sandboxes/{id}"),
     ("POST", "/v1/sandboxes/{id}/keepalive"),
+    ("POST", "/v1/sandboxes/{id}/pause"),
+    ("POST", "/v1/sandboxes/{id}/resume"),
     ("GET", "/v1/sandboxes/{id}/conditions"),
     ("POST", "/v1/sandboxes/{id}/snapshots"),
     ("GET", "/v1/sandboxes/{id}/snapshots"),
@@ -91,6 +93,8 @@ pub fn router_with(service: Arc<Service>, limits: Limits, fusion: crate::fusion:
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(release))
         .route("/v1/sandboxes/{id}/keepalive", post(keepalive))
+        .route("/v1/sandboxes/{id}/pause", post(pause))
+        .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/conditions", get(conditions))
         .merge(crate::snapshots_api::routes())
         .route("/v1/jobs/{job}", get(get_job).put(put_job).delete(delete_job))
@@ -198,6 +202,14 @@ async fn release(State(service): State<Arc<Service>>, Path(id): Path<String>) ->
 
 async fn keepalive(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
     service.keepalive(&id).map(Json)
+}
+
+async fn pause(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
+    service.pause(&id).await.map(Json)
+}
+
+async fn resume(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Sandbox>> {
+    service.resume(&id).await.map(Json)
 }
 
 async fn put_job(

@@ -17,6 +17,11 @@ pub enum ServerError {
     Gone { id: String, reason: Reason, message: Option<String> },
     #[error("{0}")]
     Conflict(String),
+    /// A call on a paused sandbox created without `auto_resume`.
+    #[error(
+        "sandbox `{0}` is paused; resume it first (`POST /v1/sandboxes/{0}/resume`, `sandman resume {0}`), or create it with `auto_resume` so that calls resume it"
+    )]
+    Paused(String),
     #[error("{0}")]
     Timeout(String),
     #[error("{0}")]
@@ -50,6 +55,7 @@ impl ServerError {
             ServerError::NotFound(_) => ErrorCode::NotFound,
             ServerError::Gone { .. } => ErrorCode::Gone,
             ServerError::Conflict(_) => ErrorCode::Conflict,
+            ServerError::Paused(_) => ErrorCode::Paused,
             ServerError::Timeout(_) => ErrorCode::Timeout,
             ServerError::QuotaExceeded(_) | ServerError::QueueFull { .. } => ErrorCode::QuotaExceeded,
             ServerError::Body(e) => e.code(),

@@ -101,6 +101,12 @@ pub struct Metrics {
     pub past_deadline: Gauge,
     // ---- the SandboxFusion API ----
     pub fusion_calls: Family<FusionLabel, Counter>,
+    // ---- pause ----
+    /// Time a pause took (the provider's freeze), and a resume (its thaw).
+    pub pause_latency: Histogram,
+    pub resume_latency: Histogram,
+    /// Calls that found their sandbox paused and resumed it (`auto_resume`).
+    pub auto_resumes: Counter,
 }
 
 impl Default for Metrics {
@@ -195,6 +201,17 @@ impl Default for Metrics {
             "SandboxFusion API calls, by job and outcome (sandbox_error and not_started are the service's failures)",
             fusion_calls.clone(),
         );
+        let pause_buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0];
+        let pause_latency = Histogram::new(pause_buckets);
+        let resume_latency = Histogram::new(pause_buckets);
+        let auto_resumes = Counter::default();
+        registry.register("pause_seconds", "Time a pause took to freeze its sandbox", pause_latency.clone());
+        registry.register("resume_seconds", "Time a resume took to thaw its sandbox", resume_latency.clone());
+        registry.register(
+            "auto_resumes",
+            "Calls that found their sandbox paused and resumed it (auto_resume)",
+            auto_resumes.clone(),
+        );
         // Every state shows, at zero when empty.
         for s in SandboxState::ALL {
             let _ = sandboxes.get_or_create(&StateLabel { state: s.as_str().into() });
@@ -222,6 +239,9 @@ impl Default for Metrics {
             job_sandboxes,
             past_deadline,
             fusion_calls,
+            pause_latency,
+            resume_latency,
+            auto_resumes,
         }
     }
 }

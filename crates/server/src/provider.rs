@@ -182,4 +182,22 @@ impl Provider for AnyProvider {
             AnyProvider::Fake(p) => p.export_snapshot(snapshot, reference).await,
         }
     }
+
+    async fn pause(&self, id: &str) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.pause(id).await,
+            AnyProvider::Docker(p) => p.pause(id).await,
+            AnyProvider::Kube(p) => p.pause(id).await,
+            AnyProvider::Fake(p) => p.pause(id).await,
+        }
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.resume(id).await,
+            AnyProvider::Docker(p) => p.resume(id).await,
+            AnyProvider::Kube(p) => p.resume(id).await,
+            AnyProvider::Fake(p) => p.resume(id).await,
+        }
+    }
 }

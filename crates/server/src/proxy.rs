@@ -39,7 +39,7 @@ pub async fn forward(
     Path((id, rest)): Path<(String, String)>,
     mut req: Request,
 ) -> ServerResult<Response> {
-    let target = service.call_target(&id)?;
+    let target = service.call_target_resuming(&id).await?;
     let upgrade = is_upgrade(req.headers());
     let inbound = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (endpoint, token, held) = (target.endpoint, target.token, target.held);

@@ -55,11 +55,14 @@ pub struct Timers {
     /// Proxied calls under way (an exec, a followed output stream): while there is one, neither
     /// the lease nor the idle timeout runs out; the lifetime still does.
     pub in_flight: u32,
+    /// Since when the sandbox is paused: its lease and idle timeout stand still (neither runs
+    /// out) until it resumes; its lifetime still counts.
+    pub paused: Option<Instant>,
 }
 
 impl Timers {
     pub fn new(now: Instant, lease: Duration, idle: Option<Duration>, ttl: Option<Duration>) -> Self {
-        Timers { lease, idle, ttl, created: now, last_call: now, last_renew: now, in_flight: 0 }
+        Timers { lease, idle, ttl, created: now, last_call: now, last_renew: now, in_flight: 0, paused: None }
     }
 
     pub fn lease_expires(&self) -> Instant {
@@ -74,8 +77,15 @@ impl Timers {
         self.ttl.map(|t| later(self.created, t))
     }
 
-    /// The earliest deadline and the reason it would end the sandbox with.
+    /// The earliest deadline and the reason it would end the sandbox with. Paused, only the
+    /// lifetime runs.
     pub fn next_deadline(&self) -> (Instant, Reason) {
+        if let Some(at) = self.paused {
+            return match self.ttl_expires() {
+                Some(t) => (t, Reason::TtlExpired),
+                None => (later(at, FAR), Reason::LeaseExpired),
+            };
+        }
         let mut best = (self.lease_expires(), Reason::LeaseExpired);
         if let Some(i) = self.idle_expires()
             && i < best.0
@@ -129,6 +139,18 @@ impl Timers {
         self.last_renew = now;
     }
 
+    /// The sandbox is paused: its lease and idle timeout stop.
+    pub fn pause(&mut self, now: Instant) {
+        self.paused.get_or_insert(now);
+    }
+
+    /// The sandbox runs again: resuming counts as a call, so its lease and idle timeout start
+    /// afresh.
+    pub fn resume(&mut self, now: Instant) {
+        self.paused = None;
+        self.call(now);
+    }
+
     /// A keepalive or heartbeat: renews the lease only.
     pub fn renew(&mut self, now: Instant) {
         self.last_renew = now;
@@ -173,6 +195,9 @@ pub struct Sandbox {
     inner: Mutex<Inner>,
     /// The current state, for creates that wait for readiness.
     state_tx: watch::Sender<SandboxState>,
+    /// Held across a pause or a resume (the provider's freeze or thaw), so that they happen one
+    /// at a time and each sees the state the one before left.
+    pub pausing: tokio::sync::Mutex<()>,
 }
 
 impl Sandbox {
@@ -200,6 +225,7 @@ impl Sandbox {
                 image_config: None,
             }),
             state_tx: watch::Sender::new(state),
+            pausing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -253,6 +279,8 @@ impl Sandbox {
                 inner.message = message;
             }
             match next {
+                // Resumed: it was ready before.
+                SandboxState::Ready if prev == SandboxState::Paused => {}
                 SandboxState::Ready => inner.ready_at_ms = Some(now_ms()),
                 SandboxState::Gone | SandboxState::Failed => {
                     inner.ended_at_ms = Some(now_ms());
@@ -285,6 +313,9 @@ impl Sandbox {
     pub fn to_wire(&self) -> WireSandbox {
         let inner = self.lock();
         let live = !inner.state.is_terminal();
+        let paused = inner.timers.paused.map(wall_ms);
+        // Paused, the lease and idle timeout stand still: they have no time to run out at.
+        let running = live && paused.is_none();
         WireSandbox {
             id: self.spec.id.clone(),
             image: self.spec.image.clone(),
@@ -300,13 +331,15 @@ impl Sandbox {
             created_at_ms: self.spec.created_at_ms,
             ready_at_ms: inner.ready_at_ms,
             ended_at_ms: inner.ended_at_ms,
-            lease_expires_at_ms: live.then(|| wall_ms(inner.timers.lease_expires())),
-            idle_expires_at_ms: if live { inner.timers.idle_expires().map(wall_ms) } else { None },
+            lease_expires_at_ms: running.then(|| wall_ms(inner.timers.lease_expires())),
+            idle_expires_at_ms: if running { inner.timers.idle_expires().map(wall_ms) } else { None },
             ttl_expires_at_ms: if live { inner.timers.ttl_expires().map(wall_ms) } else { None },
             lease_s: inner.timers.lease.as_secs(),
             isolation: Some(self.provider.isolation),
             user: default_user(self.spec.server.user.as_deref(), inner.image_config.as_ref()),
             image_config: inner.image_config.clone(),
+            paused_at_ms: paused,
+            auto_resume: self.spec.server.auto_resume,
         }
     }
 }

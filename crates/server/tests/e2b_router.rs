@@ -55,6 +55,8 @@ async fn control_errors_are_the_sdks_shape() {
     let (s, v) = call(&app, "DELETE", "/e2b/sandboxes/sb-none", &[KEY], "").await;
     assert_eq!((s, v["code"].as_u64()), (404, Some(404)), "{v}");
     let (s, v) = call(&app, "POST", "/e2b/sandboxes/sb-none/pause", &[KEY, JSON], "{}").await;
+    assert_eq!((s, v["code"].as_u64()), (404, Some(404)), "{v}");
+    let (s, v) = call(&app, "POST", "/e2b/templates", &[KEY, JSON], "{}").await;
     assert_eq!(s, 501, "{v}");
     assert!(v["message"].as_str().is_some_and(|m| m.contains("not supported")), "{v}");
 }

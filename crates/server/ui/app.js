@@ -6,8 +6,8 @@
 'use strict';
 
 const TOKEN_KEY = 'sandman.token';
-const STATES = ['queued', 'creating', 'ready', 'releasing', 'gone', 'failed'];
-const LIVE_STATES = ['queued', 'creating', 'ready', 'releasing'];
+const STATES = ['queued', 'creating', 'ready', 'paused', 'releasing', 'gone', 'failed'];
+const LIVE_STATES = ['queued', 'creating', 'ready', 'paused', 'releasing'];
 const PALETTE = ['#f87171', '#fbbf24', '#a78bfa', '#f472b6', '#fb923c', '#38bdf8', '#4ade80', '#e879f9', '#facc15', '#2dd4bf'];
 const PAGE_SIZE = 50;
 const METRICS_EVERY_MS = 5000;

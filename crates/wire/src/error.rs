@@ -13,6 +13,9 @@ pub enum ErrorCode {
     NotFound,
     Gone,
     Conflict,
+    /// The sandbox is paused: resume it (`POST /v1/sandboxes/{id}/resume`) or create it with
+    /// `auto_resume`.
+    Paused,
     TooLarge,
     Timeout,
     QuotaExceeded,
@@ -22,13 +25,14 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 11] = [
+    pub const ALL: [ErrorCode; 12] = [
         ErrorCode::InvalidArgument,
         ErrorCode::Unauthorized,
         ErrorCode::Forbidden,
         ErrorCode::NotFound,
         ErrorCode::Gone,
         ErrorCode::Conflict,
+        ErrorCode::Paused,
         ErrorCode::TooLarge,
         ErrorCode::Timeout,
         ErrorCode::QuotaExceeded,
@@ -44,7 +48,7 @@ impl ErrorCode {
             ErrorCode::Forbidden => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::Timeout => 408,
-            ErrorCode::Conflict => 409,
+            ErrorCode::Conflict | ErrorCode::Paused => 409,
             ErrorCode::Gone => 410,
             ErrorCode::TooLarge => 413,
             ErrorCode::QuotaExceeded => 429,
@@ -62,6 +66,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::Gone => "gone",
             ErrorCode::Conflict => "conflict",
+            ErrorCode::Paused => "paused",
             ErrorCode::TooLarge => "too_large",
             ErrorCode::Timeout => "timeout",
             ErrorCode::QuotaExceeded => "quota_exceeded",

@@ -16,16 +16,21 @@ pub enum SandboxState {
     Queued,
     Creating,
     Ready,
+    /// Every process of the sandbox is frozen (`POST /v1/sandboxes/{id}/pause`): it uses no
+    /// CPU, keeps its memory, and its lease and idle timeout stand still; its lifetime still
+    /// counts. `POST …/resume` (or a call, with `auto_resume`) makes it `ready` again.
+    Paused,
     Releasing,
     Gone,
     Failed,
 }
 
 impl SandboxState {
-    pub const ALL: [SandboxState; 6] = [
+    pub const ALL: [SandboxState; 7] = [
         SandboxState::Queued,
         SandboxState::Creating,
         SandboxState::Ready,
+        SandboxState::Paused,
         SandboxState::Releasing,
         SandboxState::Gone,
         SandboxState::Failed,
@@ -36,6 +41,7 @@ impl SandboxState {
             SandboxState::Queued => "queued",
             SandboxState::Creating => "creating",
             SandboxState::Ready => "ready",
+            SandboxState::Paused => "paused",
             SandboxState::Releasing => "releasing",
             SandboxState::Gone => "gone",
             SandboxState::Failed => "failed",
@@ -60,6 +66,10 @@ impl SandboxState {
                 | (Creating, Releasing)
                 | (Ready, Releasing)
                 | (Ready, Failed)
+                | (Ready, Paused)
+                | (Paused, Ready)
+                | (Paused, Releasing)
+                | (Paused, Failed)
                 | (Releasing, Gone)
                 | (Releasing, Failed)
         )
@@ -338,6 +348,10 @@ pub struct CreateSandbox {
     /// provider the image's `USER` is the default when this is absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// A call on the sandbox while it is paused resumes it first (E2B's behaviour) instead of
+    /// failing with `paused`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_resume: bool,
 }
 
 fn yes() -> bool {
@@ -388,6 +402,12 @@ pub struct Sandbox {
     /// The image's configuration, where the provider knows it (docker); absent elsewhere.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_config: Option<ImageConfig>,
+    /// While `paused`: since when (milliseconds since the Unix epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_at_ms: Option<u64>,
+    /// Calls on it while paused resume it (the create's `auto_resume`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_resume: bool,
 }
 
 /// What an image says about how to run it (`docker image inspect`'s `Config`). The daemon is the

@@ -141,3 +141,20 @@ async def test_connect_then_kill(e2b_env: E2bServer) -> None:
     assert await AsyncSandbox.kill(s.sandbox_id) is False
     with pytest.raises(NotFoundException):
         await AsyncSandbox.connect(s.sandbox_id)
+
+
+async def test_pause_keeps_processes_and_files_and_connect_resumes(e2b_env: E2bServer) -> None:
+    s = await AsyncSandbox.create(e2b_env.template, timeout=120)
+    try:
+        await s.files.write("/tmp/kept.txt", "before the pause")
+        busy = await s.commands.run("i=0; while :; do i=$((i+1)); done", background=True)
+        assert await s.pause() is True
+        assert await AsyncSandbox.pause(s.sandbox_id) is False
+        assert (await AsyncSandbox.get_info(s.sandbox_id)).state.value == "paused"
+        again = await AsyncSandbox.connect(s.sandbox_id)
+        assert (await AsyncSandbox.get_info(s.sandbox_id)).state.value == "running"
+        assert await again.files.read("/tmp/kept.txt") == "before the pause"
+        assert busy.pid in [p.pid for p in await again.commands.list()]
+        await again.commands.kill(busy.pid)
+    finally:
+        await s.kill()

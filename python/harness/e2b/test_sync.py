@@ -13,6 +13,7 @@ from e2b import (
     Sandbox,
     SandboxException,
     SandboxQuery,
+    SandboxState,
     TimeoutException,
 )
 
@@ -178,10 +179,33 @@ def test_connect_then_kill(e2b_env: E2bServer) -> None:
         Sandbox.connect(s.sandbox_id)
 
 
-def test_what_is_not_supported_fails_at_once(sbx: Sandbox) -> None:
+def test_what_is_not_supported_fails_at_once(e2b_env: E2bServer) -> None:
     with pytest.raises(SandboxException, match="not supported"):
-        sbx.pause()
-    assert sbx.is_running()
+        Sandbox.create(e2b_env.template, timeout=60, lifecycle={"on_timeout": "pause"})
+
+
+def test_pause_keeps_processes_and_files_and_connect_resumes(e2b_env: E2bServer) -> None:
+    s = Sandbox.create(e2b_env.template, timeout=120)
+    try:
+        s.files.write("/tmp/kept.txt", "before the pause")
+        busy = s.commands.run("i=0; while :; do i=$((i+1)); done", background=True)
+        assert s.pause() is True
+        # Pausing a paused sandbox answers False, as on E2B; `beta_pause` is the same call.
+        assert Sandbox.pause(s.sandbox_id) is False
+        assert s.beta_pause() is False
+        assert Sandbox.get_info(s.sandbox_id).state.value == "paused"
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+        assert s.sandbox_id in [i.sandbox_id for i in paused]
+        running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
+        assert s.sandbox_id not in [i.sandbox_id for i in running]
+        # Connecting resumes it: its files and its running process are still there.
+        again = Sandbox.connect(s.sandbox_id)
+        assert Sandbox.get_info(s.sandbox_id).state.value == "running"
+        assert again.files.read("/tmp/kept.txt") == "before the pause"
+        assert busy.pid in [p.pid for p in again.commands.list()]
+        again.commands.kill(busy.pid)
+    finally:
+        s.kill()
 
 
 def test_a_wrong_key_is_refused(e2b_env: E2bServer) -> None:

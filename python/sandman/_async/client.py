@@ -175,6 +175,7 @@ class AsyncSandman:
         wait: bool = True,
         wait_timeout: Optional[int] = None,
         user: Optional[str] = None,
+        auto_resume: bool = False,
     ) -> "AsyncSandbox":
         """Creates a sandbox and answers it once ready (at once with `wait=False`).
 
@@ -192,6 +193,8 @@ class AsyncSandman:
         answer returns the same sandbox. `user` (a name or `uid[:gid]`) is the user of every
         exec, process and session of the sandbox that names none; on the docker provider the
         image's `USER` is the default without it (see `SandboxInfo.user` and `image_config`).
+        With `auto_resume=True` a call on the sandbox while it is paused resumes it first;
+        without, such a call raises `Paused`.
         """
         call = _core.create_call(
             image,
@@ -211,6 +214,7 @@ class AsyncSandman:
             wait=wait,
             wait_timeout=wait_timeout,
             user=user,
+            auto_resume=auto_resume,
         )
         info = SandboxInfo.from_dict(await self._json(call))
         return AsyncSandbox(self, info.id, info)
@@ -241,6 +245,17 @@ class AsyncSandman:
     async def keepalive(self, sandbox_id: str) -> SandboxInfo:
         """Renews a sandbox's lease."""
         return SandboxInfo.from_dict(await self._json(_core.keepalive_call(sandbox_id)))
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freezes every process of a ready sandbox (state `paused`): it uses no CPU and keeps
+        its memory; its lease and idle timeout stop, its lifetime still counts. Pausing a paused
+        sandbox answers it as it is. Refused (`InvalidArgument`) by a provider that cannot
+        freeze (kubernetes)."""
+        return SandboxInfo.from_dict(await self._json(_core.pause_call(sandbox_id)))
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaws a paused sandbox (state `ready` again); counts as a call on it."""
+        return SandboxInfo.from_dict(await self._json(_core.resume_call(sandbox_id)))
 
     async def job(
         self,
@@ -602,6 +617,16 @@ class AsyncSandbox:
     async def keepalive(self) -> SandboxInfo:
         """Renews the lease (the daemon's too)."""
         self.info = await self.client.keepalive(self.id)
+        return self.info
+
+    async def pause(self) -> SandboxInfo:
+        """Freezes every process of the sandbox (see `AsyncSandman.pause`)."""
+        self.info = await self.client.pause(self.id)
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        """Thaws the paused sandbox (see `AsyncSandman.resume`)."""
+        self.info = await self.client.resume(self.id)
         return self.info
 
     async def release(self) -> Optional[SandboxInfo]:

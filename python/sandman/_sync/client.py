@@ -177,6 +177,7 @@ class Sandman:
         wait: bool = True,
         wait_timeout: Optional[int] = None,
         user: Optional[str] = None,
+        auto_resume: bool = False,
     ) -> "Sandbox":
         """Creates a sandbox and answers it once ready (at once with `wait=False`).
 
@@ -194,6 +195,8 @@ class Sandman:
         answer returns the same sandbox. `user` (a name or `uid[:gid]`) is the user of every
         exec, process and session of the sandbox that names none; on the docker provider the
         image's `USER` is the default without it (see `SandboxInfo.user` and `image_config`).
+        With `auto_resume=True` a call on the sandbox while it is paused resumes it first;
+        without, such a call raises `Paused`.
         """
         call = _core.create_call(
             image,
@@ -213,6 +216,7 @@ class Sandman:
             wait=wait,
             wait_timeout=wait_timeout,
             user=user,
+            auto_resume=auto_resume,
         )
         info = SandboxInfo.from_dict(self._json(call))
         return Sandbox(self, info.id, info)
@@ -243,6 +247,17 @@ class Sandman:
     def keepalive(self, sandbox_id: str) -> SandboxInfo:
         """Renews a sandbox's lease."""
         return SandboxInfo.from_dict(self._json(_core.keepalive_call(sandbox_id)))
+
+    def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freezes every process of a ready sandbox (state `paused`): it uses no CPU and keeps
+        its memory; its lease and idle timeout stop, its lifetime still counts. Pausing a paused
+        sandbox answers it as it is. Refused (`InvalidArgument`) by a provider that cannot
+        freeze (kubernetes)."""
+        return SandboxInfo.from_dict(self._json(_core.pause_call(sandbox_id)))
+
+    def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaws a paused sandbox (state `ready` again); counts as a call on it."""
+        return SandboxInfo.from_dict(self._json(_core.resume_call(sandbox_id)))
 
     def job(
         self,
@@ -604,6 +619,16 @@ class Sandbox:
     def keepalive(self) -> SandboxInfo:
         """Renews the lease (the daemon's too)."""
         self.info = self.client.keepalive(self.id)
+        return self.info
+
+    def pause(self) -> SandboxInfo:
+        """Freezes every process of the sandbox (see `Sandman.pause`)."""
+        self.info = self.client.pause(self.id)
+        return self.info
+
+    def resume(self) -> SandboxInfo:
+        """Thaws the paused sandbox (see `Sandman.resume`)."""
+        self.info = self.client.resume(self.id)
         return self.info
 
     def release(self) -> Optional[SandboxInfo]:

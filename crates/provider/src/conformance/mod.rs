@@ -52,6 +52,7 @@ pub fn spec(id: &str, image: &str) -> SandboxSpec {
             idempotency_key: Some(format!("key-{id}")),
             user: None,
             weight: Some(2.5),
+            auto_resume: false,
         },
     }
 }

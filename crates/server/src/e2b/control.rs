@@ -1,8 +1,10 @@
 //! E2B's control plane (REST, JSON, `X-API-KEY`) mapped onto the service: `templateID` is an
 //! image or a warm pool's name (then the create is a claim), `timeout` the sandbox's lifetime
 //! (`set_timeout` moves its end), `metadata` its labels (and list filters; the `sandman.job` key
-//! names its job), `envVars` its environment. Every error is `{"code": <status>, "message": …}`,
-//! the only shape the SDK parses.
+//! names its job), `envVars` its environment. `pause` freezes a sandbox (Sandman's pause: its
+//! processes and memory are kept, whatever the pause's `memory` mode asks), `resume` and
+//! `connect` thaw it. Every error is `{"code": <status>, "message": …}`, the only shape the SDK
+//! parses.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,7 +20,7 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use sandman_http::extract::ApiJson;
 use sandman_provider::Provider;
 use sandman_wire::ErrorCode;
-use sandman_wire::server::{CreateSandbox, ListQuery, Network, Reason, Sandbox as WireSandbox};
+use sandman_wire::server::{CreateSandbox, ListQuery, Network, Reason, Sandbox as WireSandbox, SandboxState};
 use serde::Deserialize;
 use tower::ServiceBuilder;
 
@@ -81,6 +83,8 @@ pub fn router(e2b: Arc<E2b>, request_timeout: Duration) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/connect", post(connect))
         .merge(super::snapshots::routes())
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
         .layer(ServiceBuilder::new().layer(HandleErrorLayer::new(edge_error)).timeout(request_timeout))
         .route_layer(middleware::from_fn_with_state(e2b.clone(), authorize))
         .fallback(unsupported)
@@ -109,10 +113,7 @@ async fn authorize(State(e2b): State<Arc<E2b>>, req: Request, next: Next) -> Res
 /// What E2B has and Sandman does not: a clear refusal, never a hang.
 pub(super) async fn unsupported(method: Method, uri: Uri) -> ControlError {
     let path = uri.path();
-    let what = if path.contains("/pause") || path.contains("/resume") {
-        "pausing and resuming sandboxes is not supported by Sandman: a sandbox runs until its timeout or its kill"
-            .to_string()
-    } else if path.contains("snapshot") {
+    let what = if path.contains("snapshot") {
         "this snapshot call is not supported by Sandman (create_snapshot, list_snapshots, delete_snapshot and fork are)"
             .to_string()
     } else if path.contains("/templates") {
@@ -143,7 +144,15 @@ struct NewSandbox {
     #[serde(default)]
     volume_mounts: Vec<serde_json::Value>,
     mcp: Option<serde_json::Value>,
-    auto_resume: Option<serde_json::Value>,
+    /// `{"enabled": true}`: a call on the sandbox while it is paused resumes it.
+    auto_resume: Option<AutoResume>,
+}
+
+/// E2B's `autoResume`.
+#[derive(Debug, Deserialize)]
+struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
 }
 
 fn timeout_of(t: u64) -> ControlResult<Duration> {
@@ -166,8 +175,10 @@ async fn create(State(e2b): State<Arc<E2b>>, headers: HeaderMap, ApiJson(req): A
 async fn create_inner(e2b: &E2b, headers: &HeaderMap, raw: serde_json::Value) -> ControlResult<serde_json::Value> {
     let req: NewSandbox =
         serde_json::from_value(raw).map_err(|e| ControlError::invalid(format!("bad request: {e}")))?;
-    if req.auto_pause || req.auto_resume.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ControlError::invalid("auto-pause and auto-resume are not supported by Sandman"));
+    if req.auto_pause {
+        return Err(ControlError::invalid(
+            "auto-pause is not supported by Sandman: a sandbox's timeout ends it; pause it yourself (`pause()`)",
+        ));
     }
     if !req.volume_mounts.is_empty() {
         return Err(ControlError::invalid("volume mounts are not supported by Sandman"));
@@ -190,6 +201,7 @@ async fn create_inner(e2b: &E2b, headers: &HeaderMap, raw: serde_json::Value) ->
         job: req.metadata.get(JOB_KEY).cloned(),
         ttl_s: Some(timeout.as_secs()),
         network: if req.allow_internet_access == Some(false) { Network::None } else { Network::default() },
+        auto_resume: req.auto_resume.is_some_and(|a| a.enabled),
         wait: true,
         idempotency_key: headers
             .get("idempotency-key")
@@ -251,7 +263,7 @@ fn described(token: &str, sb: &WireSandbox) -> serde_json::Value {
         "cpuCount": cpus.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64)),
         "memoryMB": mib(&sb.resources.memory),
         "diskSizeMB": mib(&sb.resources.disk),
-        "state": "running",
+        "state": if sb.state == SandboxState::Paused { "paused" } else { "running" },
         "metadata": metadata,
     })
 }
@@ -305,27 +317,68 @@ struct ConnectBody {
     timeout: Option<u64>,
 }
 
-/// Connecting to a running sandbox extends its timeout when the one given ends later.
-async fn connect(
-    State(e2b): State<Arc<E2b>>,
-    Path(id): Path<String>,
-    body: bytes::Bytes,
-) -> ControlResult<Json<serde_json::Value>> {
+/// Connecting to a sandbox resumes it when it is paused (answering 201, as E2B does), and
+/// extends its timeout when the one given ends later.
+async fn connect(State(e2b): State<Arc<E2b>>, Path(id): Path<String>, body: bytes::Bytes) -> ControlResult<Response> {
+    let body: ConnectBody = if body.iter().all(u8::is_ascii_whitespace) {
+        ConnectBody::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| ControlError::invalid(format!("bad request: {e}")))?
+    };
+    let mut sb = live(&e2b, &id)?;
+    let resumed = sb.state == SandboxState::Paused;
+    if resumed {
+        sb = e2b.service.resume(&id).await?;
+    }
+    let answer = extend_and_answer(&e2b, &id, &sb, body.timeout)?;
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, answer).into_response())
+}
+
+/// `POST /sandboxes/{id}/pause`: 204, or 409 when it is paused already (the SDK's `False`).
+async fn pause(State(e2b): State<Arc<E2b>>, Path(id): Path<String>) -> ControlResult<StatusCode> {
+    let sb = live(&e2b, &id)?;
+    if sb.state == SandboxState::Paused {
+        return Err(ControlError::new(StatusCode::CONFLICT, format!("sandbox `{id}` is already paused")));
+    }
+    e2b.service.pause(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/resume` (E2B's older call; `connect` is the newer): 201 with the
+/// sandbox, or 409 when it is not paused.
+async fn resume(State(e2b): State<Arc<E2b>>, Path(id): Path<String>, body: bytes::Bytes) -> ControlResult<Response> {
     let body: ConnectBody = if body.iter().all(u8::is_ascii_whitespace) {
         ConnectBody::default()
     } else {
         serde_json::from_slice(&body).map_err(|e| ControlError::invalid(format!("bad request: {e}")))?
     };
     let sb = live(&e2b, &id)?;
-    if let Some(t) = body.timeout {
+    if sb.state != SandboxState::Paused {
+        return Err(ControlError::new(StatusCode::CONFLICT, format!("sandbox `{id}` is not paused")));
+    }
+    let sb = e2b.service.resume(&id).await?;
+    let answer = extend_and_answer(&e2b, &id, &sb, body.timeout)?;
+    Ok((StatusCode::CREATED, answer).into_response())
+}
+
+/// Moves the sandbox's end to `timeout` from now when that is later, renews its lease, and
+/// answers it as a create does.
+fn extend_and_answer(
+    e2b: &E2b,
+    id: &str,
+    sb: &WireSandbox,
+    timeout: Option<u64>,
+) -> ControlResult<Json<serde_json::Value>> {
+    if let Some(t) = timeout {
         let timeout = timeout_of(t)?;
         let wanted = crate::sandbox::now_ms().saturating_add(timeout.as_secs().saturating_mul(1000));
         if sb.ttl_expires_at_ms.is_none_or(|end| wanted > end) {
-            e2b.service.set_end_in(&id, timeout)?;
+            e2b.service.set_end_in(id, timeout)?;
         }
     }
-    e2b.service.keepalive(&id)?;
-    Ok(Json(created(&e2b.service.token, &sb, &template_of(&sb))))
+    e2b.service.keepalive(id)?;
+    Ok(Json(created(&e2b.service.token, sb, &template_of(sb))))
 }
 
 /// `GET /v2/sandboxes`: the query, taken leniently (the SDK sends what it has).
@@ -362,8 +415,8 @@ async fn list(State(e2b): State<Arc<E2b>>, uri: Uri) -> ControlResult<Response> 
     if let Some(bad) = states.iter().find(|s| !matches!(**s, "running" | "paused" | "")) {
         return Err(ControlError::invalid(format!("unknown state `{bad}`: running or paused")));
     }
-    // No sandbox is ever paused here.
-    let running = states.is_empty() || states.contains(&"running");
+    let (running, paused) =
+        (states.is_empty() || states.contains(&"running"), states.is_empty() || states.contains(&"paused"));
     let filter = params.metadata.as_deref().map(metadata_filter).unwrap_or_default();
     let after = match params.next_token.as_deref() {
         Some(t) if t.len() <= 512 => Some(
@@ -379,9 +432,11 @@ async fn list(State(e2b): State<Arc<E2b>>, uri: Uri) -> ControlResult<Response> 
         Some("desc") => true,
         Some(o) => return Err(ControlError::invalid(format!("unknown order `{o}`: asc or desc"))),
     };
-    let mut all: Vec<WireSandbox> = if running { e2b.service.list(&ListQuery::default())? } else { Vec::new() };
+    let mut all: Vec<WireSandbox> =
+        if running || paused { e2b.service.list(&ListQuery::default())? } else { Vec::new() };
     all.retain(|s| {
         !s.state.is_terminal()
+            && if s.state == SandboxState::Paused { paused } else { running }
             && filter.iter().all(|(k, v)| s.labels.get(k) == Some(v))
             && params.template.as_ref().is_none_or(|t| &template_of(s) == t)
     });

@@ -180,6 +180,8 @@ pub fn rpc_of(code: sandman_wire::ErrorCode, message: String) -> RpcError {
         E::NotFound => Code::NotFound,
         E::Timeout => Code::DeadlineExceeded,
         E::Conflict => Code::AlreadyExists,
+        // A paused sandbox's envd: resume it (or `connect`) first.
+        E::Paused => Code::FailedPrecondition,
         E::Gone => Code::Unavailable,
         E::TooLarge | E::QuotaExceeded => Code::ResourceExhausted,
         E::Unavailable => Code::Unavailable,

@@ -192,7 +192,8 @@ impl Service {
             }
             return;
         }
-        if state != SandboxState::Ready {
+        // A paused sandbox's timers say only its lifetime is due.
+        if !matches!(state, SandboxState::Ready | SandboxState::Paused) {
             return;
         }
         match due {

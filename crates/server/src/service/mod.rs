@@ -15,12 +15,14 @@
 //! - [`conditions`]: signed conditions records.
 //! - [`prepare`]: preparing images and holding creates until enough nodes have them.
 //! - [`snapshots`]: snapshots of sandboxes' files, kept until deleted or their job is, and forks.
+//! - [`pause`]: pausing and resuming sandboxes, and resuming one a call finds paused.
 
 mod conditions;
 mod images;
 mod jobs;
 mod leases;
 mod lifecycle;
+mod pause;
 mod pools;
 mod prepare;
 mod queue;
@@ -277,6 +279,7 @@ impl Service {
         let mut inner = sb.lock();
         match inner.state {
             SandboxState::Ready => {}
+            SandboxState::Paused => return Err(ServerError::Paused(id.to_string())),
             s if s.is_terminal() => {
                 drop(inner);
                 return Err(sb.gone_error());

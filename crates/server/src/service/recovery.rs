@@ -114,10 +114,18 @@ impl Service {
                             None,
                             Some("recovered".into()),
                         );
+                        // Paused before the restart, as the provider says: still paused.
+                        if record.paused && sb.transition(SandboxState::Paused, None, None).is_ok() {
+                            sb.lock().timers.pause(now);
+                            self.metrics.moved(Some(SandboxState::Ready), SandboxState::Paused);
+                            self.events.emit(sb.id(), spec.job.as_deref(), SandboxState::Paused, None, None);
+                        }
                         self.schedule_check(sb.id(), sb.lock().timers.next_deadline().0);
                         // Renew the daemon's lease now: it may have been counting down while
-                        // the server was away.
-                        self.renew_daemon_now(&sb);
+                        // the server was away. (A paused one's is renewed when it resumes.)
+                        if !record.paused {
+                            self.renew_daemon_now(&sb);
+                        }
                         if let Some(c) = claim {
                             live_claims.push(c);
                         } else if let Some(name) = sb.pool()

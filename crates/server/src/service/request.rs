@@ -148,6 +148,7 @@ impl Service {
                 idempotency_key: req.idempotency_key.clone(),
                 user: req.user.clone(),
                 weight: req.job.as_ref().and_then(|j| self.jobs.weight(j)),
+                auto_resume: req.auto_resume,
             },
         };
         Ok(Parsed { spec, lease: Duration::from_secs(lease_s), idle, ttl })
