@@ -191,6 +191,7 @@ impl Service {
             wait: req.wait,
             wait_timeout_s: req.wait_timeout_s,
             user: spec.server.user.clone(),
+            auto_resume: spec.server.auto_resume,
         };
         let creates = (0..req.count).map(|_| self.create(child.clone()));
         let results = futures_util::future::join_all(creates).await;
