@@ -280,6 +280,13 @@ impl Drop for Lease {
     }
 }
 
+/// What the metric and the events need of an answer.
+struct Answered {
+    status: RunStatus,
+    sandbox: Option<String>,
+    message: String,
+}
+
 /// The outcome label of a call, for the metric.
 fn outcome(status: RunStatus) -> &'static str {
     match status {
@@ -308,16 +315,12 @@ impl Fusion {
             },
             Err(e) => Err(e),
         };
-        match resp {
-            Ok(r) => {
-                self.count(caller.job.as_deref(), outcome(r.status));
-                if r.status == RunStatus::SandboxError {
-                    self.infra_failure(&caller, r.executor_pod_name.as_deref(), &r.message);
-                }
-                axum::Json(r).into_response()
-            }
-            Err(e) => self.refused(&caller, e),
-        }
+        let resp = resp.map(|r| {
+            let answer =
+                Answered { status: r.status, sandbox: r.executor_pod_name.clone(), message: r.message.clone() };
+            (answer, axum::Json(r).into_response())
+        });
+        self.answer(&caller, resp)
     }
 
     async fn run_jupyter(self: &Arc<Self>, caller: Caller, req: Request) -> Response {
@@ -328,15 +331,25 @@ impl Fusion {
             },
             Err(e) => Err(e),
         };
+        let resp = resp.map(|r| {
+            let answer =
+                Answered { status: r.status, sandbox: r.executor_pod_name.clone(), message: r.message.clone() };
+            (answer, axum::Json(r).into_response())
+        });
+        self.answer(&caller, resp)
+    }
+
+    /// Counts a call's outcome (and events the service's failures), then answers it.
+    fn answer(&self, caller: &Caller, resp: Result<(Answered, Response), Refused>) -> Response {
         match resp {
-            Ok(r) => {
-                self.count(caller.job.as_deref(), outcome(r.status));
-                if r.status == RunStatus::SandboxError {
-                    self.infra_failure(&caller, r.executor_pod_name.as_deref(), &r.message);
+            Ok((answered, resp)) => {
+                self.count(caller.job.as_deref(), outcome(answered.status));
+                if answered.status == RunStatus::SandboxError {
+                    self.infra_failure(caller, answered.sandbox.as_deref(), &answered.message);
                 }
-                axum::Json(r).into_response()
+                resp
             }
-            Err(e) => self.refused(&caller, e),
+            Err(e) => self.refused(caller, e),
         }
     }
 
