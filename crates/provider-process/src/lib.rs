@@ -16,6 +16,7 @@ mod cgroup;
 mod ids;
 pub mod image;
 mod layout;
+pub use layout::{RECORDS_TMPFS, Records};
 pub mod net;
 mod procs;
 pub mod room;
@@ -174,6 +175,8 @@ struct Watched {
 pub struct ProcessProvider {
     config: ProcessConfig,
     sandboxes: PathBuf,
+    /// Where the sandboxes' directories are kept (isolated: in memory when it can).
+    kept: Records,
     /// The server's own cgroups, under which each isolated sandbox gets its own; `None` without
     /// isolation.
     cgroups: Option<cgroup::Dirs>,
@@ -233,6 +236,7 @@ impl ProcessProvider {
         std::fs::create_dir_all(&sandboxes)
             .map_err(|e| ProviderError::io(format!("cannot create `{}`", sandboxes.display()), e))?;
         let mut template = None;
+        let mut kept = Records::Disk;
         let mut ranges = None;
         let mut network = None;
         let mut images = None;
@@ -253,6 +257,7 @@ impl ProcessProvider {
                 if sys::euid() != 0 {
                     return Err(cannot("isolation needs root (user namespaces with a range of host ids, cgroups, mounts), and the server is not root".into()));
                 }
+                kept = layout::keep_in_memory(&sandboxes);
                 let self_cgroup = std::fs::read_to_string("/proc/self/cgroup")
                     .map_err(|e| ProviderError::io("cannot read /proc/self/cgroup", e))?;
                 let own = cgroup::Dirs::own(&self_cgroup, Path::new(cgroup::MOUNT))
@@ -302,6 +307,7 @@ impl ProcessProvider {
             spawner,
             config,
             sandboxes,
+            kept,
             cgroups,
             ids: ranges,
             net: network,
@@ -422,6 +428,15 @@ impl ProcessProvider {
         self.cancel.cancel();
         self.tasks.close();
         self.tasks.wait().await;
+        if self.kept == Records::Tmpfs {
+            let sandboxes = self.sandboxes.clone();
+            let _ = tokio::task::spawn_blocking(move || layout::release_records(&sandboxes)).await;
+        }
+    }
+
+    /// Where the sandboxes' directories are kept.
+    pub fn records(&self) -> Records {
+        self.kept
     }
 
     /// Checks the spec; touches nothing. Refuses what this provider cannot honour, before anything
@@ -868,6 +883,11 @@ impl Drop for ProcessProvider {
     fn drop(&mut self) {
         // Watchers stop; the daemons run on until their lease or the next server's delete.
         self.cancel.cancel();
+        // With no sandbox left, the tmpfs their directories were on is given back, as at
+        // `shutdown`.
+        if self.kept == Records::Tmpfs {
+            layout::release_records(&self.sandboxes);
+        }
     }
 }
 

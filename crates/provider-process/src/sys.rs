@@ -1,6 +1,7 @@
 //! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `waitpid`,
 //! `kill`, `pidfd_send_signal`, `geteuid`, `access`, `unshare(CLONE_FILES)`, `close_range`,
-//! `gettid`, `ppoll` (for a cgroup's events) and (in tests) `setns`, which std does not expose.
+//! `gettid`, `ppoll` (for a cgroup's events), `statfs`, `mount` and `umount2` (for the records'
+//! tmpfs) and (in tests) `setns`, which std does not expose.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -156,6 +157,46 @@ pub fn wait_changed(fd: &impl AsRawFd, timeout: std::time::Duration) -> io::Resu
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted { Ok(true) } else { Err(e) }
         }
+    }
+}
+
+fn c_path(path: &std::path::Path) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// Whether `path` is on a tmpfs (`statfs`'s `f_type`).
+pub fn on_tmpfs(path: &std::path::Path) -> io::Result<bool> {
+    let path = c_path(path)?;
+    // SAFETY: an all-zero `statfs` is a valid value of this plain C struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a NUL-terminated string and `st` a `statfs` the kernel writes, both
+    // outliving the call.
+    if unsafe { libc::statfs(path.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_type == libc::TMPFS_MAGIC)
+}
+
+/// Mounts a tmpfs named `source` on `target` (`nosuid,nodev,noexec`) with the options `data`.
+pub fn mount_tmpfs(source: &str, target: &std::path::Path, data: &str) -> io::Result<()> {
+    let (source, target) = (std::ffi::CString::new(source)?, c_path(target)?);
+    let (fstype, data) = (c"tmpfs", std::ffi::CString::new(data)?);
+    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: every pointer is a NUL-terminated string that outlives the call.
+    let r = unsafe { libc::mount(source.as_ptr(), target.as_ptr(), fstype.as_ptr(), flags, data.as_ptr().cast()) };
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// Detaches the mount on `target` (`umount2(MNT_DETACH)`): gone from the tree at once, freed
+/// when nothing uses it any more.
+pub fn umount_detach(target: &std::path::Path) -> io::Result<()> {
+    let target = c_path(target)?;
+    // SAFETY: `target` is a NUL-terminated string that outlives the call.
+    if unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

@@ -317,6 +317,7 @@ pub async fn run(
     service.cancel.cancel();
     service.tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), service.tasks.wait()).await;
+    service.provider.stop().await;
     Ok(())
 }
 

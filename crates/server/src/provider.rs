@@ -22,6 +22,16 @@ pub enum AnyProvider {
     Fake(FakeProvider),
 }
 
+impl AnyProvider {
+    /// What a provider does as the server stops: the process provider stops watching and gives
+    /// back the memory its sandboxes' directories took when none is left. Sandboxes keep running.
+    pub async fn stop(&self) {
+        if let AnyProvider::Process(p) = self {
+            p.shutdown().await;
+        }
+    }
+}
+
 /// The provider names `--provider` accepts.
 pub const NAMES: &[&str] = &["process", "docker", "kubernetes"];
 

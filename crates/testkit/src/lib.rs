@@ -354,6 +354,20 @@ impl Drop for LoggedDir {
         if std::thread::panicking() {
             print_logs_under(self.dir.path());
         }
+        unmount_records(self.dir.path());
+    }
+}
+
+/// Unmounts the tmpfs an isolated process provider keeps its sandboxes' directories on
+/// (`<state>/sandboxes`), so that removing the state directory removes everything: a provider
+/// leaves it mounted while sandboxes may still run, and a test's server is killed, not
+/// stopped. Call it once the sandboxes' processes are gone.
+pub fn unmount_records(state: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let sandboxes = state.join("sandboxes");
+    let dev = |p: &Path| std::fs::metadata(p).map(|m| m.dev()).ok();
+    if dev(&sandboxes).is_some() && dev(&sandboxes) != dev(state) {
+        let _ = Command::new("umount").arg("--lazy").arg(&sandboxes).status();
     }
 }
 

@@ -126,6 +126,7 @@ impl Drop for Server {
             let _ = out;
         }
         sandman_testkit::remove_sandbox_cgroups(&self.sandbox_dirs());
+        sandman_testkit::unmount_records(&self.state);
     }
 }
 
