@@ -268,8 +268,9 @@ def sandman_server(args: argparse.Namespace) -> Iterator[str]:
     env = dict(os.environ, SANDMAN_TOKEN=token)
     env.pop("SANDMAN_URL", None)
     with open(log, "wb") as out:
+        daemon = ["--daemon", args.sandman_daemon] if args.sandman_daemon else []
         proc = subprocess.Popen([str(binary), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state),
-                                 *args.sandman_arg], env=env, stdout=out, stderr=out, start_new_session=True)
+                                 *daemon, *args.sandman_arg], env=env, stdout=out, stderr=out, start_new_session=True)
     try:
         url = None
         deadline = time.monotonic() + 120
@@ -340,6 +341,8 @@ def main() -> int:
     p.add_argument("--python", default="/usr/bin/python3", help="the floor's interpreter")
     p.add_argument("--fusion-dir", default="target/bench-fusion")
     p.add_argument("--sandman-bin", default="target/release/sandman")
+    p.add_argument("--sandman-daemon", default=None,
+                   help="the sandbox daemon `sandman serve` runs (its --daemon; default: the one it finds itself)")
     p.add_argument("--sandman-arg", action="append", default=None,
                    help="an argument of `sandman serve` (repeat it; default: --create-rate 0, the one-machine "
                         "setting of docs/sandboxfusion.md)")
