@@ -316,19 +316,24 @@ impl Client {
     /// Sends `req`, again where its retry policy says (see [`crate::retry`]); answers the
     /// response when its status is a success, the error otherwise. With `whole`, the answer's
     /// body is read too, and a body that breaks off counts as a failed attempt.
-    async fn exchange(&self, mut req: Req, whole: bool) -> Result<(String, Answer), ClientError> {
+    async fn exchange(&self, req: Req, whole: bool) -> Result<(String, Answer), ClientError> {
         let call = req.call();
+        // The body apart from the rest: the rest is shared with each attempt, which a streamed
+        // body (`Send` but not `Sync`) could not be.
+        let Req { method, path, query, body: streamed, content_type, accept, replay, idempotent } = req;
+        let head = Head { method, url: format!("{}{path}{query}", self.origin), content_type, accept };
+        let mut streamed = Some(streamed);
         let mut attempts = 0u32;
         let mut first_failure: Option<tokio::time::Instant> = None;
         loop {
             attempts += 1;
-            let body = match &req.replay {
+            let body = match &replay {
                 Some(Replay::Empty) => body::empty(),
                 Some(Replay::Full(bytes)) => body::full(bytes.clone()),
-                // A streamed body goes once: `replay` is None, so no second attempt is made.
-                None => std::mem::replace(&mut req.body, body::empty()),
+                // A streamed body goes once: with no `replay`, no second attempt is made.
+                None => streamed.take().unwrap_or_else(body::empty),
             };
-            let (err, retry_after) = match self.attempt(&req, &call, body).await {
+            let (err, retry_after) = match self.attempt(&head, &call, body).await {
                 Ok(response) if whole => match read_all(&call, response.into_body()).await {
                     Ok(bytes) => return Ok((call, Answer::Whole(bytes))),
                     Err(err) => (err, None),
@@ -341,11 +346,10 @@ impl Client {
                 return Err(if attempts == 1 { err } else { retried(call, attempts, false, err) });
             }
             let since = *first_failure.get_or_insert_with(tokio::time::Instant::now);
-            let wait = self.retry.wait(failure, req.idempotent, req.replay.is_some(), attempts, since.elapsed());
-            match wait {
+            match self.retry.wait(failure, idempotent, replay.is_some(), attempts, since.elapsed()) {
                 Some(wait) => tokio::time::sleep(wait).await,
                 None => {
-                    let not_idempotent = failure == Failure::MaybeSent && !req.idempotent && attempts == 1;
+                    let not_idempotent = failure == Failure::MaybeSent && !idempotent && attempts == 1;
                     return Err(retried(call, attempts, not_idempotent, err));
                 }
             }
@@ -355,19 +359,19 @@ impl Client {
     /// One attempt: the response of a success, else the error and a 503's `Retry-After`.
     async fn attempt(
         &self,
-        req: &Req,
+        head: &Head,
         call: &str,
         body: RequestBody,
     ) -> Result<Response<Incoming>, (ClientError, Option<Duration>)> {
-        let url = format!("{}{}{}", self.origin, req.path, req.query);
-        let uri: Uri = url.parse().map_err(|source| (ClientError::InvalidUrl { url: url.clone(), source }, None))?;
+        let uri: Uri =
+            head.url.parse().map_err(|source| (ClientError::InvalidUrl { url: head.url.clone(), source }, None))?;
         let mut builder = Request::builder()
-            .method(req.method.clone())
+            .method(head.method.clone())
             .uri(uri)
             .header(AUTHORIZATION, self.auth.clone())
-            .header(ACCEPT, req.accept)
+            .header(ACCEPT, head.accept)
             .header(USER_AGENT, concat!("sandman-client/", env!("CARGO_PKG_VERSION")));
-        if let Some(content_type) = req.content_type {
+        if let Some(content_type) = head.content_type {
             builder = builder.header(CONTENT_TYPE, content_type);
         }
         let request =
@@ -433,6 +437,14 @@ impl Client {
         let (call, response) = self.send(req.accept(NDJSON)).await?;
         Ok(NdjsonStream::new(response.into_body(), call, decode))
     }
+}
+
+/// What every attempt of a call sends but its body.
+struct Head {
+    method: Method,
+    url: String,
+    content_type: Option<&'static str>,
+    accept: &'static str,
 }
 
 /// What an attempt answered: the response with its body unread, or the whole body.
