@@ -939,10 +939,10 @@ def transport_error(exc: Exception, url: str, call: Optional[Call] = None, attem
             f"`sandman serve` or point SANDMAN_URL at it",
             reason="connect_failed",
         )
-    elif call is not None and not call.idempotent and attempts == 1 and isinstance(exc, _MAYBE_SENT):
+    elif call is not None and not call.idempotent and isinstance(exc, _MAYBE_SENT):
         err = errors.TransportError(
-            f"the connection to {url} failed: {detail}; {call.method} {call.path} was not sent again: it is not "
-            f"idempotent, and the server may have run it",
+            f"the connection to {url} failed ({_attempts(attempts)}): {detail}; {call.method} {call.path} was not "
+            f"sent again: it is not idempotent, and the server may have run it",
             reason="connection_lost",
         )
     else:

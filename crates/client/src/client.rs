@@ -349,7 +349,7 @@ impl Client {
             match self.retry.wait(failure, idempotent, replay.is_some(), attempts, since.elapsed()) {
                 Some(wait) => tokio::time::sleep(wait).await,
                 None => {
-                    let not_idempotent = failure == Failure::MaybeSent && !idempotent && attempts == 1;
+                    let not_idempotent = failure == Failure::MaybeSent && !idempotent;
                     return Err(retried(call, attempts, not_idempotent, err));
                 }
             }

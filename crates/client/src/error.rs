@@ -105,9 +105,9 @@ pub enum ClientError {
     InvalidSetting { name: &'static str, value: String, expected: &'static str },
 
     /// The call failed without an answer, or was shed, however many times it was sent (see
-    /// [`crate::RetryPolicy`]); `last` is the last attempt's error. `attempts` is 1 when the call
-    /// was not sent again: either it may have run and is not idempotent (`not_idempotent`), or
-    /// the policy allows no resend. Codes, statuses and kinds are the last error's.
+    /// [`crate::RetryPolicy`]); `last` is the last attempt's error. `not_idempotent`: it was not
+    /// sent again because the last attempt may have run and the call is not idempotent. Codes,
+    /// statuses and kinds are the last error's.
     #[error("{}", retried_message(call, *attempts, *not_idempotent))]
     Retried {
         call: String,
@@ -120,9 +120,9 @@ pub enum ClientError {
 
 fn retried_message(call: &str, attempts: u32, not_idempotent: bool) -> String {
     if not_idempotent {
+        let sent = if attempts == 1 { "it was sent".to_owned() } else { format!("attempt {attempts} was sent") };
         format!(
-            "{call} failed after it was sent, and was not sent again: it is not idempotent, and the server may \
-             have run it"
+            "{call} failed after {sent}, and was not sent again: it is not idempotent, and the server may have run it"
         )
     } else if attempts == 1 {
         format!("{call} failed (1 attempt)")
