@@ -4,13 +4,18 @@ which calls are sent again after a failure (only the safe ones)."""
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
 import socket
+import tempfile
 import threading
+import time
+from pathlib import Path
 from typing import Any, Dict, List
 
 import httpx
 import pytest
-from conftest import Server, unique
+from conftest import Server, start_server, state_base, unique
 
 import sandman
 from sandman import AsyncSandman, Sandman
@@ -309,6 +314,69 @@ def test_the_last_error_says_how_many_attempts_were_made() -> None:
         assert e.value.attempts == 1 and len(srv.seen) == 5
     finally:
         srv.close()
+
+
+def test_calls_go_on_across_a_real_server_restart_but_an_exec_cut_off_is_not_sent_again() -> None:
+    """A server killed and started again on its state directory, as a replica replaced in a
+    rolling update: an exec in flight when it dies is not sent again (it ran once); a read and an
+    exec made while nothing listens are sent until the new server answers them."""
+    state = Path(tempfile.mkdtemp(prefix="r-", dir=state_base()))
+    token = secrets.token_hex(16)
+    srv = start_server(state, token)
+    url = f"unix:{state / 'sandman.sock'}"
+    try:
+        with Sandman(url, token, retries=100, retry_deadline=120) as c:
+            sb = c.create(lease=600)
+            outcome: Dict[str, Any] = {}
+
+            def call(name: str, f: Any) -> threading.Thread:
+                def run() -> None:
+                    try:
+                        outcome[name] = f()
+                    except sandman.SandmanError as e:
+                        outcome[name] = e
+
+                t = threading.Thread(target=run, daemon=True)
+                t.start()
+                return t
+
+            cut = call("cut", lambda: sb.exec("echo ran >> /tmp/count; sleep 600", timeout=900))
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if sb.read_text("/tmp/count") == "ran\n":
+                        break
+                except sandman.NotFound:
+                    pass
+                assert time.monotonic() < deadline, "the exec never started"
+                time.sleep(0.05)
+            srv.proc.kill()
+            srv.proc.wait()
+            cut.join(60)
+            err = outcome["cut"]
+            assert isinstance(err, sandman.TransportError), err
+            assert err.reason == "connection_lost" and "not idempotent" in str(err) and err.attempts == 1, err
+
+            # Refused while nothing listens, and sent again until the new server answers.
+            waiting = [call("get", lambda: c.get(sb.id)), call("exec", lambda: sb.exec("echo after the restart"))]
+            srv = start_server(state, token)
+            for t in waiting:
+                t.join(120)
+            assert outcome["get"].id == sb.id, outcome["get"]
+            assert outcome["exec"].stdout == "after the restart\n", outcome["exec"]
+            assert sb.read_text("/tmp/count") == "ran\n"  # the cut exec ran once
+            sb.release()
+    finally:
+        try:
+            with Sandman(url, token, retries=0) as c:
+                for info in c.list():
+                    if info.live:
+                        c.release(info.id)
+        except sandman.SandmanError:
+            pass
+        srv.proc.kill()
+        srv.proc.wait()
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_retries_come_from_the_environment_and_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
