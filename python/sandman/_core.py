@@ -36,8 +36,12 @@ DEFAULT_URL = "http://127.0.0.1:7777"
 DEFAULT_TIMEOUT = 60.0
 #: How long a connect may take.
 CONNECT_TIMEOUT = 10.0
-#: How many times a call is sent again when that is safe (see `retry_delay`).
-DEFAULT_RETRIES = 3
+#: How many times a call is sent again when that is safe (see `retry_after_error`).
+DEFAULT_RETRIES = 5
+#: How long after a call's first failure it may still be sent again, in seconds.
+DEFAULT_RETRY_DEADLINE = 30.0
+#: The most `retries` may be: more would only hide a server that is gone.
+MAX_RETRIES = 100
 #: Slack added to a call's own timeout (an exec's `timeout`) for the HTTP read timeout.
 CALL_TIMEOUT_SLACK = 30.0
 #: How long a create may take by default: the server's ready timeout (120 s) plus slack.
@@ -72,6 +76,37 @@ def default_token_file() -> Path:
 
 
 SOCKET_FILE = "sandman.sock"
+
+
+def resolve_retries(retries: Optional[int]) -> int:
+    """`retries`, else `$SANDMAN_RETRIES`, else `DEFAULT_RETRIES`: from 0 (never) to 100."""
+    if retries is None:
+        text = os.environ.get("SANDMAN_RETRIES", "").strip()
+        if not text:
+            return DEFAULT_RETRIES
+        try:
+            retries = int(text)
+        except ValueError:
+            raise errors.InvalidArgument(f"SANDMAN_RETRIES=`{text}` is not a count from 0 to {MAX_RETRIES}") from None
+    if not 0 <= retries <= MAX_RETRIES:
+        raise errors.InvalidArgument(f"retries={retries} is not a count from 0 to {MAX_RETRIES}")
+    return retries
+
+
+def resolve_retry_deadline(deadline: Optional[float]) -> float:
+    """`retry_deadline`, else `$SANDMAN_RETRY_DEADLINE`, else `DEFAULT_RETRY_DEADLINE`: seconds
+    from 0 to 3600."""
+    if deadline is None:
+        text = os.environ.get("SANDMAN_RETRY_DEADLINE", "").strip()
+        if not text:
+            return DEFAULT_RETRY_DEADLINE
+        try:
+            deadline = float(text)
+        except ValueError:
+            raise errors.InvalidArgument(f"SANDMAN_RETRY_DEADLINE=`{text}` is not seconds from 0 to 3600") from None
+    if not 0.0 <= deadline <= 3600.0:  # also refuses NaN
+        raise errors.InvalidArgument(f"retry_deadline={deadline} is not seconds from 0 to 3600")
+    return float(deadline)
 
 
 def resolve_url(url: Optional[str]) -> str:
@@ -824,6 +859,15 @@ def as_list(body: Any, key: str) -> List[Any]:
 
 
 # ---- retries -----------------------------------------------------------------------------------
+#
+# A failure is one of three kinds, and the kind decides whether the call is sent again:
+# - not sent (the connection could not be made: refused, a connect timeout): any call;
+# - shed (503 with `Retry-After`, the server's load shedding at its edge, before anything ran):
+#   any call, after the wait it asked for (at most 5 s);
+# - maybe sent (the connection broke once the request was out): idempotent calls only.
+# Resends wait 0.1, 0.2, 0.4 ... s (at most 2 s) times a random factor from 0.5 to 1.5; none
+# starts past `retries` resends or `retry_deadline` seconds after the first failure. The Rust
+# client (crates/client/src/retry.rs) follows the same rules.
 
 # Errors raised before any byte of the request could reach the server: always safe to resend.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -833,21 +877,34 @@ _MAYBE_SENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, htt
 
 def backoff(attempt: int) -> float:
     """Seconds to wait before resend number `attempt` (0-based): 0.1, 0.2, 0.4 ... with jitter."""
-    return min(2.0, 0.1 * 2.0**attempt) * (0.5 + random.random())
+    return min(2.0, 0.1 * 2.0 ** min(attempt, 16)) * (0.5 + random.random())
 
 
-def retry_after_error(call: Call, exc: Exception, attempt: int, retries: int) -> Optional[float]:
-    """How long to wait before sending `call` again after `exc`, or None not to."""
+def _within(delay: float, elapsed: float, deadline: float) -> Optional[float]:
+    return delay if elapsed + delay <= deadline else None
+
+
+def retry_after_error(
+    call: Call, exc: Exception, attempt: int, retries: int, elapsed: float = 0.0, deadline: float = DEFAULT_RETRY_DEADLINE
+) -> Optional[float]:
+    """How long to wait before sending `call` again after `exc` ended attempt number `attempt`
+    (0-based), `elapsed` seconds after the first failure; None not to."""
     if attempt >= retries:
         return None
-    if isinstance(exc, _NOT_SENT):
-        return backoff(attempt)
-    if call.idempotent and isinstance(exc, _MAYBE_SENT):
-        return backoff(attempt)
+    if isinstance(exc, _NOT_SENT) or (call.idempotent and isinstance(exc, _MAYBE_SENT)):
+        return _within(backoff(attempt), elapsed, deadline)
     return None
 
 
-def retry_after_status(call: Call, status: int, hdrs: Mapping[str, str], attempt: int, retries: int) -> Optional[float]:
+def retry_after_status(
+    call: Call,
+    status: int,
+    hdrs: Mapping[str, str],
+    attempt: int,
+    retries: int,
+    elapsed: float = 0.0,
+    deadline: float = DEFAULT_RETRY_DEADLINE,
+) -> Optional[float]:
     """How long to wait before sending `call` again after an error answer, or None not to.
 
     Only the server's load shedding is retried (503 with `Retry-After`): the request was refused
@@ -859,22 +916,41 @@ def retry_after_status(call: Call, status: int, hdrs: Mapping[str, str], attempt
     if value is None:
         return None
     try:
-        return min(5.0, max(0.05, float(value))) * (0.5 + random.random())
+        delay = min(5.0, max(0.1, float(value))) * (0.5 + random.random())
     except ValueError:
-        return backoff(attempt)
+        delay = backoff(attempt)
+    return _within(delay, elapsed, deadline)
 
 
-def transport_error(exc: Exception, url: str) -> errors.SandmanError:
-    """The SDK's exception for an `httpx` transport failure."""
+def _attempts(n: int) -> str:
+    return "1 attempt" if n == 1 else f"{n} attempts"
+
+
+def transport_error(exc: Exception, url: str, call: Optional[Call] = None, attempts: int = 1) -> errors.SandmanError:
+    """The SDK's exception for an `httpx` transport failure of `call`, sent `attempts` times."""
+    detail = f"{exc or type(exc).__name__}"
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-        return errors.Timeout(f"no answer from {url} in time ({type(exc).__name__})", reason="client_timeout")
-    if isinstance(exc, _NOT_SENT):
-        return errors.TransportError(
-            f"cannot reach the Sandman server at {url}: {exc or type(exc).__name__}; start one with `sandman serve` "
-            f"or point SANDMAN_URL at it",
+        err: errors.SandmanError = errors.Timeout(
+            f"no answer from {url} in time ({type(exc).__name__}; {_attempts(attempts)})", reason="client_timeout"
+        )
+    elif isinstance(exc, _NOT_SENT):
+        err = errors.TransportError(
+            f"cannot reach the Sandman server at {url} ({_attempts(attempts)}): {detail}; start one with "
+            f"`sandman serve` or point SANDMAN_URL at it",
             reason="connect_failed",
         )
-    return errors.TransportError(f"the connection to {url} failed: {exc or type(exc).__name__}", reason="connection_lost")
+    elif call is not None and not call.idempotent and isinstance(exc, _MAYBE_SENT):
+        err = errors.TransportError(
+            f"the connection to {url} failed ({_attempts(attempts)}): {detail}; {call.method} {call.path} was not "
+            f"sent again: it is not idempotent, and the server may have run it",
+            reason="connection_lost",
+        )
+    else:
+        err = errors.TransportError(
+            f"the connection to {url} failed ({_attempts(attempts)}): {detail}", reason="connection_lost"
+        )
+    err.attempts = attempts
+    return err
 
 
 def bad_line(line: str, e: Exception) -> errors.SandmanError:

@@ -54,6 +54,9 @@ class SandmanError(Exception):
         self.status = status
         #: Seconds the server asked to wait before sending the call again (`Retry-After`).
         self.retry_after = retry_after
+        #: How many times the call was sent before this error was raised (see the client's
+        #: `retries`).
+        self.attempts = 1
 
     def __str__(self) -> str:
         return self.message

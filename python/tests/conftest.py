@@ -54,22 +54,28 @@ def _binary() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
+def state_base() -> Path:
+    """Where the tests' state directories go. Not under /tmp: an isolated sandbox gets a /tmp of
+    its own, which would hide the server's state kept there (as it is when the checkout itself is
+    under /tmp)."""
     base = REPO / "target" / "py-tests"
-    # Not under /tmp: an isolated sandbox gets a /tmp of its own, which would hide the server's
-    # state kept there (as it is when the checkout itself is under /tmp).
     if str(base.resolve()).startswith("/tmp/"):
         base = Path("/var/tmp/sandman-tests/py")
     base.mkdir(parents=True, exist_ok=True)
-    state = Path(tempfile.mkdtemp(prefix="s-", dir=base))
+    return base
+
+
+def start_server(state: Path, token: str, *args: str) -> Server:
+    """Starts `sandman serve` (process provider) on `state`, on a free loopback port and on the
+    Unix socket `state/sandman.sock`; answers once it said where it listens. Its log is
+    `state/serve.log` (appended to, so a restarted server's follows)."""
     log = state / "serve.log"
-    token = secrets.token_hex(16)
+    start = log.stat().st_size if log.exists() else 0
     env = dict(os.environ, SANDMAN_TOKEN=token)
     env.pop("SANDMAN_URL", None)
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [str(_binary()), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state)],
+            [str(_binary()), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), *args],
             stdout=out,
             stderr=out,
             env=env,
@@ -78,7 +84,9 @@ def server() -> Iterator[Server]:
     url = None
     deadline = time.monotonic() + 30
     while url is None:
-        m = re.search(r"sandman serving on (http://\S+)", log.read_text(errors="replace"))
+        with open(log, "rb") as f:
+            f.seek(start)
+            m = re.search(r"sandman serving on (http://\S+)", f.read().decode(errors="replace"))
         if m:
             url = m.group(1)
         elif proc.poll() is not None or time.monotonic() > deadline:
@@ -86,7 +94,16 @@ def server() -> Iterator[Server]:
             raise RuntimeError(f"sandman serve did not start:\n{log.read_text(errors='replace')}")
         else:
             time.sleep(0.05)
-    srv = Server(url, token, state, proc, log)
+    return Server(url, token, state, proc, log)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    base = state_base()
+    state = Path(tempfile.mkdtemp(prefix="s-", dir=base))
+    token = secrets.token_hex(16)
+    srv = start_server(state, token)
+    url, proc, log = srv.url, srv.proc, srv.log
     try:
         yield srv
     finally:

@@ -4,12 +4,18 @@ which calls are sent again after a failure (only the safe ones)."""
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
 import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
 from typing import Any, Dict, List
 
 import httpx
 import pytest
-from conftest import Server, unique
+from conftest import Server, start_server, state_base, unique
 
 import sandman
 from sandman import AsyncSandman, Sandman
@@ -214,6 +220,179 @@ def test_load_shedding_is_retried_even_for_exec_but_other_503s_are_not() -> None
         with pytest.raises(sandman.Unavailable, match="daemon down"):
             c.sandbox("sb-1").exec("true")
     assert sent == ["again"]
+
+
+class _DropFirst:
+    """A real TCP server that reads each request whole and, for the first `drops[path]` requests
+    of a path, closes the connection without answering (a server replica killed mid-call); it
+    answers the rest with `answer`. `seen` lists every request as `METHOD path`."""
+
+    def __init__(self, drops: Dict[str, int], answer: Dict[str, Any]) -> None:
+        self.drops = dict(drops)
+        self.answer = json.dumps(answer).encode()
+        self.seen: List[str] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as f:
+            while True:
+                head = []
+                while True:
+                    line = f.readline()
+                    if not line:
+                        return
+                    if line == b"\r\n":
+                        break
+                    head.append(line.decode())
+                method, path = head[0].split()[:2]
+                length = next((int(h.split(":", 1)[1]) for h in head if h.lower().startswith("content-length:")), 0)
+                f.read(length)
+                self.seen.append(f"{method} {path}")
+                if self.drops.get(path, 0) > 0:
+                    self.drops[path] -= 1
+                    return  # closed without an answer
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(self.answer), self.answer)
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+_SANDBOX = {"id": "sb-1", "image": "host", "provider": "process", "state": "ready", "created_at_ms": 1}
+
+
+def test_a_read_cut_off_by_a_server_going_away_is_sent_again_until_it_is_answered() -> None:
+    srv = _DropFirst({"/v1/sandboxes/sb-1": 2}, _SANDBOX)
+    try:
+        with Sandman(srv.url, "t", retries=5, retry_deadline=60) as c:
+            assert c.get("sb-1").id == "sb-1"
+        assert srv.seen == ["GET /v1/sandboxes/sb-1"] * 3
+    finally:
+        srv.close()
+
+
+async def test_an_exec_cut_off_by_a_server_going_away_is_sent_exactly_once() -> None:
+    srv = _DropFirst({"/v1/sandboxes/sb-1/exec": 1}, {"exit_code": 0, "stdout": "ok", "stderr": ""})
+    try:
+        async with AsyncSandman(srv.url, "t", retries=5, retry_deadline=60) as c:
+            with pytest.raises(sandman.TransportError, match="not idempotent") as e:
+                await c.sandbox("sb-1").exec("true")
+            assert e.value.reason == "connection_lost" and e.value.attempts == 1
+            assert srv.seen == ["POST /v1/sandboxes/sb-1/exec"]
+            assert (await c.sandbox("sb-1").exec("true")).stdout == "ok"
+        assert srv.seen == ["POST /v1/sandboxes/sb-1/exec"] * 2
+    finally:
+        srv.close()
+
+
+def test_the_last_error_says_how_many_attempts_were_made() -> None:
+    srv = _DropFirst({"/v1/sandboxes/sb-1": 100}, _SANDBOX)
+    try:
+        with Sandman(srv.url, "t", retries=3, retry_deadline=60) as c:
+            with pytest.raises(sandman.TransportError, match=r"\(4 attempts\)") as e:
+                c.get("sb-1")
+        assert e.value.attempts == 4 and len(srv.seen) == 4
+        # No deadline left after the first failure: sent once, however many retries are allowed.
+        with Sandman(srv.url, "t", retries=100, retry_deadline=0) as c:
+            with pytest.raises(sandman.TransportError) as e:
+                c.get("sb-1")
+        assert e.value.attempts == 1 and len(srv.seen) == 5
+    finally:
+        srv.close()
+
+
+def test_calls_go_on_across_a_real_server_restart_but_an_exec_cut_off_is_not_sent_again() -> None:
+    """A server killed and started again on its state directory, as a replica replaced in a
+    rolling update: an exec in flight when it dies is not sent again (it ran once); a read and an
+    exec made while nothing listens are sent until the new server answers them."""
+    state = Path(tempfile.mkdtemp(prefix="r-", dir=state_base()))
+    token = secrets.token_hex(16)
+    srv = start_server(state, token)
+    url = f"unix:{state / 'sandman.sock'}"
+    try:
+        with Sandman(url, token, retries=100, retry_deadline=120) as c:
+            sb = c.create(lease=600)
+            outcome: Dict[str, Any] = {}
+
+            def call(name: str, f: Any) -> threading.Thread:
+                def run() -> None:
+                    try:
+                        outcome[name] = f()
+                    except sandman.SandmanError as e:
+                        outcome[name] = e
+
+                t = threading.Thread(target=run, daemon=True)
+                t.start()
+                return t
+
+            cut = call("cut", lambda: sb.exec("echo ran >> /tmp/count; sleep 600", timeout=900))
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if sb.read_text("/tmp/count") == "ran\n":
+                        break
+                except sandman.NotFound:
+                    pass
+                assert time.monotonic() < deadline, "the exec never started"
+                time.sleep(0.05)
+            srv.proc.kill()
+            srv.proc.wait()
+            cut.join(60)
+            err = outcome["cut"]
+            assert isinstance(err, sandman.TransportError), err
+            assert err.reason == "connection_lost" and "not idempotent" in str(err) and err.attempts == 1, err
+
+            # Refused while nothing listens, and sent again until the new server answers.
+            waiting = [call("get", lambda: c.get(sb.id)), call("exec", lambda: sb.exec("echo after the restart"))]
+            srv = start_server(state, token)
+            for t in waiting:
+                t.join(120)
+            assert outcome["get"].id == sb.id, outcome["get"]
+            assert outcome["exec"].stdout == "after the restart\n", outcome["exec"]
+            assert sb.read_text("/tmp/count") == "ran\n"  # the cut exec ran once
+            sb.release()
+    finally:
+        try:
+            with Sandman(url, token, retries=0) as c:
+                for info in c.list():
+                    if info.live:
+                        c.release(info.id)
+        except sandman.SandmanError:
+            pass
+        srv.proc.kill()
+        srv.proc.wait()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_retries_come_from_the_environment_and_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SANDMAN_RETRIES", "0")
+    monkeypatch.setenv("SANDMAN_RETRY_DEADLINE", "2.5")
+    with Sandman("http://sandman.test", "t") as c:
+        assert (c.retries, c.retry_deadline) == (0, 2.5)
+    with Sandman("http://sandman.test", "t", retries=2, retry_deadline=1) as c:
+        assert (c.retries, c.retry_deadline) == (2, 1.0)
+    monkeypatch.setenv("SANDMAN_RETRIES", "many")
+    with pytest.raises(sandman.InvalidArgument, match="SANDMAN_RETRIES"):
+        Sandman("http://sandman.test", "t")
+    with pytest.raises(sandman.InvalidArgument, match="retries=101"):
+        AsyncSandman("http://sandman.test", "t", retries=101)
+    with pytest.raises(sandman.InvalidArgument, match="retry_deadline"):
+        Sandman("http://sandman.test", "t", retries=1, retry_deadline=float("nan"))
 
 
 def test_the_token_and_agent_are_sent_and_ids_are_escaped() -> None:

@@ -25,6 +25,18 @@ pub struct Connection {
     /// directory ($SANDMAN_STATE_DIR, $XDG_STATE_HOME/sandman or ~/.local/state/sandman)]
     #[arg(long, value_name = "TOKEN")]
     pub token: Option<String>,
+    /// How many times a call is sent again when the server could not be reached, shed it, or (for
+    /// a call safe to repeat) the connection broke; 0 for never [default: $SANDMAN_RETRIES, else 5]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub retries: Option<u32>,
+    /// How long after a call's first failure it may still be sent again, in seconds
+    /// [default: $SANDMAN_RETRY_DEADLINE, else 30]
+    #[arg(long, value_name = "SECONDS", value_parser = retry_deadline)]
+    pub retry_deadline: Option<std::time::Duration>,
+}
+
+fn retry_deadline(text: &str) -> Result<std::time::Duration, String> {
+    sandman_client::retry::parse_seconds(text).ok_or_else(|| format!("`{text}` is not seconds from 0 to 3600"))
 }
 
 #[derive(Debug, Subcommand)]

@@ -91,10 +91,15 @@ async fn stream(client: &Client, id: &str, req: &ExecRequest) -> anyhow::Result<
     }))
 }
 
+/// How long the CLI asks why an exec stream broke.
+const ENDED_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Why an exec stream stopped early, when it is that its sandbox is ending or has ended.
+/// Asked briefly: the connection broke, and the server may be gone for longer than the call's
+/// resends would wait.
 async fn ended(client: &Client, id: &str) -> Option<anyhow::Error> {
-    let sandbox =
-        client.get(id).await.ok().filter(|sb| sb.state.is_terminal() || sb.state == SandboxState::Releasing)?;
+    let asked = tokio::time::timeout(ENDED_TIMEOUT, client.get(id)).await.ok()?;
+    let sandbox = asked.ok().filter(|sb| sb.state.is_terminal() || sb.state == SandboxState::Releasing)?;
     let reason = sandbox.reason.map(|r| format!(" ({r})")).unwrap_or_default();
     Some(anyhow::anyhow!("sandbox `{id}` went away while the command ran: it is {}{reason}", sandbox.state))
 }

@@ -86,5 +86,8 @@ pub(crate) fn connect(conn: &Connection) -> anyhow::Result<Client> {
         Some(token) => token.clone(),
         None => env::token_from_env()?,
     };
-    Ok(Client::new(&url, &token)?)
+    let mut retry = sandman_client::RetryPolicy::from_env()?;
+    retry.retries = conn.retries.unwrap_or(retry.retries);
+    retry.deadline = conn.retry_deadline.unwrap_or(retry.deadline);
+    Ok(Client::new(&url, &token)?.with_retry(retry))
 }

@@ -621,14 +621,26 @@ fn the_token_file_of_the_state_dir_is_used_when_no_token_is_given() {
 }
 
 #[test]
-fn connection_refused_hints_at_serve() {
+fn connection_refused_is_tried_again_then_hints_at_serve() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let out = run(Command::new(env!("CARGO_BIN_EXE_sandman")).args(["ls", "--url", &format!("http://{addr}")]));
+    let out = run(Command::new(env!("CARGO_BIN_EXE_sandman")).args([
+        "ls",
+        "--url",
+        &format!("http://{addr}"),
+        "--retries",
+        "2",
+        "--retry-deadline",
+        "60",
+    ]));
     assert_eq!(out.code, Some(2), "{out:?}");
     let lines: Vec<&str> = out.stderr.lines().collect();
-    assert_eq!(lines.first().copied(), Some(format!("error: could not reach the server at http://{addr}").as_str()));
+    assert_eq!(lines.first().copied(), Some("error: GET /v1/sandboxes failed after 3 attempts"), "{}", out.stderr);
+    assert_eq!(
+        lines.get(1).copied(),
+        Some(format!("  Caused by: could not reach the server at http://{addr}").as_str())
+    );
     assert!(lines.iter().any(|l| l.starts_with("  Caused by: ") && l.contains("refused")), "{}", out.stderr);
     assert_eq!(
         lines.last().copied(),

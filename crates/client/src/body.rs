@@ -21,7 +21,7 @@ pub(crate) type RequestBody = UnsyncBoxBody<Bytes, io::Error>;
 
 /// What a file or archive upload sends: bytes already in memory, or a stream of bytes that is
 /// sent as it is produced (chunked), so a large file is never held whole.
-pub struct UploadBody(pub(crate) RequestBody);
+pub struct UploadBody(pub(crate) RequestBody, pub(crate) Option<Bytes>);
 
 impl UploadBody {
     /// Bytes read from `stream` and sent as they come; an error ends the upload (the server sees
@@ -30,12 +30,12 @@ impl UploadBody {
     where
         S: Stream<Item = io::Result<Bytes>> + Send + 'static,
     {
-        UploadBody(StreamBody::new(stream.map_ok(Frame::data)).boxed_unsync())
+        UploadBody(StreamBody::new(stream.map_ok(Frame::data)).boxed_unsync(), None)
     }
 
     /// An empty upload.
     pub fn empty() -> Self {
-        UploadBody(Empty::new().map_err(|never| match never {}).boxed_unsync())
+        UploadBody(Empty::new().map_err(|never| match never {}).boxed_unsync(), Some(Bytes::new()))
     }
 }
 
@@ -47,7 +47,7 @@ impl fmt::Debug for UploadBody {
 
 impl From<Bytes> for UploadBody {
     fn from(bytes: Bytes) -> Self {
-        UploadBody(full(bytes))
+        UploadBody(full(bytes.clone()), Some(bytes))
     }
 }
 

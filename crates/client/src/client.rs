@@ -24,6 +24,7 @@ use serde::de::DeserializeOwned;
 use crate::body::{self, ByteStream, NdjsonStream, RequestBody, UploadBody};
 use crate::env;
 use crate::error::ClientError;
+use crate::retry::{Failure, RetryPolicy};
 
 /// How the client reaches its server.
 #[derive(Clone)]
@@ -81,6 +82,8 @@ pub struct Client {
     origin: String,
     /// `Bearer <token>`, marked sensitive.
     auth: HeaderValue,
+    /// Which failed calls are sent again.
+    retry: RetryPolicy,
 }
 
 impl fmt::Debug for Client {
@@ -105,7 +108,7 @@ impl Client {
         builder.pool_idle_timeout(POOL_IDLE);
         if let Some(path) = base.strip_prefix("unix:").filter(|p| p.starts_with('/')) {
             let http = Transport::Unix(builder.build(UnixConnector(std::sync::Arc::new(path.into()))));
-            return Ok(Client { http, origin: "http://localhost".into(), base, auth });
+            return Ok(Client { http, origin: "http://localhost".into(), base, auth, retry: RetryPolicy::default() });
         }
         let uri: Uri = base.parse().map_err(|source| ClientError::InvalidUrl { url: base.clone(), source })?;
         if uri.scheme_str() != Some("http") || uri.authority().is_none() || uri.query().is_some() {
@@ -115,14 +118,27 @@ impl Client {
         connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
         connector.set_nodelay(true);
         let http = Transport::Tcp(builder.build(connector));
-        Ok(Client { http, origin: base.clone(), base, auth })
+        Ok(Client { http, origin: base.clone(), base, auth, retry: RetryPolicy::default() })
+    }
+
+    /// This client, sending failed calls again as `retry` says ([`RetryPolicy::none`]: never).
+    /// A new client has [`RetryPolicy::default`].
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Client {
+        self.retry = retry;
+        self
+    }
+
+    /// The policy failed calls are sent again by.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        self.retry
     }
 
     /// A client configured from the environment: `SANDMAN_URL` (default
     /// [`env::DEFAULT_URL`]) and `SANDMAN_TOKEN`, else the token file the server writes,
-    /// `<state dir>/token` (see [`env::default_state_dir`]).
+    /// `<state dir>/token` (see [`env::default_state_dir`]); `SANDMAN_RETRIES` and
+    /// `SANDMAN_RETRY_DEADLINE` (see [`RetryPolicy::from_env`]).
     pub fn from_env() -> Result<Client, ClientError> {
-        Client::new(&env::url_from_env(), &env::token_from_env()?)
+        Ok(Client::new(&env::url_from_env(), &env::token_from_env()?)?.with_retry(RetryPolicy::from_env()?))
     }
 
     /// The server's URL, as given.
@@ -138,8 +154,19 @@ impl Client {
     }
 
     /// `POST /v1/sandboxes`: the sandbox, once ready (or at once when `wait` is false).
+    ///
+    /// A create without an `idempotency_key` is given a fresh one, so that it is sent again
+    /// safely when its answer is lost: the server answers the sandbox made under that key.
     pub async fn create(&self, req: &CreateSandbox) -> Result<Sandbox, ClientError> {
-        self.json(Req::new(Method::POST, "/v1/sandboxes".into()).json(req)?).await
+        let keyed;
+        let req = match req.idempotency_key {
+            Some(_) => req,
+            None => {
+                keyed = CreateSandbox { idempotency_key: Some(fresh_key()), ..req.clone() };
+                &keyed
+            }
+        };
+        self.json(Req::new(Method::POST, "/v1/sandboxes".into()).json(req)?.idempotent()).await
     }
 
     /// `GET /v1/sandboxes/{id}`: a sandbox, also once it has ended.
@@ -160,17 +187,17 @@ impl Client {
 
     /// `POST /v1/sandboxes/{id}/keepalive`: renew the lease (the daemon's too).
     pub async fn keepalive(&self, id: &str) -> Result<Sandbox, ClientError> {
-        self.json(Req::new(Method::POST, sandbox_path(id, "/keepalive"))).await
+        self.json(Req::new(Method::POST, sandbox_path(id, "/keepalive")).idempotent()).await
     }
 
     /// `POST /v1/sandboxes/{id}/pause`: freeze every process of the sandbox.
     pub async fn pause(&self, id: &str) -> Result<Sandbox, ClientError> {
-        self.json(Req::new(Method::POST, sandbox_path(id, "/pause"))).await
+        self.json(Req::new(Method::POST, sandbox_path(id, "/pause")).idempotent()).await
     }
 
     /// `POST /v1/sandboxes/{id}/resume`: thaw a paused sandbox.
     pub async fn resume(&self, id: &str) -> Result<Sandbox, ClientError> {
-        self.json(Req::new(Method::POST, sandbox_path(id, "/resume"))).await
+        self.json(Req::new(Method::POST, sandbox_path(id, "/resume")).idempotent()).await
     }
 
     /// `PUT /v1/jobs/{job}`: create or change a job's quota and defaults.
@@ -190,13 +217,13 @@ impl Client {
 
     /// `POST /v1/jobs/{job}/heartbeat`: renew the lease of every sandbox of the job.
     pub async fn heartbeat(&self, name: &str) -> Result<JobAction, ClientError> {
-        self.json(Req::new(Method::POST, job_path(name, "/heartbeat"))).await
+        self.json(Req::new(Method::POST, job_path(name, "/heartbeat")).idempotent()).await
     }
 
     /// `POST /v1/jobs/{job}/fusion-key`: the job's SandboxFusion capability URL, made when it
     /// has none.
     pub async fn fusion_key(&self, name: &str) -> Result<FusionKey, ClientError> {
-        self.json(Req::new(Method::POST, job_path(name, "/fusion-key"))).await
+        self.json(Req::new(Method::POST, job_path(name, "/fusion-key")).idempotent()).await
     }
 
     /// `DELETE /v1/jobs/{job}/fusion-key`: revokes it.
@@ -233,7 +260,7 @@ impl Client {
     /// `POST /v1/prepare`: make images ready ahead of creates; answers once each is ready or
     /// has failed.
     pub async fn prepare(&self, req: &PrepareRequest) -> Result<PrepareResult, ClientError> {
-        self.json(Req::new(Method::POST, "/v1/prepare".into()).json(req)?).await
+        self.json(Req::new(Method::POST, "/v1/prepare".into()).json(req)?.idempotent()).await
     }
 
     /// `GET /v1/images`: the process provider's image store.
@@ -250,7 +277,7 @@ impl Client {
 
     /// `POST /v1/images/prune`: removes every image no sandbox runs.
     pub async fn prune_images(&self) -> Result<ImagesRemoved, ClientError> {
-        self.json(Req::new(Method::POST, "/v1/images/prune".into())).await
+        self.json(Req::new(Method::POST, "/v1/images/prune".into()).idempotent()).await
     }
 
     /// `GET /v1/sandboxes/{id}/conditions`: the sandbox's signed conditions record (asked,
@@ -262,7 +289,7 @@ impl Client {
     /// `POST /v1/verify`: whether a signed conditions record (any JSON, as it was kept) is
     /// intact and signed by this server.
     pub async fn verify(&self, signed: &serde_json::Value) -> Result<Verification, ClientError> {
-        self.json(Req::new(Method::POST, "/v1/verify".into()).json(signed)?).await
+        self.json(Req::new(Method::POST, "/v1/verify".into()).json(signed)?.idempotent()).await
     }
 
     /// `GET /v1/events`: the lifecycle events kept so far (`follow` is ignored).
@@ -286,48 +313,115 @@ impl Client {
 
     // ---- transport: the one place requests are sent and answers checked ----
 
-    /// Sends `req`; answers the response when its status is a success, the error otherwise.
-    async fn send(&self, req: Req) -> Result<(String, Response<Incoming>), ClientError> {
+    /// Sends `req`, again where its retry policy says (see [`crate::retry`]); answers the
+    /// response when its status is a success, the error otherwise. With `whole`, the answer's
+    /// body is read too, and a body that breaks off counts as a failed attempt.
+    async fn exchange(&self, req: Req, whole: bool) -> Result<(String, Answer), ClientError> {
         let call = req.call();
-        let url = format!("{}{}{}", self.origin, req.path, req.query);
-        let uri: Uri = url.parse().map_err(|source| ClientError::InvalidUrl { url: url.clone(), source })?;
+        // The body apart from the rest: the rest is shared with each attempt, which a streamed
+        // body (`Send` but not `Sync`) could not be.
+        let Req { method, path, query, body: streamed, content_type, accept, replay, idempotent } = req;
+        let head = Head { method, url: format!("{}{path}{query}", self.origin), content_type, accept };
+        let mut streamed = Some(streamed);
+        let mut attempts = 0u32;
+        let mut first_failure: Option<tokio::time::Instant> = None;
+        loop {
+            attempts += 1;
+            let body = match &replay {
+                Some(Replay::Empty) => body::empty(),
+                Some(Replay::Full(bytes)) => body::full(bytes.clone()),
+                // A streamed body goes once: with no `replay`, no second attempt is made.
+                None => streamed.take().unwrap_or_else(body::empty),
+            };
+            let (err, retry_after) = match self.attempt(&head, &call, body).await {
+                Ok(response) if whole => match read_all(&call, response.into_body()).await {
+                    Ok(bytes) => return Ok((call, Answer::Whole(bytes))),
+                    Err(err) => (err, None),
+                },
+                Ok(response) => return Ok((call, Answer::Head(response))),
+                Err(failed) => failed,
+            };
+            let failure = Failure::of(&err, retry_after);
+            if failure == Failure::Final {
+                return Err(if attempts == 1 { err } else { retried(call, attempts, false, err) });
+            }
+            let since = *first_failure.get_or_insert_with(tokio::time::Instant::now);
+            match self.retry.wait(failure, idempotent, replay.is_some(), attempts, since.elapsed()) {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => {
+                    let not_idempotent = failure == Failure::MaybeSent && !idempotent;
+                    return Err(retried(call, attempts, not_idempotent, err));
+                }
+            }
+        }
+    }
+
+    /// One attempt: the response of a success, else the error and a 503's `Retry-After`.
+    async fn attempt(
+        &self,
+        head: &Head,
+        call: &str,
+        body: RequestBody,
+    ) -> Result<Response<Incoming>, (ClientError, Option<Duration>)> {
+        let uri: Uri =
+            head.url.parse().map_err(|source| (ClientError::InvalidUrl { url: head.url.clone(), source }, None))?;
         let mut builder = Request::builder()
-            .method(req.method)
+            .method(head.method.clone())
             .uri(uri)
             .header(AUTHORIZATION, self.auth.clone())
-            .header(ACCEPT, req.accept)
+            .header(ACCEPT, head.accept)
             .header(USER_AGENT, concat!("sandman-client/", env!("CARGO_PKG_VERSION")));
-        if let Some(content_type) = req.content_type {
+        if let Some(content_type) = head.content_type {
             builder = builder.header(CONTENT_TYPE, content_type);
         }
         let request =
-            builder.body(req.body).map_err(|source| ClientError::BuildRequest { call: call.clone(), source })?;
+            builder.body(body).map_err(|source| (ClientError::BuildRequest { call: call.to_owned(), source }, None))?;
         let sent = match &self.http {
             Transport::Tcp(c) => c.request(request).await,
             Transport::Unix(c) => c.request(request).await,
         };
-        let response = sent.map_err(|source| ClientError::Request { url: self.base.clone(), source })?;
+        let response = sent.map_err(|source| (ClientError::Request { url: self.base.clone(), source }, None))?;
         if response.status().is_success() {
-            return Ok((call, response));
+            return Ok(response);
         }
-        Err(error_of(call, response).await)
+        let retry_after = response
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map(|s| Duration::from_secs_f64(s.min(3600.0)));
+        Err((error_of(call.to_owned(), response).await, retry_after))
+    }
+
+    /// Sends `req` (see [`Client::exchange`]) and answers the response, its body unread.
+    async fn send(&self, req: Req) -> Result<(String, Response<Incoming>), ClientError> {
+        match self.exchange(req, false).await? {
+            (call, Answer::Head(response)) => Ok((call, response)),
+            (call, Answer::Whole(_)) => Err(ClientError::StreamEnded { call }),
+        }
+    }
+
+    /// Sends `req` (see [`Client::exchange`]) and answers the whole body of its answer.
+    async fn send_whole(&self, req: Req) -> Result<(String, Bytes), ClientError> {
+        match self.exchange(req, true).await? {
+            (call, Answer::Whole(bytes)) => Ok((call, bytes)),
+            (call, Answer::Head(_)) => Err(ClientError::StreamEnded { call }),
+        }
     }
 
     pub(crate) async fn json<T: DeserializeOwned>(&self, req: Req) -> Result<T, ClientError> {
-        let (call, response) = self.send(req).await?;
-        let bytes = read_all(&call, response.into_body()).await?;
+        let (call, bytes) = self.send_whole(req).await?;
         serde_json::from_slice(&bytes).map_err(|source| ClientError::Decode { call, source })
     }
 
     /// For calls answered with no content (204).
     pub(crate) async fn unit(&self, req: Req) -> Result<(), ClientError> {
-        let (call, response) = self.send(req).await?;
-        read_all(&call, response.into_body()).await.map(drop)
+        self.send_whole(req).await.map(drop)
     }
 
     pub(crate) async fn bytes(&self, req: Req) -> Result<Bytes, ClientError> {
-        let (call, response) = self.send(req).await?;
-        read_all(&call, response.into_body()).await
+        self.send_whole(req).await.map(|(_, bytes)| bytes)
     }
 
     pub(crate) async fn stream(&self, req: Req) -> Result<ByteStream, ClientError> {
@@ -343,6 +437,37 @@ impl Client {
         let (call, response) = self.send(req.accept(NDJSON)).await?;
         Ok(NdjsonStream::new(response.into_body(), call, decode))
     }
+}
+
+/// What every attempt of a call sends but its body.
+struct Head {
+    method: Method,
+    url: String,
+    content_type: Option<&'static str>,
+    accept: &'static str,
+}
+
+/// What an attempt answered: the response with its body unread, or the whole body.
+enum Answer {
+    Head(Response<Incoming>),
+    Whole(Bytes),
+}
+
+/// The error of a call that failed without an answer (or was shed), `attempts` times.
+fn retried(call: String, attempts: u32, not_idempotent: bool, last: ClientError) -> ClientError {
+    ClientError::Retried { call, attempts, not_idempotent, last: Box::new(last) }
+}
+
+/// A fresh idempotency key for a create that has none: unique to this process (its id and
+/// start), and to the call within it.
+fn fresh_key() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    static START: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
+    let start = START.get_or_init(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)
+    });
+    format!("sandman-client-{}-{start:x}-{}", std::process::id(), COUNT.fetch_add(1, Ordering::Relaxed))
 }
 
 async fn read_all(call: &str, body: Incoming) -> Result<Bytes, ClientError> {
@@ -382,11 +507,46 @@ pub(crate) struct Req {
     body: RequestBody,
     content_type: Option<&'static str>,
     accept: &'static str,
+    /// What each attempt sends when the body can be sent again; `None` for a streamed body.
+    replay: Option<Replay>,
+    /// Safe to send again even when an attempt may have reached the server: by HTTP's
+    /// definition for GET, PUT and DELETE, and by each call's own contract for some POSTs.
+    idempotent: bool,
+}
+
+/// A body that can be sent again.
+#[derive(Clone)]
+enum Replay {
+    Empty,
+    Full(Bytes),
 }
 
 impl Req {
     pub(crate) fn new(method: Method, path: String) -> Req {
-        Req { method, path, query: String::new(), body: body::empty(), content_type: None, accept: JSON }
+        let idempotent = matches!(method, Method::GET | Method::HEAD | Method::PUT | Method::DELETE);
+        Req {
+            method,
+            path,
+            query: String::new(),
+            body: body::empty(),
+            content_type: None,
+            accept: JSON,
+            replay: Some(Replay::Empty),
+            idempotent,
+        }
+    }
+
+    /// Marks a POST that is safe to send twice (its second run changes nothing more).
+    pub(crate) fn idempotent(mut self) -> Req {
+        self.idempotent = true;
+        self
+    }
+
+    /// Marks a call that may not be sent again once it may have run (a DELETE whose second
+    /// run answers an error for what the first did).
+    pub(crate) fn once(mut self) -> Req {
+        self.idempotent = false;
+        self
     }
 
     /// `METHOD /path`, naming the call in errors.
@@ -403,18 +563,22 @@ impl Req {
 
     pub(crate) fn json<B: Serialize>(mut self, body: &B) -> Result<Req, ClientError> {
         let bytes = serde_json::to_vec(body).map_err(|source| ClientError::EncodeBody { call: self.call(), source })?;
-        self.body = body::full(Bytes::from(bytes));
+        let bytes = Bytes::from(bytes);
+        self.body = body::full(bytes.clone());
+        self.replay = Some(Replay::Full(bytes));
         self.content_type = Some(JSON);
         Ok(self)
     }
 
     pub(crate) fn upload(mut self, body: UploadBody) -> Req {
+        self.replay = body.1.map(Replay::Full);
         self.body = body.0;
         self.content_type = Some(OCTET_STREAM);
         self
     }
 
     pub(crate) fn upload_tar(mut self, body: UploadBody) -> Req {
+        self.replay = body.1.map(Replay::Full);
         self.body = body.0;
         self.content_type = Some(TAR);
         self

@@ -99,6 +99,36 @@ pub enum ClientError {
         #[source]
         source: serde_urlencoded::ser::Error,
     },
+
+    /// A setting of the environment (`SANDMAN_RETRIES`, ...) that is not what it should be.
+    #[error("{name}=`{value}` is not {expected}")]
+    InvalidSetting { name: &'static str, value: String, expected: &'static str },
+
+    /// The call failed without an answer, or was shed, however many times it was sent (see
+    /// [`crate::RetryPolicy`]); `last` is the last attempt's error. `not_idempotent`: it was not
+    /// sent again because the last attempt may have run and the call is not idempotent. Codes,
+    /// statuses and kinds are the last error's.
+    #[error("{}", retried_message(call, *attempts, *not_idempotent))]
+    Retried {
+        call: String,
+        attempts: u32,
+        not_idempotent: bool,
+        #[source]
+        last: Box<ClientError>,
+    },
+}
+
+fn retried_message(call: &str, attempts: u32, not_idempotent: bool) -> String {
+    if not_idempotent {
+        let sent = if attempts == 1 { "it was sent".to_owned() } else { format!("attempt {attempts} was sent") };
+        format!(
+            "{call} failed after {sent}, and was not sent again: it is not idempotent, and the server may have run it"
+        )
+    } else if attempts == 1 {
+        format!("{call} failed (1 attempt)")
+    } else {
+        format!("{call} failed after {attempts} attempts")
+    }
 }
 
 /// `message (reason)`, so that a gone sandbox reads `sandbox `sb-42` is gone (lease_expired)`;
@@ -112,6 +142,22 @@ fn api_message(body: &ErrorBody) -> String {
 }
 
 impl ClientError {
+    /// The error itself, or for [`ClientError::Retried`] the last attempt's.
+    pub fn last(&self) -> &ClientError {
+        match self {
+            ClientError::Retried { last, .. } => last.last(),
+            other => other,
+        }
+    }
+
+    /// How many times the call was sent: [`ClientError::Retried`]'s count, else 1.
+    pub fn attempts(&self) -> u32 {
+        match self {
+            ClientError::Retried { attempts, .. } => *attempts,
+            _ => 1,
+        }
+    }
+
     /// The wire error code, for an API error.
     pub fn code(&self) -> Option<ErrorCode> {
         self.body().map(|b| b.error.code)
@@ -124,7 +170,7 @@ impl ClientError {
 
     /// The error body, for an API error.
     pub fn body(&self) -> Option<&ErrorBody> {
-        match self {
+        match self.last() {
             ClientError::Api { body, .. } => Some(body),
             _ => None,
         }
@@ -132,7 +178,7 @@ impl ClientError {
 
     /// The HTTP status of an error answer.
     pub fn status(&self) -> Option<u16> {
-        match self {
+        match self.last() {
             ClientError::Api { status, .. } | ClientError::UnexpectedStatus { status, .. } => Some(*status),
             _ => None,
         }
@@ -146,14 +192,14 @@ impl ClientError {
 
     /// Whether the request never reached a server: it could not connect.
     pub fn is_connect(&self) -> bool {
-        matches!(self, ClientError::Request { source, .. } if source.is_connect())
+        matches!(self.last(), ClientError::Request { source, .. } if source.is_connect())
     }
 
     /// Whether the connection broke rather than the server refusing the call: no answer came,
     /// the answer's body broke off, or a stream ended early. A call that reads from an offset
     /// (a followed output) may be sent again.
     pub fn is_broken_connection(&self) -> bool {
-        matches!(self, ClientError::Request { .. } | ClientError::Body { .. } | ClientError::StreamEnded { .. })
+        matches!(self.last(), ClientError::Request { .. } | ClientError::Body { .. } | ClientError::StreamEnded { .. })
     }
 
     /// The kind of the first `io::Error` in the chain of sources.
@@ -191,6 +237,20 @@ mod tests {
         let plain = ClientError::Api { status: 401, body: ErrorBody::new(ErrorCode::Unauthorized, "bad token") };
         assert_eq!(plain.to_string(), "bad token");
         assert_eq!(plain.reason(), None);
+    }
+
+    #[test]
+    fn a_retried_error_says_how_often_it_was_sent_and_keeps_the_last_ones_code() {
+        let shed = ClientError::Api { status: 503, body: ErrorBody::new(ErrorCode::Unavailable, "busy") };
+        let err = ClientError::Retried {
+            call: "GET /v1/pools".into(),
+            attempts: 4,
+            not_idempotent: false,
+            last: shed.into(),
+        };
+        assert_eq!(err.to_string(), "GET /v1/pools failed after 4 attempts");
+        assert_eq!((err.code(), err.status(), err.attempts()), (Some(ErrorCode::Unavailable), Some(503), 4));
+        assert_eq!(std::error::Error::source(&err).map(|e| e.to_string()).as_deref(), Some("busy"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! A typed async client of the Sandman server: start at [`Client`] (`Client::from_env()`), whose
-//! calls take and answer the types of [`sandman_wire`]; failures are [`ClientError`]s.
+//! calls take and answer the types of [`sandman_wire`]; failures are [`ClientError`]s. Calls
+//! are sent again where that is safe, as its [`RetryPolicy`] says.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), sandman_client::ClientError> {
@@ -20,6 +21,7 @@ mod body;
 mod client;
 pub mod env;
 mod error;
+pub mod retry;
 mod sandbox;
 mod snapshots;
 
@@ -27,5 +29,6 @@ pub use body::{ByteStream, MAX_LINE_BYTES, NdjsonStream, UploadBody};
 pub use client::Client;
 pub use env::default_state_dir;
 pub use error::ClientError;
+pub use retry::RetryPolicy;
 pub use sandbox::OutputFollow;
 pub use sandman_wire as wire;

@@ -140,7 +140,7 @@ impl Client {
 
     /// `POST /v1/processes/{process}/resize`: the new size of the process's terminal.
     pub async fn resize(&self, id: &str, process: &str, size: PtySize) -> Result<ProcessInfo, ClientError> {
-        self.json(Req::new(Method::POST, process_path(id, process, "/resize")).json(&size)?).await
+        self.json(Req::new(Method::POST, process_path(id, process, "/resize")).json(&size)?.idempotent()).await
     }
 
     /// The URL of `127.0.0.1:{port}/{path}` inside the sandbox, through the server
@@ -158,7 +158,7 @@ impl Client {
     /// `POST /v1/processes/{process}/wait`: the process once exited, or still running when the
     /// wait's timeout passes first.
     pub async fn wait(&self, id: &str, process: &str, req: &WaitRequest) -> Result<ProcessInfo, ClientError> {
-        self.json(Req::new(Method::POST, process_path(id, process, "/wait")).json(req)?).await
+        self.json(Req::new(Method::POST, process_path(id, process, "/wait")).json(req)?.idempotent()).await
     }
 
     /// `DELETE /v1/processes/{process}`: kill the process tree and forget it.
@@ -263,13 +263,13 @@ impl Client {
     /// `POST /v1/dir`: `mkdir -p`.
     pub async fn mkdir(&self, id: &str, path: &str, mode: Option<u32>) -> Result<FileStat, ClientError> {
         let query = MkdirQuery { path: path.to_owned(), mode: octal(mode), user: None };
-        self.json(Req::new(Method::POST, sandbox_path(id, "/dir")).query(&query)?).await
+        self.json(Req::new(Method::POST, sandbox_path(id, "/dir")).query(&query)?.idempotent()).await
     }
 
     /// `DELETE /v1/files`: remove a file, or a directory (a non-empty one needs `recursive`).
     pub async fn remove(&self, id: &str, path: &str, recursive: bool) -> Result<(), ClientError> {
         let query = RemoveQuery { path: path.to_owned(), recursive };
-        self.unit(Req::new(Method::DELETE, sandbox_path(id, "/files")).query(&query)?).await
+        self.unit(Req::new(Method::DELETE, sandbox_path(id, "/files")).query(&query)?.once()).await
     }
 
     /// `POST /v1/move`: rename `from` to `to`.

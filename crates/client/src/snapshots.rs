@@ -34,7 +34,7 @@ impl Client {
     /// `POST /v1/snapshots/{id}/export`: pushes the snapshot as an image to `reference`.
     pub async fn export_snapshot(&self, id: &str, reference: &str) -> Result<Exported, ClientError> {
         let body = ExportSnapshot { reference: reference.to_string() };
-        self.json(Req::new(Method::POST, snapshot_path(id, "/export")).json(&body)?).await
+        self.json(Req::new(Method::POST, snapshot_path(id, "/export")).json(&body)?.idempotent()).await
     }
 
     /// `POST /v1/sandboxes/{id}/fork`: a snapshot and `count` new sandboxes from it.

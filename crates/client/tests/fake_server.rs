@@ -372,9 +372,10 @@ async fn a_closed_port_is_connection_refused() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let client = Client::new(&format!("http://{addr}"), TOKEN).unwrap();
+    let client = Client::new(&format!("http://{addr}"), TOKEN).unwrap().with_retry(sandman_client::RetryPolicy::none());
     let err = client.get("sb-1").await.unwrap_err();
     assert!(err.is_connection_refused(), "{err:?}");
+    assert_eq!(err.to_string(), "GET /v1/sandboxes/sb-1 failed (1 attempt)");
     assert!(err.is_connect());
     assert_eq!(err.code(), None);
 }

@@ -2,7 +2,8 @@
 //! header-read timeout (a connection that sends nothing, or dribbles its request head, is
 //! closed; so is a kept-alive connection idle that long), a bound on open connections with a
 //! warning when it is reached, and graceful shutdown that drains with a deadline. `axum::serve`
-//! offers none of the first two. Start at [`serve`].
+//! offers none of the first two. Start at [`serve`]; [`serve_draining`] adds the phase before
+//! shutdown in which every answer closes its connection.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -37,6 +38,9 @@ pub struct Edge {
     pub drain: Duration,
 }
 
+/// The header every answer carries once draining has begun.
+const CLOSE: hyper::header::HeaderValue = hyper::header::HeaderValue::from_static("close");
+
 /// Serves `app` on `listener` until `shutdown` resolves, then lets open connections finish the
 /// request they are on (new ones are no longer accepted) for at most `edge.drain`.
 pub async fn serve<L>(listener: L, app: Router, edge: Edge, shutdown: impl Future<Output = ()> + Send)
@@ -47,11 +51,43 @@ where
     serve_by(listener, move |_| app.clone(), edge, shutdown).await;
 }
 
+/// [`serve`], with a phase before shutdown: once `draining` is cancelled, new connections are
+/// still accepted and every call still served, but each answer carries `Connection: close`, so
+/// that a client's kept-alive connection ends after its next call and the client connects
+/// again, through a load balancer, to a replica that is not going away. `shutdown` then stops
+/// accepting as in [`serve`].
+pub async fn serve_draining<L>(
+    listener: L,
+    app: Router,
+    edge: Edge,
+    draining: CancellationToken,
+    shutdown: impl Future<Output = ()> + Send,
+) where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+{
+    serve_inner(listener, move |_| app.clone(), edge, Some(draining), shutdown).await;
+}
+
 /// [`serve`], each connection served by the router `app_for` chooses for its peer's address (a
 /// daemon serves a caller from inside its sandbox otherwise than one from outside), chosen once
 /// per connection: a call costs nothing more.
-pub async fn serve_by<L, F>(mut listener: L, app_for: F, edge: Edge, shutdown: impl Future<Output = ()> + Send)
+pub async fn serve_by<L, F>(listener: L, app_for: F, edge: Edge, shutdown: impl Future<Output = ()> + Send)
 where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+    F: Fn(&L::Addr) -> Router,
+{
+    serve_inner(listener, app_for, edge, None, shutdown).await;
+}
+
+async fn serve_inner<L, F>(
+    mut listener: L,
+    app_for: F,
+    edge: Edge,
+    draining: Option<CancellationToken>,
+    shutdown: impl Future<Output = ()> + Send,
+) where
     L: Listener,
     L::Addr: std::fmt::Debug,
     F: Fn(&L::Addr) -> Router,
@@ -93,10 +129,22 @@ where
         let app = app_for(&addr);
         let builder = Arc::clone(&builder);
         let stop = stop.clone();
+        let draining = draining.clone();
         connections.spawn(async move {
             let _slot = slot;
             let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-                app.clone().oneshot(req.map(Body::new))
+                let answer = app.clone().oneshot(req.map(Body::new));
+                let draining = draining.clone();
+                async move {
+                    let mut resp = answer.await?;
+                    // Not on a switch of protocols, whose connection the two ends then own.
+                    if draining.is_some_and(|d| d.is_cancelled())
+                        && resp.status() != hyper::StatusCode::SWITCHING_PROTOCOLS
+                    {
+                        resp.headers_mut().insert(hyper::header::CONNECTION, CLOSE);
+                    }
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
             });
             // With upgrades: a WebSocket to a port in a sandbox switches protocols on this
             // connection, and the proxy and the daemon take it over once it has.
@@ -230,6 +278,44 @@ mod tests {
         assert_eq!(&echoed, b"ping");
         stop.cancel();
         let _ = task.await;
+    }
+
+    /// While draining, a kept-alive connection is answered and then closed (`Connection: close`),
+    /// and new connections are still served; after shutdown, nothing more is accepted.
+    #[tokio::test]
+    async fn while_draining_answers_close_their_connections_and_new_ones_are_served() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let app = Router::new().route("/", get(|| async { "ok" }));
+        let edge =
+            Edge { header_read_timeout: Duration::from_secs(30), max_connections: 8, drain: Duration::from_secs(5) };
+        let (draining, stop) = (CancellationToken::new(), CancellationToken::new());
+        let stopped = stop.clone();
+        let task =
+            tokio::spawn(serve_draining(
+                listener,
+                app,
+                edge,
+                draining.clone(),
+                async move { stopped.cancelled().await },
+            ));
+        let mut kept = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
+        kept.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap_or_else(|e| panic!("{e}"));
+        let mut buf = [0u8; 1024];
+        let n = kept.read(&mut buf).await.unwrap_or_else(|e| panic!("{e}"));
+        let first = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
+        assert!(first.contains("200 ok") && !first.contains("connection: close"), "{first}");
+        draining.cancel();
+        kept.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap_or_else(|e| panic!("{e}"));
+        let mut rest = Vec::new();
+        kept.read_to_end(&mut rest).await.unwrap_or_else(|e| panic!("{e}"));
+        let second = String::from_utf8_lossy(&rest).to_ascii_lowercase();
+        assert!(second.contains("200 ok") && second.contains("connection: close"), "{second}");
+        let fresh = get_ok(addr).await;
+        assert!(fresh.contains("200 OK"), "{fresh}");
+        stop.cancel();
+        let _ = task.await;
+        assert!(TcpStream::connect(addr).await.is_err(), "still accepting after shutdown");
     }
 
     #[tokio::test]

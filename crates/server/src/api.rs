@@ -40,6 +40,7 @@ pub struct Limits {
 /// Every call of the server API as (method, path), proxied daemon calls as one wildcard.
 pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/healthz"),
+    ("GET", "/readyz"),
     ("GET", "/metrics"),
     ("POST", "/v1/sandboxes"),
     ("GET", "/v1/sandboxes"),
@@ -131,11 +132,12 @@ pub fn router_with(service: Arc<Service>, limits: Limits, fusion: crate::fusion:
         .load_shed()
         .concurrency_limit(limits.max_concurrent)
         .service(app);
-    // Liveness is answered beside the limit, never shed: a probe that got 503 under load would
+    // Liveness and readiness are answered beside the limit, never shed: a probe that got 503 under load would
     // have the server killed for being busy. So is the SandboxFusion API, whose clients score
     // a shed call as a wrong answer: its calls wait for a slot of their own (`--fusion-max-calls`).
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .with_state(service.clone())
         .merge(crate::fusion::router(service, fusion))
         .fallback_service(limited)
@@ -170,6 +172,22 @@ async fn healthz(State(service): State<Arc<Service>>) -> Json<ServerHealth> {
         provider: service.provider.name().into(),
         isolation: Some(service.provider.isolation()),
     })
+}
+
+/// Readiness: 200 while the server takes calls, 503 once its shutdown has begun (it still
+/// serves, for its drain period, while load balancers stop sending it calls). Unlike `/healthz`
+/// (liveness), a 503 here never gets the server restarted.
+async fn readyz(State(service): State<Arc<Service>>) -> Response {
+    if service.draining.is_cancelled() {
+        return error_response(ErrorCode::Unavailable, "the server is shutting down", Some("draining"));
+    }
+    Json(ServerHealth {
+        status: "ready".into(),
+        version: crate::VERSION.into(),
+        provider: service.provider.name().into(),
+        isolation: Some(service.provider.isolation()),
+    })
+    .into_response()
 }
 
 async fn metrics(State(service): State<Arc<Service>>) -> Response {
@@ -475,6 +493,31 @@ mod tests {
         first.abort();
     }
 
+    /// Readiness turns 503 once shutdown begins, while liveness and every call still answer: a
+    /// draining server is taken out of its load balancer, not restarted, and still serves.
+    #[tokio::test]
+    async fn readyz_turns_503_when_draining_begins_and_calls_are_still_served() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let (app, service) = fake_app(dir.path(), 1000.0);
+        let (status, body) = answer(&app, req("GET", "/readyz", "", None)).await;
+        assert_eq!((status, body["status"].as_str()), (200, Some("ready")), "{body}");
+        service.draining.cancel();
+        let (status, body) = answer(&app, req("GET", "/readyz", "", None)).await;
+        assert_eq!((status, body["error"]["reason"].as_str()), (503, Some("draining")), "{body}");
+        assert_eq!(answer(&app, req("GET", "/healthz", "", None)).await.0, 200);
+        let (status, body) = answer(&app, req("POST", "/v1/sandboxes", r#"{"image":"any"}"#, Some("t"))).await;
+        assert_eq!((status, body["state"].as_str()), (200, Some("ready")), "{body}");
+    }
+
+    #[tokio::test]
+    async fn readyz_answers_while_the_server_sheds() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 1 });
+        let (first, _) = hold_the_one_slot(&app).await;
+        assert_eq!(answer(&app, req("GET", "/readyz", "", None)).await.0, 200);
+        first.abort();
+    }
+
     #[tokio::test]
     async fn control_calls_time_out_with_the_error_body() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -484,11 +527,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn every_call_but_healthz_needs_the_token() {
+    async fn every_call_but_the_probes_needs_the_token() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let app = app(dir.path(), Limits { request_timeout: Duration::from_secs(5), max_concurrent: 16 });
         assert_eq!(answer(&app, req("GET", "/healthz", "", None)).await.0, 200);
-        for (m, p) in ROUTES.iter().filter(|(_, p)| *p != "/healthz") {
+        assert_eq!(answer(&app, req("GET", "/readyz", "", None)).await.0, 200);
+        for (m, p) in ROUTES.iter().filter(|(_, p)| !matches!(*p, "/healthz" | "/readyz")) {
             let method = if *m == "ANY" { "POST" } else { m };
             let uri = p.replace("{id}", "sb-x").replace("{job}", "j").replace("{name}", "p").replace("{*call}", "exec");
             let (status, body) = answer(&app, req(method, &uri, "{}", None)).await;

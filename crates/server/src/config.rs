@@ -117,6 +117,17 @@ pub struct ServeArgs {
     /// its last answer, when kept alive) is closed, in seconds.
     #[arg(long, default_value_t = 30, value_parser = seconds(1, bounds::HOUR_S))]
     pub header_read_timeout_s: u64,
+    /// On SIGTERM (or SIGINT), how long the server keeps serving every call, old connections and
+    /// new, while `GET /readyz` answers 503, before it stops accepting, in seconds: the time a
+    /// load balancer (Kubernetes' endpoints) needs to stop sending it calls. Answers meanwhile
+    /// carry `Connection: close`, so kept-alive clients connect again elsewhere. A second signal
+    /// ends it at once.
+    #[arg(long, env = "SANDMAN_SHUTDOWN_DRAIN_S", default_value_t = 0, value_parser = seconds(0, bounds::HOUR_S))]
+    pub shutdown_drain_s: u64,
+    /// Once the server stops accepting, how long calls in flight get to finish before their
+    /// connections are dropped, in seconds. A further signal drops them at once.
+    #[arg(long, env = "SANDMAN_SHUTDOWN_TIMEOUT_S", default_value_t = 10, value_parser = seconds(0, bounds::DAY_S))]
+    pub shutdown_timeout_s: u64,
     /// The largest `max_output_bytes` of a proxied `/exec` or session run, whose output the
     /// daemon holds until the command ends (at most the daemon's own ceiling, 64 MiB).
     #[arg(long, default_value_t = bounds::MAX_OUTPUT_BYTES.max, value_parser = clap::value_parser!(u64).range(0..=bounds::MAX_OUTPUT_BYTES.max))]

@@ -288,7 +288,7 @@ pub async fn run(
     let edge = sandman_http::serve::Edge {
         header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
         max_connections,
-        drain: SHUTDOWN_DRAIN,
+        drain: Duration::from_secs(args.shutdown_timeout_s),
     };
     on_start(&Started { listen, socket: socket.clone(), token: source, recovered, found_dead });
     // No Nagle: a stream's small events (a command's start, its end) go out at once, not
@@ -296,19 +296,51 @@ pub async fn run(
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    // Both listeners stop together, at the one shutdown.
+    // Both listeners drain and stop together, at the one shutdown.
+    let draining = service.draining.clone();
     let stop = tokio_util::sync::CancellationToken::new();
-    let tcp = sandman_http::serve::serve(listener, app.clone(), edge, stop.clone().cancelled_owned());
+    let tcp = sandman_http::serve::serve_draining(
+        listener,
+        app.clone(),
+        edge,
+        draining.clone(),
+        stop.clone().cancelled_owned(),
+    );
     let on_socket = async {
         if let Some(unix) = unix {
-            sandman_http::serve::serve(unix, app, edge, stop.clone().cancelled_owned()).await;
+            sandman_http::serve::serve_draining(unix, app, edge, draining.clone(), stop.clone().cancelled_owned())
+                .await;
         }
     };
+    let drain = Duration::from_secs(args.shutdown_drain_s);
     let asked = async {
         shutdown.await;
+        draining.cancel();
+        if !drain.is_zero() {
+            tracing::info!(
+                drain_s = drain.as_secs(),
+                "draining: /readyz answers 503 and calls are still served until the drain ends (a second signal ends it)"
+            );
+            tokio::select! {
+                () = tokio::time::sleep(drain) => {}
+                () = shutdown_signal() => {}
+            }
+        }
+        tracing::info!(timeout_s = edge.drain.as_secs(), "no longer accepting; calls in flight are finishing");
         stop.cancel();
     };
-    tokio::join!(tcp, on_socket, asked);
+    let serving = async {
+        tokio::join!(tcp, on_socket, asked);
+    };
+    // Once it no longer accepts, one more signal drops the calls still in flight.
+    let forced = async {
+        stop.cancelled().await;
+        shutdown_signal().await;
+    };
+    tokio::select! {
+        () = serving => {}
+        () = forced => tracing::warn!("asked again: calls still in flight are dropped"),
+    }
     if let Some(path) = &socket {
         let _ = std::fs::remove_file(path);
     }
@@ -331,8 +363,6 @@ fn public_url(listen: &str) -> String {
     }
 }
 
-/// How long open connections get to finish after a shutdown signal.
-const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
 /// Open files kept for what is not a client connection: the state directory's files, the
 /// provider's watches, the logs.
 const RESERVED_FILES: u64 = 256;

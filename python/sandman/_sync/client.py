@@ -93,9 +93,15 @@ class Sandman:
     else the token file the server writes (`$SANDMAN_STATE_DIR/token`, else
     `~/.local/state/sandman/token`). `timeout` is the read timeout of control calls in seconds
     (calls that run commands wait as long as their own `timeout`). Calls are sent again, up to
-    `retries` times, only where that is safe: when the request never reached the server, when the
-    server shed it under load (503 with `Retry-After`), and for idempotent calls (reads, file
-    writes, keepalives, releases, and creates, which are keyed with an `idempotency_key`).
+    `retries` times (default `$SANDMAN_RETRIES`, else 5; 0 for never) and no later than
+    `retry_deadline` seconds after their first failure (default `$SANDMAN_RETRY_DEADLINE`, else
+    30), only where that is safe: when the request never reached the server (connection refused,
+    as while a server replica restarts), when the server shed it under load (503 with
+    `Retry-After`), and, when the connection broke after the request went out (a replica going
+    away), for idempotent calls only (reads, file writes, keepalives, releases, and creates,
+    which are keyed with an `idempotency_key`), never for an exec, a process start or a stdin
+    write. Resends wait 0.1, 0.2, 0.4 ... s (at most 2 s) with jitter; the error raised at the
+    end says how many attempts were made (`attempts`).
     `max_connections` bounds the connections kept to the server (calls past it wait for one);
     `verify` is TLS verification for an `https://` server (a CA bundle path or an SSL context);
     `transport` replaces the HTTP transport (for tests).
@@ -109,13 +115,15 @@ class Sandman:
         token: Optional[str] = None,
         *,
         timeout: Optional[float] = _core.DEFAULT_TIMEOUT,
-        retries: int = _core.DEFAULT_RETRIES,
+        retries: Optional[int] = None,
+        retry_deadline: Optional[float] = None,
         max_connections: int = _core.DEFAULT_MAX_CONNECTIONS,
         verify: Union[bool, str, ssl.SSLContext] = True,
         transport: Optional[httpx.BaseTransport] = None,
     ) -> None:
         self.url = _core.resolve_url(url)
-        self.retries = retries
+        self.retries = _core.resolve_retries(retries)
+        self.retry_deadline = _core.resolve_retry_deadline(retry_deadline)
         token = _core.resolve_token(token)
         # Kept for what goes around the pools: a sandbox's ports (`Sandbox.port_client`).
         self._token = token
@@ -528,6 +536,8 @@ class Sandman:
     def _send(self, call: Call, *, stream: bool = False) -> httpx.Response:
         """Sends `call`, again where that is safe; answers a successful response or raises."""
         attempt = 0
+        # When the first attempt failed (`time.monotonic()`): the retry deadline counts from it.
+        first_failure: Optional[float] = None
         http = self._pools[_core.shard_of(call, len(self._pools), next(self._calls))]
         while True:
             request = http.build_request(
@@ -542,9 +552,11 @@ class Sandman:
             try:
                 response = http.send(request, stream=stream)
             except httpx.TransportError as e:
-                delay = _core.retry_after_error(call, e, attempt, self.retries)
+                first_failure = time.monotonic() if first_failure is None else first_failure
+                elapsed = time.monotonic() - first_failure
+                delay = _core.retry_after_error(call, e, attempt, self.retries, elapsed, self.retry_deadline)
                 if delay is None:
-                    raise _core.transport_error(e, self.url) from e
+                    raise _core.transport_error(e, self.url, call, attempt + 1) from e
                 attempt += 1
                 _rt.sleep(delay)
                 continue
@@ -556,9 +568,18 @@ class Sandman:
                 body = b""
             finally:
                 response.close()
-            delay = _core.retry_after_status(call, response.status_code, response.headers, attempt, self.retries)
+            first_failure = time.monotonic() if first_failure is None else first_failure
+            elapsed = time.monotonic() - first_failure
+            delay = _core.retry_after_status(
+                call, response.status_code, response.headers, attempt, self.retries, elapsed, self.retry_deadline
+            )
             if delay is None:
-                raise errors.error_from_response(response.status_code, body, response.headers)
+                err = errors.error_from_response(response.status_code, body, response.headers)
+                err.attempts = attempt + 1
+                if attempt > 0:
+                    err.message = f"{err.message} (after {attempt + 1} attempts)"
+                    err.args = (err.message,)
+                raise err
             attempt += 1
             _rt.sleep(delay)
 

@@ -153,6 +153,8 @@ pub struct Service {
     /// Creates in flight, reclaims, keepalives, refills: every task the service spawns.
     pub tasks: TaskTracker,
     pub cancel: CancellationToken,
+    /// Cancelled when shutdown begins: from then on `GET /readyz` answers 503 (see `run`).
+    pub draining: CancellationToken,
     /// KiB of request bodies the proxy may hold whole at once (see [`Service::hold_body`]).
     bodies: Arc<Semaphore>,
 }
@@ -197,6 +199,7 @@ impl Service {
             identities,
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
+            draining: CancellationToken::new(),
             bodies: Arc::new(Semaphore::new(BODY_BUDGET_KIB)),
             settings,
         })
