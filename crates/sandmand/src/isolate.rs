@@ -366,7 +366,7 @@ fn veth_error(e: &Egress, what: &'static str) -> impl FnOnce(std::io::Error) -> 
 /// side (`host_net`, a socket of the host's namespace) with its peer moved in here as `eth0`; the
 /// host's route to the sandbox's address; and in here, that address, the gateway's neighbour
 /// entry and the default route. A veth of the same name left by a sandbox of the same slot whose
-/// namespace the kernel has not finished tearing down is removed first.
+/// namespace the kernel has not finished tearing down is removed first (or found gone by then).
 fn give_veth(e: &Egress, mut host_net: netlink::Netlink) -> Result<(), IsolateError> {
     let ours = std::fs::File::open("/proc/thread-self/ns/net")
         .map(OwnedFd::from)
@@ -375,7 +375,7 @@ fn give_veth(e: &Egress, mut host_net: netlink::Netlink) -> Result<(), IsolateEr
     let add = |n: &mut netlink::Netlink| n.add_veth(&e.veth, host_mac, e.group, "eth0", sandbox_mac, &ours);
     match add(&mut host_net) {
         Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {
-            host_net.del_link(&e.veth).map_err(veth_error(e, "remove a stale veth of the same name"))?;
+            stale_removed(host_net.del_link(&e.veth)).map_err(veth_error(e, "remove a stale veth of the same name"))?;
             add(&mut host_net).map_err(veth_error(e, "make the veth pair"))?;
         }
         other => other.map_err(veth_error(e, "make the veth pair"))?,
@@ -390,6 +390,15 @@ fn give_veth(e: &Egress, mut host_net: netlink::Netlink) -> Result<(), IsolateEr
     inside.add_address(e.addr, eth0).map_err(veth_error(e, "give eth0 its address"))?;
     inside.add_neighbour(GATEWAY, host_mac, eth0).map_err(veth_error(e, "pin the gateway's address"))?;
     inside.add_default_route(GATEWAY, eth0).map_err(veth_error(e, "route through the gateway"))
+}
+
+/// The removal of a stale veth: done when it went, or when it was gone by itself already (the
+/// kernel finished tearing its namespace down between the make that found it and the delete).
+fn stale_removed(deleted: std::io::Result<()>) -> std::io::Result<()> {
+    match deleted {
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(()),
+        other => other,
+    }
 }
 
 /// Builds the sandbox's root under `iso.root` and answers where it is: a tmpfs holding the
@@ -958,6 +967,16 @@ pub fn precheck(iso: &Isolation) -> Result<(), IsolateError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression: a stale veth of the sandbox's slot that went by itself between the make that
+    /// found it and the delete failed the create (`No such device`).
+    #[test]
+    fn a_stale_veth_gone_by_itself_is_removed_and_other_errors_stay() {
+        assert!(stale_removed(Ok(())).is_ok());
+        assert!(stale_removed(Err(std::io::Error::from_raw_os_error(libc::ENODEV))).is_ok());
+        let denied = stale_removed(Err(std::io::Error::from_raw_os_error(libc::EPERM)));
+        assert_eq!(denied.map_err(|e| e.raw_os_error()), Err(Some(libc::EPERM)));
+    }
 
     /// Regression: the daemon wrote an image sandbox's /etc/resolv.conf (and made its mount
     /// points and working directory) through the image's symbolic links while it was still the
