@@ -539,3 +539,20 @@ async fn without_isolation_a_create_gets_the_default_disk_and_no_default_memory(
     let r = http.exec(sb["id"].as_str().unwrap(), json!({"argv": ["sh", "-c", "ulimit -v"]})).await;
     assert_eq!(r["stdout"], format!("{}\n", (3u64 << 30) / 1024), "{r}");
 }
+
+/// Regression: `serve --state-dir` with a relative path, as root, refused to start ("this host
+/// cannot isolate sandboxes: cannot mount the writable layer at `/host/<relative path>/…`"): the
+/// isolated daemon resolved the provider's paths from the root of its own mount namespace.
+#[tokio::test]
+async fn a_relative_state_directory_works_isolated() {
+    sandman_testkit::require_root();
+    let dir = tempfile::tempdir_in(e2e::scratch()).unwrap();
+    let server = Server::start_relative(dir.path(), std::path::Path::new("state"));
+    let http = server.client();
+    let sb = http.create(json!({"image": "host"})).await;
+    let id = sb["id"].as_str().unwrap();
+    let out = http.exec(id, json!({"argv": ["/bin/echo", "isolated"]})).await;
+    assert_eq!(out["stdout"], "isolated\n", "{out}");
+    assert!(dir.path().join("state/sandboxes").join(id).is_dir());
+    http.release(id).await;
+}

@@ -241,6 +241,10 @@ pub async fn run(
     // Raised first: what the server keeps open for daemons is sized by it.
     let max_connections = connection_limit(args.max_connections);
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    // Absolute: the provider hands its paths to daemons that resolve them elsewhere (an
+    // isolated one from the root of a mount namespace of its own).
+    let state_dir =
+        std::path::absolute(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     own_state_dir(&state_dir).map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;
     let (token, source) = auth::load_or_generate(std::env::var("SANDMAN_TOKEN").ok(), &state_dir)
         .map_err(|source| ServeError::StateDir { path: state_dir.clone(), source })?;

@@ -57,13 +57,33 @@ impl Server {
 
     /// Starts a server with extra environment variables set and others removed.
     pub fn start_bin_env(bin: &Path, state: &Path, extra: &[&str], set: &[(&str, &str)], remove: &[&str]) -> Server {
+        Server::start_from(None, bin, state, extra, set, remove)
+    }
+
+    /// Starts a server in the working directory `cwd`, `state` relative to it.
+    pub fn start_relative(cwd: &Path, state: &Path) -> Server {
+        Server::start_from(Some(cwd), &sandman_bin(), state, &[], &[], &[])
+    }
+
+    fn start_from(
+        cwd: Option<&Path>,
+        bin: &Path,
+        state: &Path,
+        extra: &[&str],
+        set: &[(&str, &str)],
+        remove: &[&str],
+    ) -> Server {
         let mut cmd = Command::new(bin);
+        if let Some(dir) = cwd {
+            cmd.current_dir(dir);
+        }
+        let absolute = cwd.map_or_else(|| state.to_path_buf(), |dir| dir.join(state));
         for k in remove {
             cmd.env_remove(k);
         }
         // A docker provider's egress sandboxes on a network of this state directory's own,
         // which its `Cleanup` removes.
-        let (network, bridge) = sandman_testkit::docker::test_network(state);
+        let (network, bridge) = sandman_testkit::docker::test_network(&absolute);
         cmd.env("SANDMAN_DOCKER_NETWORK", network).env("SANDMAN_DOCKER_BRIDGE", bridge);
         for (k, v) in set {
             cmd.env(k, v);
@@ -86,7 +106,7 @@ impl Server {
         });
         // Where it listens on every address, it is reached on loopback.
         let addr = addr.replace("0.0.0.0:", "127.0.0.1:");
-        Server { process, state: state.to_path_buf(), url: format!("http://{addr}"), addr, _dir: None }
+        Server { process, state: absolute, url: format!("http://{addr}"), addr, _dir: None }
     }
 
     pub fn pid(&self) -> u32 {
