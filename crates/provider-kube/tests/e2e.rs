@@ -1928,7 +1928,8 @@ async fn two_jobs_weighted_one_to_three_get_the_room_that_frees_one_to_three() {
         order.iter().map(|id| if id.starts_with("light") { 'L' } else { 'H' }).collect::<String>(),
         order.len()
     );
-    for id in ready.lock().unwrap().drain(..) {
+    let left = std::mem::take(&mut *ready.lock().unwrap());
+    for id in left {
         let _ = p.delete(&id).await;
     }
     registered.remove().await;
