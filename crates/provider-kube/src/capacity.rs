@@ -291,6 +291,11 @@ impl Room {
         self.nodes.iter().fold(Ask::default(), |t, n| t.plus(&n.allocatable))
     }
 
+    /// Whether `node` is eligible and has room for `ask` now.
+    fn holds(&self, node: &str, ask: &Ask) -> bool {
+        self.nodes.iter().any(|n| n.name == node && ask.short_of(&n.free()).is_none())
+    }
+
     fn take(&mut self, node: &str, ask: &Ask) {
         if let Some(n) = self.nodes.iter_mut().find(|n| n.name == node) {
             n.requested = n.requested.plus(ask);
@@ -432,20 +437,34 @@ impl State {
     /// The room as seen, with the assumed creates counted on their nodes, and the pending ones
     /// on whatever room has appeared since: the scheduler places them there first.
     fn room_now(&self) -> Room {
+        self.placed().0
+    }
+
+    /// Admitted creates whose pods no node has room for now: those admitted pending, and those
+    /// admitted onto a node that no longer holds them. The second happen when pods reach the
+    /// scheduler in another order than the gate let them through (a create's Secret or its write
+    /// slot took longer): a pending pod made first takes the room counted for a later one, and
+    /// that one waits in the scheduler's queue instead.
+    fn pending(&self) -> usize {
+        self.placed().1
+    }
+
+    /// [`State::room_now`] and [`State::pending`], in one pass over the assumed creates.
+    fn placed(&self) -> (Room, usize) {
         let mut room = self.room.clone();
+        let mut unplaced = Vec::new();
         for a in self.assumed.values() {
-            if let Some(node) = &a.node {
-                room.take(node, &a.ask);
+            match &a.node {
+                Some(node) if room.holds(node, &a.ask) => room.take(node, &a.ask),
+                _ => unplaced.push(&a.ask),
             }
         }
-        for a in self.assumed.values() {
-            if a.node.is_none()
-                && let Fit::Node(n) = room.fit(&a.ask)
-            {
-                room.take(&n, &a.ask);
+        for ask in &unplaced {
+            if let Fit::Node(n) = room.fit(ask) {
+                room.take(&n, ask);
             }
         }
-        room
+        (room, unplaced.len())
     }
 
     /// Where the waiting create `ticket` stands (0: next). The order: the tenants other than
@@ -503,11 +522,6 @@ impl State {
     /// Something the order depends on changed.
     fn reorder(&mut self) {
         self.order = None;
-    }
-
-    /// Admitted creates made (or about to make) pods that fit no node now.
-    fn pending(&self) -> usize {
-        self.assumed.values().filter(|a| a.node.is_none()).count()
     }
 }
 
@@ -1029,6 +1043,46 @@ mod tests {
             t.await.unwrap();
         }
         assert!(gate.lock().waiting.is_empty(), "a place in the queue outlived its wait");
+    }
+
+    /// Pods reach the scheduler in another order than the gate let them through: a pending pod
+    /// made first is bound to the room counted for a create admitted onto the node, which then
+    /// waits in the scheduler's queue. It counts among the pending ones, so that the API server
+    /// never holds more pods no node has room for than `max_pending` (it held 4 for a bound of
+    /// 2 on a real kubelet's node).
+    #[tokio::test(start_paused = true)]
+    async fn a_create_whose_room_a_pending_pod_took_counts_as_pending() {
+        let gate = Arc::new(Admission::new(2));
+        // 18 of the node's 20 places of 100m taken: x1 and x2 fit, p1 and p2 go pending.
+        let mut pods: Vec<Pod> = (0..18).map(|i| pod_on(&format!("o{i}"), "node-1")).collect();
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        for id in ["x1", "x2", "p1", "p2"] {
+            gate.admit(id, cpu(100), any(), deadline, |w| panic!("{id}: {w}")).await.unwrap();
+        }
+        assert_eq!(gate.lock().pending(), 2);
+        // The scheduler binds p1 where x1's room was counted; x1 waits in its queue.
+        pods.push(pod_on("p1", "node-1"));
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |id| id == "p1");
+        assert_eq!(gate.lock().pending(), 2, "p2, and one of x1 and x2 that the node no longer holds");
+        let next = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("next", cpu(100), any(), deadline, |_| {}).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!next.is_finished(), "a third pod no node has room for went, over the bound of 2");
+        // x2 is bound; p2 and x1 still wait: still the bound.
+        pods.push(pod_on("x2", "node-1"));
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |id| id == "x2");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!next.is_finished(), "a third pod no node has room for went, over the bound of 2");
+        // Two sandboxes end: x1 and p2 are bound there, and the next goes pending.
+        pods.drain(0..2);
+        pods.push(pod_on("x1", "node-1"));
+        pods.push(pod_on("p2", "node-1"));
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |id| id == "x1" || id == "p2");
+        next.await.unwrap().unwrap();
+        assert_eq!(gate.lock().pending(), 1);
     }
 
     #[tokio::test(start_paused = true)]
