@@ -316,7 +316,11 @@ fn by_reason(failures: &[Failure]) -> BTreeMap<String, usize> {
 fn scale_asked(test: &str) -> bool {
     let asked = std::env::var("SANDMAN_E2E_SCALE").is_ok_and(|v| v == "1");
     if !asked {
-        eprintln!(
+        // Straight to the process's stderr, not through the test harness's capture, so that a
+        // run that passes still shows what it did not run.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
             "######## {test} SKIPPED: a test at the paper's scale; set SANDMAN_E2E_SCALE=1 (./scripts/e2e-kube --scale)"
         );
     }
