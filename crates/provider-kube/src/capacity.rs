@@ -2,12 +2,13 @@
 //! lets creates through as room appears instead of making pods the scheduler cannot place. Start
 //! at [`Admission`]; [`Room`] is the arithmetic over Node and Pod objects as watches hold them.
 //!
-//! At most `max_pending` admitted creates have pods the watch does not show bound to a node yet:
-//! the API server never holds more unscheduled sandbox pods than that. Within the bound, a
-//! create that fits an eligible node is admitted and counted on that node (as the scheduler's
-//! own cache assumes a pod) until its pod is seen bound; one that fits none now is admitted too,
-//! its pod left pending so that a cluster autoscaler sees the demand and adds nodes. The rest
-//! wait here with their position and what they wait for. Only a request no eligible node could
+//! A create that fits an eligible node is admitted and counted on that node (as the scheduler's
+//! own cache assumes a pod) until its pod is seen bound, however many such pods the scheduler
+//! has yet to bind: a burst on a roomy cluster is not held back. One that fits none now is
+//! admitted too, its pod left pending so that a cluster autoscaler sees the demand and adds
+//! nodes, while fewer than `max_pending` admitted creates are pending so: the API server never
+//! holds more sandbox pods that no node has room for than that. The rest wait here with their
+//! position and what they wait for. Only a request no eligible node could
 //! hold even empty (bigger than the largest node) is refused at once; a wait longer than its
 //! deadline ends `unschedulable` too.
 //!
@@ -49,7 +50,7 @@ pub enum Resource {
     Pods,
     /// No node may run sandboxes at all (none ready, or none matching the selector).
     Nodes,
-    /// There is room, but `max_pending` pods wait for the scheduler already.
+    /// Behind another waiting create (what the first in line waits for is not known yet).
     Scheduler,
 }
 
@@ -290,6 +291,11 @@ impl Room {
         self.nodes.iter().fold(Ask::default(), |t, n| t.plus(&n.allocatable))
     }
 
+    /// Whether `node` is eligible and has room for `ask` now.
+    fn holds(&self, node: &str, ask: &Ask) -> bool {
+        self.nodes.iter().any(|n| n.name == node && ask.short_of(&n.free()).is_none())
+    }
+
     fn take(&mut self, node: &str, ask: &Ask) {
         if let Some(n) = self.nodes.iter_mut().find(|n| n.name == node) {
             n.requested = n.requested.plus(ask);
@@ -345,7 +351,7 @@ pub enum AdmissionError {
     TimedOut { resource: Resource },
     /// The API server refuses the watches that tell the room (and no room was seen before).
     #[error(
-        "capacity-aware admission cannot watch the cluster's nodes and pods: {why}; it needs list and watch on both, cluster-wide (deploy/components/capacity-rbac)"
+        "capacity-aware admission cannot watch the cluster's nodes and pods: {why}; it needs list and watch on both, cluster-wide (the ClusterRole `sandman-server-capacity` of deploy/base/rbac.yaml), or to be turned off (`capacity: {{enabled: false}}`)"
     )]
     Forbidden { why: String },
 }
@@ -377,7 +383,7 @@ const MAX_WEIGHT: f64 = 1000.0;
 /// The gate every create passes before its pod is made.
 #[derive(Debug)]
 pub struct Admission {
-    /// Admitted creates whose pods are not seen bound yet, at most.
+    /// Admitted creates whose pods no node has room for (pending, for an autoscaler), at most.
     max_pending: usize,
     /// The room, the admitted creates not yet seen bound, the waiting creates. Locked briefly,
     /// never across an await.
@@ -431,20 +437,34 @@ impl State {
     /// The room as seen, with the assumed creates counted on their nodes, and the pending ones
     /// on whatever room has appeared since: the scheduler places them there first.
     fn room_now(&self) -> Room {
+        self.placed().0
+    }
+
+    /// Admitted creates whose pods no node has room for now: those admitted pending, and those
+    /// admitted onto a node that no longer holds them. The second happen when pods reach the
+    /// scheduler in another order than the gate let them through (a create's Secret or its write
+    /// slot took longer): a pending pod made first takes the room counted for a later one, and
+    /// that one waits in the scheduler's queue instead.
+    fn pending(&self) -> usize {
+        self.placed().1
+    }
+
+    /// [`State::room_now`] and [`State::pending`], in one pass over the assumed creates.
+    fn placed(&self) -> (Room, usize) {
         let mut room = self.room.clone();
+        let mut unplaced = Vec::new();
         for a in self.assumed.values() {
-            if let Some(node) = &a.node {
-                room.take(node, &a.ask);
+            match &a.node {
+                Some(node) if room.holds(node, &a.ask) => room.take(node, &a.ask),
+                _ => unplaced.push(&a.ask),
             }
         }
-        for a in self.assumed.values() {
-            if a.node.is_none()
-                && let Fit::Node(n) = room.fit(&a.ask)
-            {
-                room.take(&n, &a.ask);
+        for ask in &unplaced {
+            if let Fit::Node(n) = room.fit(ask) {
+                room.take(&n, ask);
             }
         }
-        room
+        (room, unplaced.len())
     }
 
     /// Where the waiting create `ticket` stands (0: next). The order: the tenants other than
@@ -503,12 +523,6 @@ impl State {
     fn reorder(&mut self) {
         self.order = None;
     }
-
-    /// Admitted creates made (or about to make) pods that fit no node now.
-    #[cfg(test)]
-    fn pending(&self) -> usize {
-        self.assumed.values().filter(|a| a.node.is_none()).count()
-    }
 }
 
 impl Admission {
@@ -556,8 +570,8 @@ impl Admission {
     }
 
     /// Waits until `ask` may be created: when it is first in line (see the module's fair
-    /// shares) and fewer than `max_pending` admitted pods are unbound (counted on the node that
-    /// holds it, or pending where none does). Tells `waiting` its place and what it waits for
+    /// shares) and a node has room for it (counted there until its pod is bound), or none has
+    /// and fewer than `max_pending` admitted creates are pending so. Tells `waiting` its place and what it waits for
     /// each time either changes. Refuses at once what no eligible node could ever hold, and
     /// gives up at `deadline`.
     pub async fn admit(
@@ -602,7 +616,7 @@ impl Admission {
                     _ if position > 0 => Fit::Wait(Resource::Scheduler),
                     _ => s.room_now().fit(&ask),
                 };
-                let full = !s.observed || s.assumed.len() >= self.max_pending;
+                let full = !s.observed || s.pending() >= self.max_pending;
                 match fit {
                     Fit::Never { largest, resource } => Err(AdmissionError::NeverFits {
                         resource,
@@ -613,10 +627,6 @@ impl Admission {
                     // In line: behind a create that waits, whether this one fits or not.
                     _ if position > 0 => {
                         Ok(Some(Waiting { position, resource: s.head_waits.unwrap_or(Resource::Scheduler) }))
-                    }
-                    Fit::Node(_) if full => {
-                        s.head_waits = Some(Resource::Scheduler);
-                        Ok(Some(Waiting { position, resource: Resource::Scheduler }))
                     }
                     Fit::Wait(resource) if full => {
                         s.head_waits = Some(resource);
@@ -918,7 +928,8 @@ mod tests {
         // The one waiting already, and the next, both at once: not at the deadline.
         let err = waiting.await.unwrap().unwrap_err();
         assert!(matches!(&err, AdmissionError::Forbidden { why: w } if w == why), "{err:?}");
-        assert!(err.to_string().contains("deploy/components/capacity-rbac"), "{err}");
+        assert!(err.to_string().contains("sandman-server-capacity"), "{err}");
+        assert!(err.to_string().contains("capacity: {enabled: false}"), "{err}");
         let err = gate.admit("late", cpu(100), any(), deadline, |_| {}).await.unwrap_err();
         assert!(matches!(err, AdmissionError::Forbidden { .. }), "{err:?}");
         assert!(Instant::now() < deadline, "it waited for the deadline");
@@ -977,11 +988,12 @@ mod tests {
         admitted
     }
 
-    /// 40 creates of 100m on the recorded 2-cpu node with one pod of 100m on it already, at
-    /// most 4 unbound at a time: they go 4 by 4 as the scheduler binds them until the node is
-    /// full (19); 4 more go as pending pods for an autoscaler, and the other 17 wait, in order,
-    /// for cpu. When 6 sandboxes end, the 4 pending pods are bound there, 2 more go there and 2
-    /// as pending pods; the rest wait until their deadline and end timed out.
+    /// 40 creates of 100m on the recorded 2-cpu node with one pod of 100m on it already: the 19
+    /// the node holds go at once, whether or not the scheduler has bound any yet (a burst on a
+    /// roomy cluster is not held back); 4 more go as pending pods for an autoscaler (the bound),
+    /// and the other 17 wait, in order, for cpu. When 6 sandboxes end, the 4 pending pods are
+    /// bound there, 2 more go there and 4 as pending pods; the rest wait until their deadline and
+    /// end timed out.
     #[tokio::test(start_paused = true)]
     async fn a_burst_beyond_the_room_waits_in_order_and_goes_as_room_appears() {
         let gate = Arc::new(Admission::new(4));
@@ -1001,28 +1013,22 @@ mod tests {
             // Each in its turn, so that the order of arrival is known.
             tokio::task::yield_now().await;
         }
-        let mut rounds = Vec::new();
-        // Bind what fits: 4 at a time; in the fifth round the node holds 3 (19 in all), and
-        // the twentieth, s19, goes as a pending pod.
-        for bind in [4, 4, 4, 4, 3] {
-            rounds.push(settle(&gate, &mut pods, &mut rx, bind).await.len());
-        }
-        assert_eq!(rounds, [4, 4, 4, 4, 4], "never more than 4 unbound at once");
-        assert_eq!(gate.lock().assumed.keys().collect::<Vec<_>>(), ["s19"]);
-        // Three more go as pending pods (4, the bound); the other 17 wait for cpu.
-        let pending = settle(&gate, &mut pods, &mut rx, 0).await;
-        assert_eq!(pending, ["s20", "s21", "s22"]);
+        // Nothing bound yet: the 19 that fit and 4 pending ones went; the scheduler then binds
+        // the 19.
+        let first = settle(&gate, &mut pods, &mut rx, 19).await;
+        assert_eq!(first.len(), 23, "{first:?}");
+        assert_eq!(gate.lock().assumed.keys().collect::<Vec<_>>(), ["s19", "s20", "s21", "s22"]);
         assert_eq!(gate.lock().pending(), 4);
         assert_eq!(gate.lock().waiting.len(), 17);
         assert!(settle(&gate, &mut pods, &mut rx, 0).await.is_empty(), "a create went with the bound reached");
 
         // Six sandboxes end; the scheduler binds the four pending pods there; two more go onto
-        // the room left, and two as pending pods again (the bound).
+        // the room left, and four as pending pods again (the bound).
         pods.drain(1..7);
         assert!(settle(&gate, &mut pods, &mut rx, 4).await.is_empty());
         let next = settle(&gate, &mut pods, &mut rx, 0).await;
-        assert_eq!(next, ["s23", "s24", "s25", "s26"]);
-        assert_eq!(gate.lock().pending(), 2);
+        assert_eq!(next, ["s23", "s24", "s25", "s26", "s27", "s28"]);
+        assert_eq!(gate.lock().pending(), 4);
 
         // The rest wait until their deadline and end timed out, waiting for cpu.
         tokio::time::sleep_until(deadline + Duration::from_millis(1)).await;
@@ -1032,11 +1038,51 @@ mod tests {
             assert!(seen.iter().any(|w| w.resource == Resource::Cpu), "{id}: {seen:?}");
             timed_out += 1;
         }
-        assert_eq!(timed_out, 13);
+        assert_eq!(timed_out, 11);
         for t in tasks {
             t.await.unwrap();
         }
         assert!(gate.lock().waiting.is_empty(), "a place in the queue outlived its wait");
+    }
+
+    /// Pods reach the scheduler in another order than the gate let them through: a pending pod
+    /// made first is bound to the room counted for a create admitted onto the node, which then
+    /// waits in the scheduler's queue. It counts among the pending ones, so that the API server
+    /// never holds more pods no node has room for than `max_pending` (it held 4 for a bound of
+    /// 2 on a real kubelet's node).
+    #[tokio::test(start_paused = true)]
+    async fn a_create_whose_room_a_pending_pod_took_counts_as_pending() {
+        let gate = Arc::new(Admission::new(2));
+        // 18 of the node's 20 places of 100m taken: x1 and x2 fit, p1 and p2 go pending.
+        let mut pods: Vec<Pod> = (0..18).map(|i| pod_on(&format!("o{i}"), "node-1")).collect();
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |_| false);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        for id in ["x1", "x2", "p1", "p2"] {
+            gate.admit(id, cpu(100), any(), deadline, |w| panic!("{id}: {w}")).await.unwrap();
+        }
+        assert_eq!(gate.lock().pending(), 2);
+        // The scheduler binds p1 where x1's room was counted; x1 waits in its queue.
+        pods.push(pod_on("p1", "node-1"));
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |id| id == "p1");
+        assert_eq!(gate.lock().pending(), 2, "p2, and one of x1 and x2 that the node no longer holds");
+        let next = {
+            let gate = gate.clone();
+            tokio::spawn(async move { gate.admit("next", cpu(100), any(), deadline, |_| {}).await })
+        };
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!next.is_finished(), "a third pod no node has room for went, over the bound of 2");
+        // x2 is bound; p2 and x1 still wait: still the bound.
+        pods.push(pod_on("x2", "node-1"));
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |id| id == "x2");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!next.is_finished(), "a third pod no node has room for went, over the bound of 2");
+        // Two sandboxes end: x1 and p2 are bound there, and the next goes pending.
+        pods.drain(0..2);
+        pods.push(pod_on("x1", "node-1"));
+        pods.push(pod_on("p2", "node-1"));
+        gate.observe(Room::observe([&node()], &pods, &config()), Held::new(), |id| id == "x1" || id == "p2");
+        next.await.unwrap().unwrap();
+        assert_eq!(gate.lock().pending(), 1);
     }
 
     #[tokio::test(start_paused = true)]

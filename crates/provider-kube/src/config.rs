@@ -165,27 +165,40 @@ pub struct KubeConfig {
     /// How long [`Provider::prepare`](sandman_provider::Provider::prepare) waits for the nodes
     /// to pull an image; the nodes not done by then are reported failed.
     pub prepare_timeout_s: u64,
-    /// Capacity-aware admission ([`crate::capacity`]): creates wait in the provider for room on
-    /// the eligible nodes instead of becoming pods the scheduler cannot place. Unset: off, every
-    /// create makes its pod at once. It watches every Node and every pod of the cluster, so it
-    /// needs list and watch on both cluster-wide.
-    pub capacity: Option<CapacityConfig>,
+    /// Capacity-aware admission ([`crate::capacity`]), on by default: creates wait in the
+    /// provider for room on the eligible nodes instead of becoming pods the scheduler cannot
+    /// place. It watches every Node and every pod of the cluster, so it needs list and watch on
+    /// both cluster-wide; `enabled: false` turns it off (every create makes its pod at once).
+    pub capacity: CapacityConfig,
 }
 
 /// Capacity-aware admission.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CapacityConfig {
-    /// Creates that may make their pods with no node to hold them, so that a cluster
-    /// autoscaler sees pending pods and adds nodes.
+    /// On unless set to false.
+    pub enabled: bool,
+    /// Creates that may make their pods while no eligible node has room for them, so that a
+    /// cluster autoscaler sees pending pods and adds nodes. Creates that fit a node are not
+    /// bounded by it (they are counted on that node until their pods are bound).
     pub max_pending: usize,
     /// How long a create may wait for room before it fails with `unschedulable`.
     pub wait_s: u64,
 }
 
+impl CapacityConfig {
+    /// Off: every create makes its pod at once.
+    pub fn disabled() -> Self {
+        CapacityConfig { enabled: false, ..CapacityConfig::default() }
+    }
+}
+
 impl Default for CapacityConfig {
+    /// A few pending pods are enough for an autoscaler to see the demand (it adds nodes for
+    /// all of them at once, and more as those are placed); 10 minutes is what a node takes to
+    /// join on most clouds, and what `create_timeout_s` gives a create by default.
     fn default() -> Self {
-        CapacityConfig { max_pending: 4, wait_s: 600 }
+        CapacityConfig { enabled: true, max_pending: 4, wait_s: 600 }
     }
 }
 
@@ -223,12 +236,17 @@ impl Default for KubeConfig {
             manage_network_policy: true,
             pod_pids_limit: None,
             prepare_timeout_s: 600,
-            capacity: None,
+            capacity: CapacityConfig::default(),
         }
     }
 }
 
 impl KubeConfig {
+    /// Capacity-aware admission's settings, unless it is turned off.
+    pub fn admission(&self) -> Option<&CapacityConfig> {
+        self.capacity.enabled.then_some(&self.capacity)
+    }
+
     /// Reads a configuration file: JSON when its name ends in `.json`, YAML otherwise.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text =
@@ -394,11 +412,26 @@ write_burst: 40
             assert_eq!(config.namespace, "sandman-sandboxes", "{file}");
             assert_eq!(config.priority_class.as_deref(), Some("sandman-sandbox"), "{file}");
             assert_eq!(config.injection, injection, "{file}");
+            assert_eq!(config.admission(), Some(&CapacityConfig::default()), "{file}");
         }
     }
 
     #[test]
     fn an_empty_file_is_the_default() {
         assert_eq!(KubeConfig::from_yaml("\n").ok(), Some(KubeConfig::default()));
+    }
+
+    /// A new user's first burst beyond the nodes' room waited for it only if they had found the
+    /// `capacity:` block; without it most creates failed `unschedulable` at once.
+    #[test]
+    fn capacity_aware_admission_is_on_unless_turned_off() {
+        let default = KubeConfig::default();
+        let on = default.admission().unwrap_or_else(|| panic!("capacity-aware admission is off by default"));
+        assert_eq!((on.max_pending, on.wait_s), (4, 600));
+        let some = KubeConfig::from_yaml("capacity: {max_pending: 16}\n").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(some.admission().map(|c| (c.max_pending, c.wait_s)), Some((16, 600)));
+        let off = KubeConfig::from_yaml("capacity: {enabled: false}\n").unwrap_or_else(|e| panic!("{e}"));
+        assert!(off.admission().is_none());
+        assert!(KubeConfig::from_yaml("capacity: {max_pendin: 1}\n").is_err());
     }
 }

@@ -138,7 +138,7 @@ impl KubeProvider {
             watch::run(pods.clone(), pod::selector(&config.instance), tracker.clone(), events_tx, cancel.clone()),
             &runtime,
         );
-        let admission = config.capacity.as_ref().map(|c| Arc::new(Admission::new(c.max_pending)));
+        let admission = config.admission().map(|c| Arc::new(Admission::new(c.max_pending)));
         if let Some(gate) = &admission {
             tasks.spawn_on(capacity::watch(client.clone(), config.clone(), gate.clone(), cancel.clone()), &runtime);
         }
@@ -184,7 +184,7 @@ impl KubeProvider {
     /// reporting where it waits; a request that can never fit, or a wait past `wait_s`, fails
     /// it with `unschedulable`. Answers the admission, which a failed create gives back.
     async fn admit<'a>(&'a self, spec: &'a SandboxSpec, ask: Ask) -> Result<Option<Admitted<'a>>, ProviderError> {
-        let (Some(gate), Some(cap)) = (&self.admission, &self.config.capacity) else { return Ok(None) };
+        let (Some(gate), Some(cap)) = (&self.admission, self.config.admission()) else { return Ok(None) };
         let deadline = Instant::now() + Duration::from_secs(cap.wait_s);
         // Told (logged, and sent as progress) when what it waits for changes, else at most every
         // WAIT_TOLD_EVERY: each admission moves every waiting create up one place, and telling
@@ -416,7 +416,7 @@ impl KubeProvider {
     ) -> Result<String, ProviderError> {
         // Under capacity-aware admission a pod may be made with no room on purpose (for an
         // autoscaler to see): it waits as long as a create would have waited in the gate.
-        let capacity_wait = self.config.capacity.as_ref().map_or(0, |c| c.wait_s);
+        let capacity_wait = self.config.admission().map_or(0, |c| c.wait_s);
         let grace = Duration::from_secs(self.config.unschedulable_grace_s.max(capacity_wait));
         let mut unschedulable_since: Option<Instant> = None;
         loop {

@@ -89,6 +89,33 @@ fn e2e_kubeconfig() -> PathBuf {
     PathBuf::from(path)
 }
 
+/// The lock every test on a real cluster holds for its whole run, shared by every test thread
+/// and every process on this machine (`flock` on one file, released when the test ends however
+/// it ends). The tests share the cluster's nodes and this machine's cores: run side by side, the
+/// eval test found the node full of the capacity rollout's pods, and a burst's figures measured
+/// the other tests too. So the suite passes however it is started (`--test-threads`, two
+/// `cargo test` at once).
+struct ClusterLock(#[allow(dead_code)] std::fs::File);
+
+async fn cluster_lock() -> ClusterLock {
+    let path = std::env::temp_dir().join("sandman-e2e-kube.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
+    tokio::task::spawn_blocking(move || {
+        if file.try_lock().is_err() {
+            eprintln!("waiting for {} (another test on the cluster holds it)", path.display());
+            file.lock().unwrap_or_else(|e| panic!("cannot lock {}: {e}", path.display()));
+        }
+        ClusterLock(file)
+    })
+    .await
+    .unwrap()
+}
+
 /// One write the provider's client sent, seen below the provider: its method, what it wrote
 /// (`pods`, `secrets`, …), when it passed the log, the pacer's slot it carries (`None`: sent
 /// unpaced), and when its answer came.
@@ -290,6 +317,9 @@ struct World {
     /// Dropped after the fake nodes have been stopped (fields drop after `Drop::drop`).
     registered: Option<Registered>,
     _state: tempfile::TempDir,
+    /// The provider's capacity-aware admission: the default (on) on a real API server; off on
+    /// the mocked one, which serves no cluster-wide watch of nodes and pods.
+    capacity: CapacityConfig,
 }
 
 /// Loopback addresses each fake node of a world may hand out (a /19 each, from the world's
@@ -348,13 +378,27 @@ impl World {
             let lines = BufReader::new(child.stdout.take().unwrap()).lines();
             nodes.push(FakeNode { child, stdin, lines });
         }
-        let mut world =
-            World { kubeconfig, namespace, node_names, client, nodes, registered: Some(registered), _state: state };
+        let mut world = World {
+            kubeconfig,
+            namespace,
+            node_names,
+            client,
+            nodes,
+            registered: Some(registered),
+            _state: state,
+            capacity: CapacityConfig::default(),
+        };
         for node in &mut world.nodes {
             let ready = tokio::time::timeout(Duration::from_secs(60), node.lines.next_line()).await;
             assert!(matches!(ready, Ok(Ok(Some(ref l))) if l == "ready"), "a fake node did not start: {ready:?}");
         }
         world
+    }
+
+    /// On the mocked API server: no capacity-aware admission (it serves no cluster-wide watch).
+    fn on_the_mock(mut self) -> World {
+        self.capacity = CapacityConfig::disabled();
+        self
     }
 
     /// The fake nodes' process ids (those still running).
@@ -408,6 +452,7 @@ impl World {
                 effect: Some("NoSchedule".into()),
                 ..Toleration::default()
             }],
+            capacity: self.capacity.clone(),
             ..KubeConfig::default()
         }
     }
@@ -553,13 +598,14 @@ async fn check_daemon(endpoint: Endpoint, token: String) -> Result<(), String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
 async fn the_kubernetes_provider_passes_the_conformance_suite_on_a_real_api_server() {
+    let _cluster = cluster_lock().await;
     conformance_suite(World::new(e2e_kubeconfig(), "conf", "127.1.0.1").await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_suite_and_the_fake_node_pass_on_a_mocked_api_server() {
     let mocked = Mocked::start().await;
-    conformance_suite(World::new(mocked.kubeconfig.clone(), "conf", "127.3.0.1").await).await;
+    conformance_suite(World::new(mocked.kubeconfig.clone(), "conf", "127.3.0.1").await.on_the_mock()).await;
     assert!(mocked.cluster.lock().unwrap().nodes.is_empty(), "the fake node did not remove its Node");
 }
 
@@ -609,6 +655,7 @@ async fn conformance_suite(world: World) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
 async fn a_burst_of_a_thousand_sandboxes_keeps_the_write_rate_and_every_one_answers() {
+    let _cluster = cluster_lock().await;
     let n: usize = env_or("SANDMAN_E2E_SANDBOXES", 1000);
     let qps: f64 = env_or("SANDMAN_E2E_QPS", 50.0);
     let burst: u32 = env_or("SANDMAN_E2E_BURST", 100);
@@ -622,7 +669,7 @@ async fn a_small_burst_passes_on_a_mocked_api_server() {
     let qps: f64 = env_or("SANDMAN_MOCK_QPS", 20.0);
     let burst: u32 = env_or("SANDMAN_MOCK_BURST", 10);
     let mocked = Mocked::start().await;
-    burst_of(World::new(mocked.kubeconfig.clone(), "burst", "127.4.0.1").await, n, qps, burst).await;
+    burst_of(World::new(mocked.kubeconfig.clone(), "burst", "127.4.0.1").await.on_the_mock(), n, qps, burst).await;
 }
 
 /// The mocked API server of `tests/common`, served over HTTP, with its kubeconfig.
@@ -672,7 +719,7 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
         // Each phase says when it starts, so that a profile taken meanwhile can be cut by phase.
         println!("burst: {n} creates start");
     }
-    let cpu_before = cpu_seconds();
+    let cpu_before = cpu_seconds(&world.node_pids());
     let started = Instant::now();
     let mut tasks = Vec::new();
     for s in specs.clone() {
@@ -700,7 +747,7 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
     }
     assert!(failed.is_empty(), "{} of {n} sandboxes failed: {:?}", failed.len(), &failed[..failed.len().min(10)]);
     let last_ready = ready.iter().map(|r| r.3).max().unwrap();
-    let cpu_after = cpu_seconds();
+    let cpu_after = cpu_seconds(&world.node_pids());
 
     // The write rate: every write reached the client with a slot of the pacer, and no window
     // holds more slots than the burst plus the rate. (The times the writes passed the log trail
@@ -741,7 +788,7 @@ async fn burst_of(mut world: World, n: usize, qps: f64, burst: u32) {
     if let Some(raw_before) = raw_before {
         let stats = world.node_stats().await;
         // Memory while every sandbox is held.
-        let held = memory_kib();
+        let held = memory_kib(&world.node_pids());
         let raw_after = raw_pod_creates(&world, raw_count, raw_clients).await;
         let raw = (raw_before.rate + raw_after.rate) / 2.0;
         let raw_api_cores = (raw_before.api_cores + raw_after.api_cores) / 2.0;
@@ -917,16 +964,17 @@ async fn token_secrets_settled(world: &World, n: usize, token: TokenDelivery) ->
     }
 }
 
+/// The parent pid in the fields of a `/proc/<pid>/stat` line after the process's name.
+fn parent(fields: &[&str]) -> u32 {
+    fields.get(1).and_then(|p| p.parse().ok()).unwrap_or(0)
+}
+
 /// CPU seconds used so far by the processes the burst runs on (this machine's `/proc`): the
-/// API server, etcd, the fake nodes, their daemons, and this test (the provider). A process
-/// that has exited is not counted; on a remote cluster the first two are absent.
-fn cpu_seconds() -> BTreeMap<&'static str, f64> {
-    const NAMES: [(&str, &str); 4] = [
-        ("kube-apiserver", "API server"),
-        ("etcd", "etcd"),
-        ("sandman-fake-no", "fake nodes"),
-        ("sandmand", "daemons"),
-    ];
+/// API server, etcd, the fake nodes `node_pids`, their daemons (their children named
+/// `sandmand`, not every daemon on the machine), and this test (the provider). A process that
+/// has exited is not counted; on a remote cluster the first two are absent.
+fn cpu_seconds(node_pids: &[u32]) -> BTreeMap<&'static str, f64> {
+    const NAMES: [(&str, &str); 2] = [("kube-apiserver", "API server"), ("etcd", "etcd")];
     let me = std::process::id().to_string();
     let mut out = BTreeMap::new();
     // The whole machine's idle time (idle and iowait, in ticks of every cpu).
@@ -942,8 +990,13 @@ fn cpu_seconds() -> BTreeMap<&'static str, f64> {
         let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
         // utime and stime: fields 14 and 15 of the line, 12 and 13 after the name.
         let ticks: f64 = fields.iter().skip(11).take(2).filter_map(|f| f.parse::<f64>().ok()).sum();
+        let (pid_n, ppid) = (pid.parse::<u32>().unwrap_or(0), parent(&fields));
         let name = if pid == me {
             Some("provider (this test)")
+        } else if node_pids.contains(&pid_n) {
+            Some("fake nodes")
+        } else if comm == "sandmand" && node_pids.contains(&ppid) {
+            Some("daemons")
         } else {
             NAMES.iter().find(|(c, _)| *c == comm).map(|(_, n)| *n)
         };
@@ -960,26 +1013,31 @@ fn pct(times: &[Duration], p: f64) -> Duration {
 }
 
 /// Memory of the processes the burst runs on, in KiB: resident for the API server, etcd, the fake
-/// nodes and this test (the provider); for the daemons their proportional share (their shared
-/// binary counted once), with how many there are.
-fn memory_kib() -> BTreeMap<String, u64> {
+/// nodes `node_pids` and this test (the provider); for the daemons of those nodes their
+/// proportional share (their shared binary counted once), with how many there are. Other
+/// `sandmand` processes on the machine (another test's, a real kubelet's pods) are not counted.
+fn memory_kib(node_pids: &[u32]) -> BTreeMap<String, u64> {
     let me = std::process::id().to_string();
     let mut out = BTreeMap::new();
     let mut daemons = 0u64;
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let pid = entry.file_name().to_string_lossy().to_string();
-        let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let comm = &stat[open + 1..close];
+        let ppid = parent(&stat[close + 1..].split_whitespace().collect::<Vec<_>>());
+        let pid_n = pid.parse::<u32>().unwrap_or(0);
         let field = |file: &str, key: &str| -> u64 {
             let text = std::fs::read_to_string(entry.path().join(file)).unwrap_or_default();
             let line = text.lines().find(|l| l.starts_with(key)).unwrap_or_default();
             line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0)
         };
-        let name = match comm.trim() {
+        let name = match comm {
             _ if pid == me => "provider (this test)",
+            _ if node_pids.contains(&pid_n) => "fake nodes",
             "kube-apiserver" => "API server",
             "etcd" => "etcd",
-            "sandman-fake-no" => "fake nodes",
-            "sandmand" => {
+            "sandmand" if node_pids.contains(&ppid) => {
                 daemons += 1;
                 *out.entry("daemons".to_string()).or_default() += field("smaps_rollup", "Pss:");
                 continue;
@@ -1015,7 +1073,7 @@ async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> RawRate
     }
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     println!("raw pod creates: {count} bare pods by {clients} clients start");
-    let cpu_before = cpu_seconds();
+    let cpu_before = cpu_seconds(&world.node_pids());
     let started = Instant::now();
     let made = futures_util::future::join_all(apis.iter().map(|pods| {
         let (next, nowhere) = (next.clone(), nowhere.clone());
@@ -1037,7 +1095,7 @@ async fn raw_pod_creates(world: &World, count: usize, clients: usize) -> RawRate
     }));
     made.await;
     let rate = count as f64 / started.elapsed().as_secs_f64();
-    let cpu_after = cpu_seconds();
+    let cpu_after = cpu_seconds(&world.node_pids());
     let api_cpu =
         cpu_after.get("API server").copied().unwrap_or(0.0) - cpu_before.get("API server").copied().unwrap_or(0.0);
     let etcd_cpu = cpu_after.get("etcd").copied().unwrap_or(0.0) - cpu_before.get("etcd").copied().unwrap_or(0.0);
@@ -1094,13 +1152,14 @@ fn most_in_window(times: &[Instant], window: Duration) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
 async fn prepare_pulls_on_the_fake_node_on_a_real_api_server() {
+    let _cluster = cluster_lock().await;
     prepare_suite(World::new(e2e_kubeconfig(), "prep", "127.5.0.1").await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prepare_and_the_fake_node_pass_on_a_mocked_api_server() {
     let mocked = Mocked::start().await;
-    prepare_suite(World::new(mocked.kubeconfig.clone(), "prep", "127.6.0.1").await).await;
+    prepare_suite(World::new(mocked.kubeconfig.clone(), "prep", "127.6.0.1").await.on_the_mock()).await;
 }
 
 /// Every progress line sent so far.
@@ -1166,13 +1225,14 @@ async fn prepare_suite(world: World) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes API server (SANDMAN_E2E_KUBECONFIG)"]
 async fn two_servers_claiming_one_pool_pod_at_once_exactly_one_wins_on_a_real_api_server() {
+    let _cluster = cluster_lock().await;
     claim_race(World::new(e2e_kubeconfig(), "claim", "127.7.0.1").await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_servers_claiming_one_pool_pod_at_once_exactly_one_wins_on_a_mocked_api_server() {
     let mocked = Mocked::start().await;
-    claim_race(World::new(mocked.kubeconfig.clone(), "claim", "127.8.0.1").await).await;
+    claim_race(World::new(mocked.kubeconfig.clone(), "claim", "127.8.0.1").await.on_the_mock()).await;
 }
 
 /// Two providers on the same namespace and instance (two servers) claim each pool pod at the
@@ -1300,6 +1360,7 @@ impl PortForward {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE) and kubectl"]
 async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports() {
+    let _cluster = cluster_lock().await;
     let kubeconfig = e2e_kubeconfig();
     let (daemon_image, task_image) = kubelet_images();
     let pids: u64 = env_or("SANDMAN_E2E_POD_PIDS_LIMIT", 1024);
@@ -1384,6 +1445,7 @@ async fn an_eval_sandbox_is_guaranteed_and_its_daemon_sees_what_applied_reports(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes cluster with a kubelet whose runtime mounts image volumes (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
 async fn a_sandbox_gets_its_daemon_from_an_image_volume_on_a_real_kubelet() {
+    let _cluster = cluster_lock().await;
     let kubeconfig = e2e_kubeconfig();
     let (daemon_image, task_image) = kubelet_images();
     let client = client(&kubeconfig, None).await;
@@ -1441,29 +1503,31 @@ async fn echo(addr: &str, token: &str) -> Result<(), String> {
 }
 
 /// A rollout asking more cpu than the node has: 200 episodes of 100m each (create, three execs,
-/// release), 60 under way at a time, on a real kubelet's node. With capacity-aware admission
-/// every one completes (none fails `unschedulable`), and the API server never holds more
-/// unscheduled sandbox pods than the bound; a create asking 64 cpu fails at once with
-/// `unschedulable`, naming the largest node.
+/// release), 60 under way at a time, on a real kubelet's node, with the provider's default
+/// configuration. Capacity-aware admission is on by default (a new user's first rollout failed
+/// 40 of 60 `unschedulable` while it had to be asked for): every one completes, and the API
+/// server never holds more sandbox pods the scheduler found no room for than the default bound;
+/// a create asking 64 cpu fails at once with `unschedulable`, naming the largest node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
 async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
+    let _cluster = cluster_lock().await;
     let kubeconfig = e2e_kubeconfig();
     let (daemon_image, task_image) = kubelet_images();
     let episodes: usize = env_or("SANDMAN_E2E_EPISODES", 200);
     let at_once: usize = env_or("SANDMAN_E2E_EPISODES_AT_ONCE", 60);
-    let max_pending = 4;
     let client = client(&kubeconfig, None).await;
     sweep_leftovers(&client).await;
     let namespace = format!("sandman-e2e-cap-{}", unique());
     let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
+    // The default configuration but for where the pods go and what the daemon image is.
     let config = KubeConfig {
         namespace: namespace.clone(),
         daemon_image,
         manage_network_policy: false,
-        capacity: Some(CapacityConfig { max_pending, wait_s: 600 }),
         ..KubeConfig::default()
     };
+    let max_pending = config.admission().map(|c| c.max_pending).expect("capacity-aware admission is on by default");
     let p = Arc::new(KubeProvider::new(client.clone(), config).unwrap());
     let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
     // What the creates that wait tell the server (which passes it on as their progress events).
@@ -1492,7 +1556,9 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
     }
     assert!(pods.get_opt("sandman-never").await.unwrap().is_none(), "a pod was made for a request that can never fit");
 
-    // The API server's unscheduled sandbox pods, watched through the rollout.
+    // The sandbox pods the scheduler found no room for (unbound, `PodScheduled: False`), watched
+    // through the rollout. (Pods that fit, not yet bound, are not bounded: the scheduler places
+    // them at once.)
     let most_pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let stop = tokio_util::sync::CancellationToken::new();
     let watcher = {
@@ -1505,6 +1571,10 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
                     .iter()
                     .filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_none()))
                     .filter(|p| p.metadata.deletion_timestamp.is_none())
+                    .filter(|p| {
+                        let conditions = p.status.as_ref().and_then(|s| s.conditions.as_ref());
+                        conditions.is_some_and(|c| c.iter().any(|c| c.type_ == "PodScheduled" && c.status == "False"))
+                    })
                     .count();
                 most.fetch_max(pending, std::sync::atomic::Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1566,6 +1636,7 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
 async fn a_job_arriving_while_another_holds_the_node_gets_the_room_that_frees_first() {
+    let _cluster = cluster_lock().await;
     let kubeconfig = e2e_kubeconfig();
     let (daemon_image, task_image) = kubelet_images();
     let client = client(&kubeconfig, None).await;
@@ -1588,7 +1659,7 @@ async fn a_job_arriving_while_another_holds_the_node_gets_the_room_that_frees_fi
         namespace: namespace.clone(),
         daemon_image,
         manage_network_policy: false,
-        capacity: Some(CapacityConfig { max_pending: 2, wait_s: 600 }),
+        capacity: CapacityConfig { max_pending: 2, ..CapacityConfig::default() },
         ..KubeConfig::default()
     };
     let p = Arc::new(KubeProvider::new(client.clone(), config).unwrap());
@@ -1702,6 +1773,164 @@ async fn a_job_arriving_while_another_holds_the_node_gets_the_room_that_frees_fi
     let kept: Vec<(String, String, String)> = std::mem::take(&mut *ready.lock().unwrap());
     for (id, _, _) in kept {
         p.delete(&id).await.unwrap_or_else(|e| panic!("delete {id}: {e}"));
+    }
+    registered.remove().await;
+}
+
+/// Weighted shares on a real kubelet's node, with the provider's default configuration: job
+/// `filler` holds the node (its surplus waiting); jobs `light` (weight 1) and `heavy` (weight 3)
+/// then queue together, holding nothing. As `filler` releases a sandbox a second, the room that
+/// frees goes to `light` and `heavy` 1:3: in every prefix of the order their creates leave the
+/// queue, `light` has a quarter of them, give or take one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes cluster with a kubelet (SANDMAN_E2E_KUBECONFIG, SANDMAN_E2E_DAEMON_IMAGE)"]
+async fn two_jobs_weighted_one_to_three_get_the_room_that_frees_one_to_three() {
+    let _cluster = cluster_lock().await;
+    let kubeconfig = e2e_kubeconfig();
+    let (daemon_image, task_image) = kubelet_images();
+    let client = client(&kubeconfig, None).await;
+    let namespace = format!("sandman-e2e-weight-{}", unique());
+    let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let most_cpu = nodes
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(|n| n.status.as_ref()?.allocatable.as_ref()?.get("cpu").cloned())
+        .filter_map(|q| Quantity::Text(q.0).value().ok())
+        .fold(0.0, f64::max);
+    let config = KubeConfig {
+        namespace: namespace.clone(),
+        daemon_image,
+        manage_network_policy: false,
+        ..KubeConfig::default()
+    };
+    let max_pending = config.admission().map(|c| c.max_pending).expect("capacity-aware admission is on by default");
+    let p = Arc::new(KubeProvider::new(client.clone(), config).unwrap());
+    let sandbox = |job: &str, weight: f64, i: usize| {
+        let mut s = spec(&format!("{job}{i:02}"), &task_image);
+        s.job = Some(job.to_string());
+        s.server.weight = Some(weight);
+        s.resources = Resources { cpu: Some(Quantity::Text("100m".into())), ..Resources::default() };
+        s
+    };
+    let filler_count = (most_cpu * 10.0) as usize + max_pending + 4;
+    let filler: Vec<SandboxSpec> = (0..filler_count).map(|i| sandbox("filler", 1.0, i)).collect();
+    let (light_count, heavy_count) = (3, 9);
+    // Interleaved, so that neither is first in line by arrival alone.
+    let mut contenders = Vec::new();
+    for i in 0..light_count {
+        contenders.push(sandbox("light", 1.0, i));
+        contenders.extend((3 * i..3 * i + 3).map(|j| sandbox("heavy", 3.0, j)));
+    }
+    assert_eq!(contenders.len(), light_count + heavy_count);
+    let ready = Arc::new(Mutex::new(Vec::<String>::new()));
+    let start = |s: SandboxSpec| {
+        let (p, ready) = (p.clone(), ready.clone());
+        tokio::spawn(async move {
+            let endpoint = p.create(&s).await.map_err(|e| format!("{}: {e}", s.id))?;
+            let Endpoint::Tcp(addr) = endpoint else { return Err(format!("{}: not a TCP endpoint", s.id)) };
+            echo(&addr, &s.token).await?;
+            ready.lock().unwrap().push(s.id.clone());
+            Ok::<_, String>(())
+        })
+    };
+    // The order the contenders leave the queue, polled.
+    let order = Arc::new(Mutex::new(Vec::<String>::new()));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let poller = {
+        let (p, order, stop) = (p.clone(), order.clone(), stop.clone());
+        let ids: Vec<String> = contenders.iter().map(|s| s.id.clone()).collect();
+        tokio::spawn(async move {
+            let mut waited = std::collections::BTreeSet::new();
+            while !stop.is_cancelled() {
+                for id in &ids {
+                    if p.waiting(id).is_some() {
+                        waited.insert(id.clone());
+                    } else if waited.remove(id) {
+                        order.lock().unwrap().push(id.clone());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+
+    let mut tasks: Vec<_> = filler.iter().cloned().map(start).collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let waits: Vec<_> = filler.iter().filter_map(|s| p.waiting(&s.id)).collect();
+        let held = ready.lock().unwrap().len();
+        let for_room = waits.iter().all(|w| w.resource != sandman_provider_kube::capacity::Resource::Nodes);
+        if waits.len() >= 3 && for_room && held > 0 && held + waits.len() + max_pending >= filler_count {
+            break;
+        }
+        assert!(Instant::now() < deadline, "job filler never filled the node: {held} ready, {} waiting", waits.len());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let held = ready.lock().unwrap().len();
+    // Each contender leaves the queue on a release of filler's, after filler's pending ones.
+    assert!(
+        held >= light_count + heavy_count + max_pending,
+        "the node holds {held} sandboxes of 100m, too few to tell shares"
+    );
+    tasks.extend(contenders.iter().cloned().map(start));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while contenders.iter().any(|s| p.waiting(&s.id).is_none()) {
+        assert!(Instant::now() < deadline, "the contenders did not all wait");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // filler releases what it holds, one sandbox a second, until every contender has left the
+    // queue; then everything else goes.
+    let deadline = Instant::now() + Duration::from_secs(400);
+    while order.lock().unwrap().len() < contenders.len() {
+        assert!(Instant::now() < deadline, "the contenders did not all leave the queue: {:?}", order.lock().unwrap());
+        let next = {
+            let mut r = ready.lock().unwrap();
+            r.iter().position(|id| id.starts_with("filler")).map(|at| r.remove(at))
+        };
+        if let Some(id) = next {
+            p.delete(&id).await.unwrap_or_else(|e| panic!("delete {id}: {e}"));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    stop.cancel();
+    poller.await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(400);
+    while !tasks.iter().all(|t| t.is_finished()) {
+        assert!(Instant::now() < deadline, "the creates did not all complete");
+        let next = ready.lock().unwrap().pop();
+        if let Some(id) = next {
+            p.delete(&id).await.unwrap_or_else(|e| panic!("delete {id}: {e}"));
+        } else {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+    let failed: Vec<String> =
+        futures_util::future::join_all(tasks).await.into_iter().filter_map(|r| r.unwrap().err()).collect();
+    assert!(failed.is_empty(), "creates failed: {failed:?}");
+    let order = order.lock().unwrap().clone();
+    let mut light = 0usize;
+    for (n, id) in order.iter().enumerate() {
+        light += usize::from(id.starts_with("light"));
+        let expected = (n + 1) as f64 / 4.0;
+        assert!(
+            (light as f64 - expected).abs() <= 1.0,
+            "after {} creates left the queue, {light} were light's (weight 1 of 4: {expected}): {order:?}",
+            n + 1
+        );
+    }
+    println!(
+        "weighted shares: light (1) and heavy (3) behind a full node, served in the order {:?}: light {light} of {}",
+        order.iter().map(|id| if id.starts_with("light") { 'L' } else { 'H' }).collect::<String>(),
+        order.len()
+    );
+    let left = std::mem::take(&mut *ready.lock().unwrap());
+    for id in left {
+        let _ = p.delete(&id).await;
     }
     registered.remove().await;
 }

@@ -19,15 +19,23 @@ use sandman_provider_kube::api::KubeApi;
 use sandman_provider_kube::pace::Pacer;
 use sandman_provider_kube::pod::build_pod;
 use sandman_provider_kube::status::PodState;
-use sandman_provider_kube::{Footprint, IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
+use sandman_provider_kube::{CapacityConfig, Footprint, IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
 use sandman_testkit::standin::StandIn;
 use sandman_wire::server::Reason;
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+/// The mocked API server scripts the watches it serves, in order: capacity-aware admission (on by
+/// default) would take two of them for its cluster-wide watches of nodes and pods. Its gate has
+/// tests of its own (`capacity`), and the real API server's e2e suite runs with it on.
 fn config() -> KubeConfig {
-    KubeConfig { namespace: NAMESPACE.into(), daemon_image: "sandmand:test".into(), ..KubeConfig::default() }
+    KubeConfig {
+        namespace: NAMESPACE.into(),
+        daemon_image: "sandmand:test".into(),
+        capacity: CapacityConfig::disabled(),
+        ..KubeConfig::default()
+    }
 }
 
 /// The provider on a mocked API server, whose pod IPs no daemon listens at: addresses are

@@ -62,7 +62,10 @@ impl ServerError {
             ServerError::Unavailable(_) => ErrorCode::Unavailable,
             ServerError::Failed { reason, .. } => match reason {
                 Reason::ReadyTimeout | Reason::QueueTimeout => ErrorCode::Timeout,
-                Reason::ImagePullFailed | Reason::Unschedulable | Reason::SetupFailed => ErrorCode::InvalidArgument,
+                Reason::ImagePullFailed | Reason::SetupFailed => ErrorCode::InvalidArgument,
+                // No room on the nodes (`unschedulable`), as on one machine
+                // (`resource_exhausted`): a valid request the service could not hold now, which
+                // may succeed once others release theirs or nodes are added.
                 _ => ErrorCode::Unavailable,
             },
             ServerError::Provider(ProviderError::Unsupported(_)) => ErrorCode::InvalidArgument,
@@ -119,6 +122,18 @@ mod tests {
         assert_eq!(e.code(), ErrorCode::InvalidArgument);
         let f = ServerError::Failed { id: "s".into(), reason: Reason::ReadyTimeout, message: "slow".into() };
         assert_eq!(f.code(), ErrorCode::Timeout);
+    }
+
+    /// A create no node had room for came back `400 invalid_argument`: a client error for a
+    /// valid request. It is a capacity failure, as the process provider's `resource_exhausted`.
+    #[test]
+    fn unschedulable_is_a_capacity_failure_not_a_bad_request() {
+        for reason in [Reason::Unschedulable, Reason::ResourceExhausted] {
+            let e = ServerError::Failed { id: "s".into(), reason, message: "0/1 nodes are available".into() };
+            assert_eq!(e.code(), ErrorCode::Unavailable, "{reason:?}");
+            let resp = e.into_response();
+            assert_eq!(resp.status().as_u16(), 503, "{reason:?}");
+        }
     }
 
     #[test]
