@@ -127,7 +127,7 @@ async fn a_sandbox_cannot_squat_the_servers_address_or_bind_a_host_port() {
     let state = dir.path().join("state");
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let listen = format!("127.0.0.1:{port}");
-    let server = Server::start_in(&state, &["--listen", &listen]);
+    let mut server = Server::start_in(&state, &["--listen", &listen]);
     let http = server.client();
     let id = sandbox(&http, json!({"image": "host", "lease_s": 600})).await;
     let squat = format!(
@@ -147,8 +147,9 @@ async fn a_sandbox_cannot_squat_the_servers_address_or_bind_a_host_port() {
     assert!(bound, "the squatter did not bind inside its sandbox");
     // The host sees neither listener.
     assert!(std::net::TcpStream::connect(("127.0.0.1", 17999)).is_err(), "a sandbox's bind is the host's");
-    // The server restarts on its own address while the squatter runs.
-    drop(server);
+    // The server restarts on its own address while the squatter runs (killed, not dropped: the
+    // harness's drop ends the sandboxes and their records too; the first one's goes at the end).
+    server.kill9();
     let server = Server::start_in(&state, &["--listen", &listen]);
     let http = server.client();
     let health = http.get("/healthz").await.ok();
