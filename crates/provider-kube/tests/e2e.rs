@@ -1628,6 +1628,20 @@ async fn a_rollout_beyond_the_nodes_room_waits_for_capacity_and_none_fails() {
     registered.remove().await;
 }
 
+/// The most CPU any node of the cluster can give pods (its allocatable cores).
+async fn most_node_cpu(client: &Client) -> f64 {
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(|n| n.status.as_ref()?.allocatable.as_ref()?.get("cpu").cloned())
+        .filter_map(|q| Quantity::Text(q.0).value().ok())
+        .fold(0.0, f64::max)
+}
+
 /// Fair shares on a real kubelet's node: job `a` asks for more 100m sandboxes than the node holds
 /// and keeps them; job `b` arrives later, while `a`'s surplus waits. Every one of `b`'s creates
 /// waits ahead of every one of `a`'s (`b` holds nothing, `a` the node), and as `a` releases
@@ -1643,16 +1657,7 @@ async fn a_job_arriving_while_another_holds_the_node_gets_the_room_that_frees_fi
     let namespace = format!("sandman-e2e-fair-{}", unique());
     let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
     // What one node holds of 100m sandboxes, and then some: `a` always has creates waiting.
-    let nodes: Api<Node> = Api::all(client.clone());
-    let most_cpu = nodes
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .iter()
-        .filter_map(|n| n.status.as_ref()?.allocatable.as_ref()?.get("cpu").cloned())
-        .filter_map(|q| Quantity::Text(q.0).value().ok())
-        .fold(0.0, f64::max);
+    let most_cpu = most_node_cpu(&client).await;
     let a_count = (most_cpu * 10.0) as usize + 10;
     let b_count = 6;
     let config = KubeConfig {
@@ -1791,16 +1796,7 @@ async fn two_jobs_weighted_one_to_three_get_the_room_that_frees_one_to_three() {
     let client = client(&kubeconfig, None).await;
     let namespace = format!("sandman-e2e-weight-{}", unique());
     let registered = Registered::namespace(&client, &kubeconfig, namespace.clone(), Vec::new()).await;
-    let nodes: Api<Node> = Api::all(client.clone());
-    let most_cpu = nodes
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .iter()
-        .filter_map(|n| n.status.as_ref()?.allocatable.as_ref()?.get("cpu").cloned())
-        .filter_map(|q| Quantity::Text(q.0).value().ok())
-        .fold(0.0, f64::max);
+    let most_cpu = most_node_cpu(&client).await;
     let config = KubeConfig {
         namespace: namespace.clone(),
         daemon_image,
