@@ -217,13 +217,10 @@ pub enum Records {
 /// copy, so that a daemon's socket is where the server looks. Blocking.
 pub fn keep_in_memory(sandboxes: &Path) -> Records {
     collect_abandoned(sandboxes);
-    if is_mount_point(sandboxes) && crate::sys::on_tmpfs(sandboxes).unwrap_or(false) {
-        return Records::Tmpfs;
-    }
     if crate::sys::on_tmpfs(sandboxes).unwrap_or(false) {
-        return Records::Memory;
+        return if is_mount_point(sandboxes) { Records::Tmpfs } else { Records::Memory };
     }
-    if std::fs::read_dir(sandboxes).map(|mut d| d.next().is_some()).unwrap_or(true) {
+    if is_empty(sandboxes) != Some(true) {
         tracing::info!(dir = %sandboxes.display(), "sandbox directories stay on disk: sandboxes of an earlier server are there");
         return Records::Disk;
     }
@@ -242,7 +239,7 @@ pub fn release_records(sandboxes: &Path) {
     if !is_mount_point(sandboxes) || !crate::sys::on_tmpfs(sandboxes).unwrap_or(false) {
         return;
     }
-    if std::fs::read_dir(sandboxes).map(|mut d| d.next().is_none()).unwrap_or(false)
+    if is_empty(sandboxes) == Some(true)
         && let Err(e) = crate::sys::umount_detach(sandboxes)
     {
         tracing::warn!(dir = %sandboxes.display(), error = %e, "cannot unmount the sandboxes' tmpfs");
@@ -316,7 +313,7 @@ fn unescape_mountinfo(field: &str) -> String {
 
 fn abandoned(sandboxes: &Path) -> bool {
     let Some(state) = sandboxes.parent() else { return false };
-    let empty = std::fs::read_dir(sandboxes).map(|mut d| d.next().is_none()).unwrap_or(false);
+    let empty = is_empty(sandboxes) == Some(true);
     let alone = std::fs::read_dir(state)
         .map(|d| d.flatten().all(|e| e.file_name() == std::ffi::OsStr::new("sandboxes")))
         .unwrap_or(false);
@@ -326,6 +323,11 @@ fn abandoned(sandboxes: &Path) -> bool {
         .and_then(|t| t.elapsed().ok())
         .is_some_and(|age| age >= ABANDONED_AFTER);
     empty && alone && old
+}
+
+/// Whether the directory `dir` holds nothing; `None` when it cannot be read.
+fn is_empty(dir: &Path) -> Option<bool> {
+    std::fs::read_dir(dir).ok().map(|mut d| d.next().is_none())
 }
 
 /// Whether `path` is the root of a mount: on another device than its parent.
