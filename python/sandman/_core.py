@@ -896,6 +896,10 @@ def retry_after_error(
     return None
 
 
+#: A replica's 503 header: the call went out to the leader, which went away before answering.
+UNANSWERED_HEADER = "x-sandman-unanswered"
+
+
 def retry_after_status(
     call: Call,
     status: int,
@@ -908,12 +912,18 @@ def retry_after_status(
     """How long to wait before sending `call` again after an error answer, or None not to.
 
     Only the server's load shedding is retried (503 with `Retry-After`): the request was refused
-    at the edge before anything ran, so even an exec is safe to resend.
+    at the edge before anything ran, so even an exec is safe to resend. A 503 with
+    `X-Sandman-Unanswered` (a replica lost the leader with the call under way) is retried only
+    for an idempotent call.
     """
     if attempt >= retries or status != 503:
         return None
     value = hdrs.get("retry-after")
     if value is None:
+        # A replica that passed the call on to the leader, which went away with it under way:
+        # as after a broken connection, only an idempotent call goes again.
+        if call.idempotent and hdrs.get(UNANSWERED_HEADER) is not None:
+            return _within(backoff(attempt), elapsed, deadline)
         return None
     try:
         delay = min(5.0, max(0.1, float(value))) * (0.5 + random.random())

@@ -223,6 +223,28 @@ def test_load_shedding_is_retried_even_for_exec_but_other_503s_are_not() -> None
     assert sent == ["again"]
 
 
+def test_a_replicas_unanswered_503_is_resent_only_for_idempotent_calls() -> None:
+    lost = httpx.Response(
+        503,
+        headers={"X-Sandman-Unanswered": "1"},
+        json={"error": {"code": "unavailable", "message": "the leader went away", "reason": "leader_lost"}},
+    )
+    sandbox = {"id": "sb-1", "image": "host", "state": "ready", "created_at_ms": 1}
+    sent: List[str] = []
+    answers = {"/v1/sandboxes": [lost, httpx.Response(200, json=sandbox)], "/v1/sandboxes/sb-1/exec": [lost]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return answers[request.url.path].pop(0)
+
+    with Sandman("http://sandman.test", "t", transport=httpx.MockTransport(handler)) as c:
+        # A create carries an idempotency key: sent again, it answers the sandbox made under it.
+        assert c.create("host", idempotency_key="k").id == "sb-1"
+        with pytest.raises(sandman.Unavailable, match="the leader went away"):
+            c.sandbox("sb-1").exec("true")
+    assert sent == ["/v1/sandboxes", "/v1/sandboxes", "/v1/sandboxes/sb-1/exec"]
+
+
 class _DropFirst:
     """A real TCP server that reads each request whole and, for the first `drops[path]` requests
     of a path, closes the connection without answering (a server replica killed mid-call); it

@@ -24,7 +24,7 @@ use serde::de::DeserializeOwned;
 use crate::body::{self, ByteStream, NdjsonStream, RequestBody, UploadBody};
 use crate::env;
 use crate::error::ClientError;
-use crate::retry::{Failure, RetryPolicy};
+use crate::retry::{Failure, Hint, RetryPolicy};
 
 /// How the client reaches its server.
 #[derive(Clone)]
@@ -333,15 +333,15 @@ impl Client {
                 // A streamed body goes once: with no `replay`, no second attempt is made.
                 None => streamed.take().unwrap_or_else(body::empty),
             };
-            let (err, retry_after) = match self.attempt(&head, &call, body).await {
+            let (err, hint) = match self.attempt(&head, &call, body).await {
                 Ok(response) if whole => match read_all(&call, response.into_body()).await {
                     Ok(bytes) => return Ok((call, Answer::Whole(bytes))),
-                    Err(err) => (err, None),
+                    Err(err) => (err, Hint::None),
                 },
                 Ok(response) => return Ok((call, Answer::Head(response))),
                 Err(failed) => failed,
             };
-            let failure = Failure::of(&err, retry_after);
+            let failure = Failure::of(&err, hint);
             if failure == Failure::Final {
                 return Err(if attempts == 1 { err } else { retried(call, attempts, false, err) });
             }
@@ -356,15 +356,15 @@ impl Client {
         }
     }
 
-    /// One attempt: the response of a success, else the error and a 503's `Retry-After`.
+    /// One attempt: the response of a success, else the error and what a 503's headers said.
     async fn attempt(
         &self,
         head: &Head,
         call: &str,
         body: RequestBody,
-    ) -> Result<Response<Incoming>, (ClientError, Option<Duration>)> {
+    ) -> Result<Response<Incoming>, (ClientError, Hint)> {
         let uri: Uri =
-            head.url.parse().map_err(|source| (ClientError::InvalidUrl { url: head.url.clone(), source }, None))?;
+            head.url.parse().map_err(|source| (ClientError::InvalidUrl { url: head.url.clone(), source }, Hint::None))?;
         let mut builder = Request::builder()
             .method(head.method.clone())
             .uri(uri)
@@ -375,12 +375,12 @@ impl Client {
             builder = builder.header(CONTENT_TYPE, content_type);
         }
         let request =
-            builder.body(body).map_err(|source| (ClientError::BuildRequest { call: call.to_owned(), source }, None))?;
+            builder.body(body).map_err(|source| (ClientError::BuildRequest { call: call.to_owned(), source }, Hint::None))?;
         let sent = match &self.http {
             Transport::Tcp(c) => c.request(request).await,
             Transport::Unix(c) => c.request(request).await,
         };
-        let response = sent.map_err(|source| (ClientError::Request { url: self.base.clone(), source }, None))?;
+        let response = sent.map_err(|source| (ClientError::Request { url: self.base.clone(), source }, Hint::None))?;
         if response.status().is_success() {
             return Ok(response);
         }
@@ -391,7 +391,12 @@ impl Client {
             .and_then(|v| v.trim().parse::<f64>().ok())
             .filter(|s| s.is_finite() && *s >= 0.0)
             .map(|s| Duration::from_secs_f64(s.min(3600.0)));
-        Err((error_of(call.to_owned(), response).await, retry_after))
+        let hint = match retry_after {
+            Some(wait) => Hint::RetryAfter(wait),
+            None if response.headers().contains_key(sandman_wire::server::UNANSWERED) => Hint::Unanswered,
+            None => Hint::None,
+        };
+        Err((error_of(call.to_owned(), response).await, hint))
     }
 
     /// Sends `req` (see [`Client::exchange`]) and answers the response, its body unread.

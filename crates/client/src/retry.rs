@@ -7,8 +7,9 @@
 //! - **shed**: the server answered 503 with `Retry-After` (its load shedding at the edge, before
 //!   anything ran), so any call may be sent again, after the wait it asked for (at most 5 s);
 //! - **maybe sent**: the connection broke after the request went out (reset, closed before the
-//!   answer, or the answer cut short): the server may have acted on it, so only an idempotent call
-//!   is sent again.
+//!   answer, or the answer cut short), or a server replica answered 503 with
+//!   `X-Sandman-Unanswered` (it passed the call on to the leader, whose connection broke so): the
+//!   server may have acted on it, so only an idempotent call is sent again.
 //!
 //! Every other answer (an error body, a 4xx) is the caller's at once. A streamed upload is never
 //! sent twice: its bytes are gone once read.
@@ -62,13 +63,27 @@ pub(crate) enum Failure {
     Final,
 }
 
+/// What an error answer's headers say about sending the call again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hint {
+    None,
+    /// `Retry-After`, in seconds.
+    RetryAfter(Duration),
+    /// `X-Sandman-Unanswered`: the call went out to the leader and no answer came back.
+    Unanswered,
+}
+
 impl Failure {
-    /// The kind of `err`, an attempt's failure; `retry_after` is the `Retry-After` of a 503.
-    pub(crate) fn of(err: &ClientError, retry_after: Option<Duration>) -> Failure {
+    /// The kind of `err`, an attempt's failure; `hint` is what a 503's headers said.
+    pub(crate) fn of(err: &ClientError, hint: Hint) -> Failure {
         match err {
             ClientError::Request { source, .. } if source.is_connect() => Failure::NotSent,
             ClientError::Request { .. } | ClientError::Body { .. } => Failure::MaybeSent,
-            _ if err.status() == Some(503) => retry_after.map_or(Failure::Final, Failure::Shed),
+            _ if err.status() == Some(503) => match hint {
+                Hint::RetryAfter(wait) => Failure::Shed(wait),
+                Hint::Unanswered => Failure::MaybeSent,
+                Hint::None => Failure::Final,
+            },
             _ => Failure::Final,
         }
     }

@@ -43,6 +43,16 @@ impl Seen {
 /// A server that reads each request whole, then for its first `drops[call]` requests of `call`
 /// closes the connection without answering, and answers the rest.
 async fn flaky(drops: &[(&str, usize)]) -> (String, Arc<Seen>) {
+    serve_failing(drops, false).await
+}
+
+/// As [`flaky`], but the first requests get what a server replica answers when the leader it
+/// passed the call on to went away with it: `503` with `X-Sandman-Unanswered`.
+async fn replica_losing_its_leader(drops: &[(&str, usize)]) -> (String, Arc<Seen>) {
+    serve_failing(drops, true).await
+}
+
+async fn serve_failing(drops: &[(&str, usize)], unanswered: bool) -> (String, Arc<Seen>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let seen = Arc::new(Seen::default());
@@ -86,6 +96,18 @@ async fn flaky(drops: &[(&str, usize)]) -> (String, Arc<Seen>) {
                         }
                         _ => false,
                     };
+                    if drop_it && unanswered {
+                        let body = r#"{"error":{"code":"unavailable","message":"the leader went away","reason":"leader_lost"}}"#;
+                        let response = format!(
+                            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+                             x-sandman-unanswered: 1\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if stream.get_mut().write_all(response.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     if drop_it {
                         // Gone mid-call, as a killed replica: the request was read, no answer comes.
                         return;
@@ -212,4 +234,20 @@ async fn a_refused_connection_is_tried_again_until_the_server_listens() {
     let result = client.exec("sb-1", &req).await.unwrap();
     assert_eq!(result, ExecResult::default());
     assert!(up.await.unwrap().contains("\"true\""));
+}
+
+/// A replica whose leader went away with the call under way: a keyed create is sent again (and
+/// answers the sandbox made under its key), an exec is not.
+#[tokio::test]
+async fn a_replicas_unanswered_503_resends_only_idempotent_calls() {
+    let (url, seen) = replica_losing_its_leader(&[("POST /v1/sandboxes", 2), ("POST /v1/sandboxes/sb-1/exec", 1)]).await;
+    let client = Client::new(&url, "t").unwrap().with_retry(policy());
+    let sandbox = client.create(&CreateSandbox { image: "host".into(), ..Default::default() }).await.unwrap();
+    assert_eq!(sandbox.id, "sb-1");
+    assert_eq!(seen.count("POST /v1/sandboxes"), 3);
+    let req = ExecRequest { argv: Some(vec!["true".into()]), ..Default::default() };
+    let err = client.exec("sb-1", &req).await.unwrap_err();
+    assert_eq!(seen.count("POST /v1/sandboxes/sb-1/exec"), 1, "an exec was sent again");
+    assert!(matches!(err, ClientError::Retried { attempts: 1, not_idempotent: true, .. }), "{err:?}");
+    assert!(format!("{err:?}").contains("the leader went away"), "{err:?}");
 }

@@ -523,6 +523,7 @@ impl Provider for DockerProvider {
                         ended: Some(ended),
                         claim: None,
                         paused: false,
+                        ready: None,
                     });
                     continue;
                 }
@@ -534,7 +535,7 @@ impl Provider for DockerProvider {
                 _ => false,
             };
             let ended = if running { None } else { Some(self.ended(&id, &dir, Some(&spec)).await) };
-            records.push(Record { spec, endpoint, ended, claim: None, paused });
+            records.push(Record { spec, endpoint, ended, claim: None, paused, ready: None });
         }
         Ok(records)
     }

@@ -13,6 +13,7 @@ pub mod identity;
 pub mod pace;
 pub mod pod;
 pub mod prepare;
+pub mod shared;
 pub mod status;
 pub mod tokens;
 mod watch;
@@ -776,9 +777,21 @@ impl Provider for KubeProvider {
                     None
                 }
             };
-            records.push(Record { spec, endpoint, ended, claim, paused: false });
+            records.push(Record { spec, endpoint, ended, claim, paused: false, ready: pod::ready_of(p) });
         }
         Ok(records)
+    }
+
+    /// Records on the sandbox's pod that it became ready (an annotation, one merge patch).
+    async fn mark_ready(&self, id: &str, line: &str) -> Result<(), ProviderError> {
+        if !pod::is_dns_label(id) {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        match self.api.merge_patch_pod(&pod_name(id), &pod::ready_patch(line)).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some(404) => Err(ProviderError::NotFound(id.to_string())),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Records the claim on the pool sandbox's pod, by a conditional update: reads the pod,

@@ -32,6 +32,11 @@ pub const ANNOTATION_SPEC: &str = "sandman.dev/spec";
 pub const ANNOTATION_TOKEN: &str = "sandman.dev/token";
 /// `"true"` once a create has claimed the warm-pool sandbox the pod runs (see [`claim_patch`]).
 pub const LABEL_CLAIMED: &str = "sandman.dev/claimed";
+/// The server's line about a sandbox that became ready ([`Provider::mark_ready`]), kept for a
+/// replica taking over.
+///
+/// [`Provider::mark_ready`]: sandman_provider::Provider::mark_ready
+pub const ANNOTATION_READY: &str = "sandman.dev/ready";
 /// The claim of a warm-pool sandbox as JSON, token left out: what `list` answers as
 /// `Record::claim`, so that a restarted or second server knows the sandbox is taken, and by whom.
 pub const ANNOTATION_CLAIM: &str = "sandman.dev/claim";
@@ -672,6 +677,16 @@ pub fn claim_patch(claim: &Claim, resource_version: &str) -> Result<serde_json::
             },
         }
     }))
+}
+
+/// The merge patch that records the server's `line` about a sandbox that became ready.
+pub fn ready_patch(line: &str) -> serde_json::Value {
+    serde_json::json!({"metadata": {"annotations": {ANNOTATION_READY: line}}})
+}
+
+/// The line [`ready_patch`] recorded on the pod, if any.
+pub fn ready_of(pod: &Pod) -> Option<String> {
+    pod.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_READY)).cloned()
 }
 
 /// Whether the pod carries [`LABEL_CLAIMED`].

@@ -207,7 +207,7 @@ impl Provider for FakeProvider {
             Endpoints::Same(endpoint) => endpoint.clone(),
             Endpoints::Each(endpoint_of) => endpoint_of(spec),
         };
-        let record = Record { spec: spec.clone(), endpoint: endpoint.clone(), ended: None, claim: None, paused: false };
+        let record = Record { spec: spec.clone(), endpoint: endpoint.clone(), ended: None, claim: None, paused: false, ready: None };
         self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
         Ok(endpoint)
     }
@@ -278,6 +278,14 @@ impl Provider for FakeProvider {
             return Err(ProviderError::Claimed(format!("`{id}` is claimed already")));
         }
         record.claim = Some(claim.clone());
+        Ok(())
+    }
+
+    /// Kept on the record, as a provider shared by several servers keeps it.
+    async fn mark_ready(&self, id: &str, line: &str) -> Result<(), ProviderError> {
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let record = records.get_mut(id).ok_or_else(|| ProviderError::NotFound(id.to_string()))?;
+        record.ready = Some(line.to_string());
         Ok(())
     }
 

@@ -134,6 +134,10 @@ pub struct Record {
     /// server finds it paused.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused: bool,
+    /// What [`Provider::mark_ready`] recorded, where the provider keeps it (the kubernetes
+    /// provider, on the pod): the sandbox became ready, with this line of the server's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<String>,
 }
 
 /// A warm-pool sandbox taken by a create: the sandbox as its claimer made it. The server
@@ -356,6 +360,17 @@ pub trait Provider: Send + Sync {
     /// live beside it.
     fn claim(&self, claim: &Claim) -> impl Future<Output = Result<(), ProviderError>> + Send {
         let _ = claim;
+        async { Ok(()) }
+    }
+
+    /// Records that sandbox `id` became ready, with the server's `line` about it, where the
+    /// provider keeps its records beyond one server (Kubernetes: an annotation on the pod), so
+    /// that a replica taking over tells it from a create that was interrupted; [`Provider::list`]
+    /// answers it in [`Record::ready`]. The server asks only when several replicas share the
+    /// provider (one server keeps its ready journal in its state directory). The default keeps
+    /// nothing.
+    fn mark_ready(&self, id: &str, line: &str) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = (id, line);
         async { Ok(()) }
     }
 

@@ -11,6 +11,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use sandman_wire::server::{JobUsage, UsageRecord};
 
 use crate::metrics::Metrics;
+use crate::store::{self, Store};
 
 /// The file records are appended to, in the state directory.
 pub const FILE: &str = "accounting.jsonl";
@@ -23,14 +24,27 @@ pub struct Accounting {
     file: Mutex<Option<File>>,
     /// Job (empty for none) → the sums of its records.
     sums: Mutex<HashMap<String, JobUsage>>,
+    /// Where replicas share the sums (the file stays each leader's own): the store they are
+    /// kept in after every record.
+    shared: Option<Store>,
 }
 
 impl Accounting {
     /// Opens `<state_dir>/accounting.jsonl` for appending and sums what it already holds.
     pub fn open(state_dir: &Path) -> Self {
+        Self::open_with(state_dir, &Store::Dir(state_dir.to_path_buf()))
+    }
+
+    /// As [`Accounting::open`]; where `store` is shared by replicas, the sums start from its
+    /// document (a new leader's file is empty) and are kept there after every record.
+    pub fn open_with(state_dir: &Path, store: &Store) -> Self {
         let path = state_dir.join(FILE);
-        let mut sums = HashMap::new();
-        if let Ok(f) = File::open(&path) {
+        let shared = store.is_shared().then(|| store.clone());
+        let mut sums = match &shared {
+            Some(store) => store.load(store::ACCOUNTING),
+            None => HashMap::new(),
+        };
+        if let (None, Ok(f)) = (&shared, File::open(&path)) {
             for line in BufReader::new(f).lines().map_while(Result::ok) {
                 if let Ok(rec) = serde_json::from_str::<UsageRecord>(&line) {
                     add(&mut sums, &rec);
@@ -44,7 +58,7 @@ impl Accounting {
                 None
             }
         };
-        Accounting { path, file: Mutex::new(file), sums: Mutex::new(sums) }
+        Accounting { path, file: Mutex::new(file), sums: Mutex::new(sums), shared }
     }
 
     fn sums(&self) -> MutexGuard<'_, HashMap<String, JobUsage>> {
@@ -65,7 +79,13 @@ impl Accounting {
             }
             Err(e) => tracing::error!(error = %e, "cannot encode an accounting record"),
         }
-        add(&mut self.sums(), rec);
+        {
+            let mut sums = self.sums();
+            add(&mut sums, rec);
+            if let Some(store) = &self.shared {
+                store.save(store::ACCOUNTING, &*sums);
+            }
+        }
         metrics.accounted(rec);
     }
 

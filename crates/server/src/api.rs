@@ -235,7 +235,9 @@ async fn put_job(
     Path(job): Path<String>,
     ApiJson(spec): ApiJson<JobSpec>,
 ) -> ServerResult<Json<Job>> {
-    service.put_job(&job, spec).map(Json)
+    let job = service.put_job(&job, spec)?;
+    service.settings.store.saved().await?;
+    Ok(Json(job))
 }
 
 async fn get_job(State(service): State<Arc<Service>>, Path(job): Path<String>) -> ServerResult<Json<Job>> {
@@ -243,7 +245,9 @@ async fn get_job(State(service): State<Arc<Service>>, Path(job): Path<String>) -
 }
 
 async fn delete_job(State(service): State<Arc<Service>>, Path(job): Path<String>) -> ServerResult<Json<JobAction>> {
-    service.delete_job(&job).await.map(Json)
+    let done = service.delete_job(&job).await?;
+    service.settings.store.saved().await?;
+    Ok(Json(done))
 }
 
 async fn heartbeat(State(service): State<Arc<Service>>, Path(job): Path<String>) -> ServerResult<Json<JobAction>> {
@@ -267,11 +271,15 @@ async fn put_pool(
     Path(name): Path<String>,
     ApiJson(spec): ApiJson<PoolSpec>,
 ) -> ServerResult<Json<Pool>> {
-    service.put_pool(&name, spec).map(Json)
+    let pool = service.put_pool(&name, spec)?;
+    service.settings.store.saved().await?;
+    Ok(Json(pool))
 }
 
 async fn delete_pool(State(service): State<Arc<Service>>, Path(name): Path<String>) -> ServerResult<Json<Pool>> {
-    service.delete_pool(&name).map(Json)
+    let pool = service.delete_pool(&name)?;
+    service.settings.store.saved().await?;
+    Ok(Json(pool))
 }
 
 async fn prepare(

@@ -124,6 +124,21 @@ pub struct ServeArgs {
     /// ends it at once.
     #[arg(long, env = "SANDMAN_SHUTDOWN_DRAIN_S", default_value_t = 0, value_parser = seconds(0, bounds::HOUR_S))]
     pub shutdown_drain_s: u64,
+    /// Runs as one of several replicas (kubernetes provider only): the replicas elect a leader
+    /// with the Lease `sandman-leader`; it alone creates, releases, admits, reaps and refills,
+    /// and keeps jobs, pools and snapshots in the ConfigMap `sandman-state` and the conditions
+    /// key in the Secret `sandman-conditions-key`, in --replica-namespace; the others pass every
+    /// call on to it, and one of them takes over when it goes (docs/kubernetes.md#replicas).
+    #[arg(long, env = "SANDMAN_LEADER_ELECTION")]
+    pub leader_election: bool,
+    /// With --leader-election: the namespace of the Lease, ConfigMap and Secret (the server's
+    /// own; a pod learns it from the downward API as `POD_NAMESPACE`).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub replica_namespace: Option<String>,
+    /// With --leader-election: the address (`host:port`) where the other replicas reach this
+    /// one when it leads (default: `$POD_IP` and the port of --listen).
+    #[arg(long, env = "SANDMAN_ADVERTISE")]
+    pub advertise: Option<String>,
     /// Once the server stops accepting, how long calls in flight get to finish before their
     /// connections are dropped, in seconds. A further signal drops them at once.
     #[arg(long, env = "SANDMAN_SHUTDOWN_TIMEOUT_S", default_value_t = 10, value_parser = seconds(0, bounds::DAY_S))]

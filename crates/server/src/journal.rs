@@ -121,7 +121,7 @@ pub fn ready_line(id: &str, conditions: Option<&SignedConditions>) -> String {
 
 /// A line read back: the id and its record. A line of JSON that does not decode (the half line
 /// a crash may leave at the end) is none.
-fn parse_line(line: &str) -> Option<(String, Option<SignedConditions>)> {
+pub(crate) fn parse_line(line: &str) -> Option<(String, Option<SignedConditions>)> {
     if !line.starts_with('{') {
         return Some((line.to_string(), None));
     }

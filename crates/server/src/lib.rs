@@ -19,9 +19,11 @@ pub mod pool;
 pub mod prepare;
 pub mod provider;
 pub mod proxy;
+pub mod replicas;
 pub mod sandbox;
 pub mod service;
 pub mod snapshots_api;
+pub mod store;
 mod sys;
 pub mod ui;
 
@@ -65,6 +67,8 @@ pub enum ServeError {
     Recover(#[source] error::ServerError),
     #[error("cannot draw random bytes with getrandom(2) (Linux 3.17 or later), which sandbox ids and tokens need")]
     Random(#[source] std::io::Error),
+    #[error("cannot run as a replica: {0}")]
+    Replicas(String),
     #[error("cannot listen on `{addr}`")]
     Listen {
         addr: String,
@@ -259,49 +263,97 @@ pub async fn run(
         Some(path) => Some(bind_socket(path).await?),
         None => None,
     };
+    if args.leader_election {
+        return run_replica(args, state_dir, token, source, (unix, socket), max_connections, shutdown, on_start).await;
+    }
     let provider = build_provider(&args, &state_dir).await?;
-    let settings = Settings {
+    let settings = settings(&args, &state_dir, store::Store::Dir(state_dir.clone()));
+    let service = Service::new(settings, provider, token);
+    service.start_background();
+    let (recovered, found_dead) = service.recover().await.map_err(ServeError::Recover)?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
+    let listen = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| args.listen.clone());
+    let app = api::router_with(service.clone(), limits(&args), fusion_config(&args, &listen));
+    on_start(&Started { listen, socket: socket.clone(), token: source, recovered, found_dead });
+    let edge = edge(&args, max_connections);
+    serve_until(listener, unix, app, edge, service.draining.clone(), Duration::from_secs(args.shutdown_drain_s), shutdown)
+        .await;
+    if let Some(path) = &socket {
+        let _ = std::fs::remove_file(path);
+    }
+    stop_service(&service).await;
+    Ok(())
+}
+
+/// The service's settings from the command line, its documents kept in `store`.
+fn settings(args: &ServeArgs, state_dir: &std::path::Path, store: store::Store) -> Settings {
+    Settings {
         default_lease: Duration::from_secs(args.default_lease_s.max(1)),
         max_ttl: (args.max_ttl_s > 0).then(|| Duration::from_secs(args.max_ttl_s)),
         ready_timeout: args.ready_timeout(),
         gone_retention: Duration::from_secs(args.gone_retention_s),
-        state_dir: state_dir.clone(),
+        state_dir: state_dir.to_path_buf(),
         create_rate: (args.create_rate > 0.0).then_some(args.create_rate),
         create_burst: args.create_burst.unwrap_or(args.create_rate).max(1.0),
         max_queue: args.max_queue,
         max_output_bytes: args.max_output_bytes,
         daemons: service::Daemons::Real,
-    };
-    let service = Service::new(settings, provider, token);
-    service.start_background();
-    let (recovered, found_dead) = service.recover().await.map_err(ServeError::Recover)?;
-    let limits = Limits {
+        store,
+    }
+}
+
+fn limits(args: &ServeArgs) -> Limits {
+    Limits {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         max_concurrent: args.max_concurrent_requests.max(1),
-    };
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
-    let listen = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| args.listen.clone());
-    let fusion = fusion::FusionConfig {
+    }
+}
+
+fn fusion_config(args: &ServeArgs, listen: &str) -> fusion::FusionConfig {
+    fusion::FusionConfig {
         image: args.fusion_image.clone(),
         max_calls: args.fusion_max_calls,
-        public_url: args.public_url.clone().unwrap_or_else(|| public_url(&listen)),
-    };
-    let app = api::router_with(service.clone(), limits, fusion);
-    let edge = sandman_http::serve::Edge {
+        public_url: args.public_url.clone().unwrap_or_else(|| public_url(listen)),
+    }
+}
+
+fn edge(args: &ServeArgs, max_connections: usize) -> sandman_http::serve::Edge {
+    sandman_http::serve::Edge {
         header_read_timeout: Duration::from_secs(args.header_read_timeout_s),
         max_connections,
         drain: Duration::from_secs(args.shutdown_timeout_s),
-    };
-    on_start(&Started { listen, socket: socket.clone(), token: source, recovered, found_dead });
+    }
+}
+
+/// Sandboxes outlive the server on purpose: their records stay with the provider and a
+/// restarted server finds them again; their daemons' leases end them if it never returns.
+async fn stop_service(service: &Service) {
+    service.cancel.cancel();
+    service.tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), service.tasks.wait()).await;
+    service.provider.stop().await;
+}
+
+/// Serves `app` on the TCP listener and the Unix socket until `shutdown` resolves; then
+/// `draining` is cancelled (so `/readyz` answers 503) and calls are still served for `drain`,
+/// then calls in flight get the edge's drain time to finish. A second signal cuts either short.
+async fn serve_until(
+    listener: tokio::net::TcpListener,
+    unix: Option<tokio::net::UnixListener>,
+    app: axum::Router,
+    edge: sandman_http::serve::Edge,
+    draining: tokio_util::sync::CancellationToken,
+    drain: Duration,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
     // No Nagle: a stream's small events (a command's start, its end) go out at once, not
     // 40 ms later behind the client's delayed ACK.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });
     // Both listeners drain and stop together, at the one shutdown.
-    let draining = service.draining.clone();
     let stop = tokio_util::sync::CancellationToken::new();
     let tcp = sandman_http::serve::serve_draining(
         listener,
@@ -316,7 +368,6 @@ pub async fn run(
                 .await;
         }
     };
-    let drain = Duration::from_secs(args.shutdown_drain_s);
     let asked = async {
         shutdown.await;
         draining.cancel();
@@ -345,16 +396,143 @@ pub async fn run(
         () = serving => {}
         () = forced => tracing::warn!("asked again: calls still in flight are dropped"),
     }
+}
+
+/// `--leader-election`: one replica of several (see [`replicas`]). It serves at once, passing
+/// calls on to the leader, and campaigns for the Lease; once it leads it builds the service
+/// from the cluster and serves it. Deposed (the Lease lost, or the shared state written by
+/// another replica), it stops at once with an error, for its Deployment to restart it as a
+/// follower.
+#[allow(clippy::too_many_arguments)]
+async fn run_replica(
+    args: ServeArgs,
+    state_dir: PathBuf,
+    token: String,
+    source: auth::TokenSource,
+    (unix, socket): (Option<tokio::net::UnixListener>, Option<PathBuf>),
+    max_connections: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_start: impl FnOnce(&Started),
+) -> Result<(), ServeError> {
+    if args.provider != "kubernetes" {
+        return Err(ServeError::Replicas(format!(
+            "--leader-election shares state through the Kubernetes API: it needs --provider kubernetes, not `{}`",
+            args.provider
+        )));
+    }
+    let namespace = args.replica_namespace.clone().ok_or_else(|| {
+        ServeError::Replicas(
+            "--leader-election needs the namespace of the replicas' Lease: pass --replica-namespace, or set \
+             POD_NAMESPACE from the downward API"
+                .into(),
+        )
+    })?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
+    let bound = listener.local_addr().map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
+    let listen = bound.to_string();
+    let me = match (&args.advertise, std::env::var("POD_IP")) {
+        (Some(a), _) => a.clone(),
+        (None, Ok(ip)) if !ip.is_empty() => std::net::SocketAddr::new(
+            ip.parse().map_err(|e| ServeError::Replicas(format!("POD_IP `{ip}` is not an address: {e}")))?,
+            bound.port(),
+        )
+        .to_string(),
+        _ => {
+            return Err(ServeError::Replicas(
+                "--leader-election needs the address other replicas reach this one at: pass --advertise, or set \
+                 POD_IP from the downward API"
+                    .into(),
+            ));
+        }
+    };
+    let shared = sandman_provider_kube::shared::Shared::connect(&namespace)
+        .await
+        .map_err(|source| ServeError::Provider { name: "kubernetes".into(), source })?;
+    let watching = tokio_util::sync::CancellationToken::new();
+    let draining = tokio_util::sync::CancellationToken::new();
+    let replica = replicas::Replica::new(me.clone(), shared.leader(watching.clone()), draining.clone());
+    let app = replica.router();
+    on_start(&Started { listen: listen.clone(), socket: socket.clone(), token: source, recovered: 0, found_dead: 0 });
+    tracing::info!(replica = me, namespace, "serving as a replica; campaigning for the Lease");
+    let stop = tokio_util::sync::CancellationToken::new();
+    let build = {
+        let (args, watching, draining) = (args.clone(), watching.clone(), draining.clone());
+        move |shared: sandman_provider_kube::shared::Shared| async move {
+            let documents = shared.documents(watching).await.map_err(|e| e.to_string())?;
+            let key = shared
+                .key(|| {
+                    let mut key = vec![0u8; 32];
+                    // Checked at start: drawing random bytes works on this machine.
+                    let _ = sys::random_bytes(&mut key);
+                    key
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+            let provider = build_provider(&args, &state_dir).await.map_err(|e| error_chain(&e))?;
+            let fenced = documents.fenced();
+            let store = store::Store::Shared { documents, key: key.into() };
+            let service = Service::new(settings(&args, &state_dir, store), provider, token);
+            service.start_background();
+            let (live, dead) = service.recover().await.map_err(|e| e.to_string())?;
+            tracing::info!(recovered = live, found_dead = dead, "took over the sandboxes");
+            // The replica's drain is the service's.
+            let service_draining = service.draining.clone();
+            tokio::spawn(async move {
+                draining.cancelled().await;
+                service_draining.cancel();
+            });
+            let app = api::router_with(service.clone(), limits(&args), fusion_config(&args, &listen));
+            Ok((app, service, fenced))
+        }
+    };
+    let lead = tokio::spawn(replicas::lead(replica.clone(), shared, stop.clone(), build));
+    let serving = serve_until(
+        listener,
+        unix,
+        app,
+        edge(&args, max_connections),
+        draining,
+        Duration::from_secs(args.shutdown_drain_s),
+        shutdown,
+    );
+    let mut lead = std::pin::pin!(lead);
+    let outcome = tokio::select! {
+        () = serving => None,
+        ended = &mut lead => Some(ended),
+    };
+    let ended = match outcome {
+        Some(ended) => ended,
+        None => {
+            stop.cancel();
+            lead.await
+        }
+    };
     if let Some(path) = &socket {
         let _ = std::fs::remove_file(path);
     }
-    // Sandboxes outlive the server on purpose: their records stay with the provider and a
-    // restarted server finds them again; their daemons' leases end them if it never returns.
-    service.cancel.cancel();
-    service.tasks.close();
-    let _ = tokio::time::timeout(Duration::from_secs(5), service.tasks.wait()).await;
-    service.provider.stop().await;
-    Ok(())
+    if let Some((_, service)) = replica.leading.get() {
+        stop_service(service).await;
+    }
+    watching.cancel();
+    match ended {
+        Ok(replicas::Ended::Stopped) => Ok(()),
+        Ok(replicas::Ended::Deposed(why)) => Err(ServeError::Replicas(format!("stopped leading: {why}"))),
+        Err(e) => Err(ServeError::Replicas(format!("the election task failed: {e}"))),
+    }
+}
+
+/// An error and its sources, on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
 }
 
 /// The URL clients reach the server at, from the address it listens on: an unspecified

@@ -20,7 +20,6 @@ use tokio::time::Instant;
 /// The label that marks a pool's sandboxes (in the provider's records too, for recovery).
 pub use sandman_provider::POOL_LABEL;
 /// Pools kept across restarts.
-pub const POOLS_FILE: &str = "pools.json";
 /// Claims kept across restarts.
 pub const CLAIMS_FILE: &str = "pool-claims.jsonl";
 /// Most sandboxes one pool may keep.
@@ -289,22 +288,6 @@ fn matches_spec(pool: &PoolSpec, spec: &SandboxSpec) -> bool {
         && pool.profile == spec.profile
         && pool.network == spec.network
         && pool.env == spec.env
-}
-
-pub fn load_specs(state_dir: &Path) -> BTreeMap<String, PoolSpec> {
-    std::fs::read(state_dir.join(POOLS_FILE)).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
-}
-
-pub fn save_specs(state_dir: &Path, specs: &BTreeMap<String, PoolSpec>) {
-    let path = state_dir.join(POOLS_FILE);
-    let tmp = path.with_extension("json.tmp");
-    let result = serde_json::to_vec_pretty(specs)
-        .map_err(std::io::Error::other)
-        .and_then(|bytes| std::fs::write(&tmp, bytes))
-        .and_then(|()| std::fs::rename(&tmp, &path));
-    if let Err(e) = result {
-        tracing::error!(path = %path.display(), error = %e, "cannot save pools");
-    }
 }
 
 /// The claims file: one JSON line appended per claim (a few microseconds, so a claim stays

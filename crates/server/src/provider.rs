@@ -166,6 +166,15 @@ impl Provider for AnyProvider {
         }
     }
 
+    async fn mark_ready(&self, id: &str, line: &str) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.mark_ready(id, line).await,
+            AnyProvider::Docker(p) => p.mark_ready(id, line).await,
+            AnyProvider::Kube(p) => p.mark_ready(id, line).await,
+            AnyProvider::Fake(p) => p.mark_ready(id, line).await,
+        }
+    }
+
     async fn snapshot(&self, id: &str, snapshot: &str) -> Result<SnapshotMade, ProviderError> {
         match self {
             AnyProvider::Process(p) => p.snapshot(id, snapshot).await,

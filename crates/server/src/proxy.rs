@@ -25,7 +25,7 @@ use crate::error::{ServerError, ServerResult};
 use crate::service::Service;
 
 /// Headers that belong to one hop and are not forwarded.
-const HOP_BY_HOP: [HeaderName; 6] = [
+pub(crate) const HOP_BY_HOP: [HeaderName; 6] = [
     header::CONNECTION,
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
@@ -144,7 +144,7 @@ pub async fn forward(
 }
 
 /// Whether a request asks to switch protocols (`Connection: upgrade` with `Upgrade`).
-fn is_upgrade(headers: &http::HeaderMap) -> bool {
+pub(crate) fn is_upgrade(headers: &http::HeaderMap) -> bool {
     headers.contains_key(header::UPGRADE)
         && headers
             .get_all(header::CONNECTION)
@@ -154,7 +154,7 @@ fn is_upgrade(headers: &http::HeaderMap) -> bool {
 }
 
 /// Puts back `Connection: upgrade` and `Upgrade`, which an upgrade carries across each hop.
-fn keep_upgrade(from: &http::HeaderMap, to: &mut http::HeaderMap) {
+pub(crate) fn keep_upgrade(from: &http::HeaderMap, to: &mut http::HeaderMap) {
     to.insert(header::CONNECTION, http::HeaderValue::from_static("upgrade"));
     if let Some(u) = from.get(header::UPGRADE) {
         to.insert(header::UPGRADE, u.clone());

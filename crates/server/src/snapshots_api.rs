@@ -34,7 +34,9 @@ async fn take(
     } else {
         serde_json::from_slice(&body).map_err(|e| crate::error::ServerError::InvalidArgument(format!("{e}")))?
     };
-    service.take_snapshot(&id, req).await.map(Json)
+    let snapshot = service.take_snapshot(&id, req).await?;
+    service.settings.store.saved().await?;
+    Ok(Json(snapshot))
 }
 
 async fn of_sandbox(State(service): State<Arc<Service>>, Path(id): Path<String>) -> Json<SnapshotList> {
@@ -58,7 +60,9 @@ async fn get_one(State(service): State<Arc<Service>>, Path(id): Path<String>) ->
 }
 
 async fn delete(State(service): State<Arc<Service>>, Path(id): Path<String>) -> ServerResult<Json<Snapshot>> {
-    service.delete_snapshot(&id).await.map(Json)
+    let snapshot = service.delete_snapshot(&id).await?;
+    service.settings.store.saved().await?;
+    Ok(Json(snapshot))
 }
 
 async fn export(

@@ -8,6 +8,11 @@ use serde::{Deserialize, Serialize};
 /// Default listen address of the server.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7777";
 
+/// A header of a `503` from a server replica that passed the call on to the leader and got no
+/// answer back (the leader went away with the call under way): the call may have run, so a
+/// client sends it again only if it is idempotent, as after a broken connection.
+pub const UNANSWERED: &str = "x-sandman-unanswered";
+
 /// Where a sandbox is in its life. Terminal states carry a [`Reason`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

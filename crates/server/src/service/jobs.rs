@@ -2,7 +2,6 @@
 //! renew a whole job, usage, and deleting a job with everything it has.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use sandman_wire::server::{Job, JobAction, JobSpec, JobUsage, Reason};
@@ -13,11 +12,12 @@ use super::request::bad_number;
 use crate::admission::Tenant;
 use crate::error::{ServerError, ServerResult};
 use crate::sandbox::now_ms;
+use crate::store::{self, Store};
 
 /// Jobs by name, and the file that keeps them.
 #[derive(Debug)]
 pub(super) struct Jobs {
-    file: PathBuf,
+    store: Store,
     entries: Mutex<BTreeMap<String, JobEntry>>,
 }
 
@@ -32,10 +32,8 @@ struct JobEntry {
 }
 
 impl Jobs {
-    pub(super) fn open(state_dir: &Path) -> Jobs {
-        let file = state_dir.join("jobs.json");
-        let entries = std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        Jobs { file, entries: Mutex::new(entries) }
+    pub(super) fn open(store: &Store) -> Jobs {
+        Jobs { entries: Mutex::new(store.load(store::JOBS)), store: store.clone() }
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, JobEntry>> {
@@ -147,14 +145,7 @@ impl Jobs {
     }
 
     fn save(&self, entries: &BTreeMap<String, JobEntry>) {
-        let tmp = self.file.with_extension("json.tmp");
-        let result = serde_json::to_vec_pretty(entries)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| std::fs::write(&tmp, bytes))
-            .and_then(|()| std::fs::rename(&tmp, &self.file));
-        if let Err(e) = result {
-            tracing::error!(path = %self.file.display(), error = %e, "cannot save jobs");
-        }
+        self.store.save(store::JOBS, entries);
     }
 }
 

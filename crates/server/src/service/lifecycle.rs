@@ -296,9 +296,12 @@ impl Service {
             }
             return;
         }
-        // Before it is ready: a server killed from here on finds it ready at its next start, with
-        // its record.
-        self.journal_ready(&sb);
+        // Before it is ready: a server killed from here on (or a replica taking over) finds it
+        // ready at its next start, with its record.
+        if let Err(e) = self.journal_ready(&sb).await {
+            self.fail(&sb, Reason::ProviderError, format!("cannot record that it is ready: {e}")).await;
+            return;
+        }
         match sb.transition(SandboxState::Ready, None, None) {
             Ok(prev) => {
                 {
@@ -447,9 +450,14 @@ impl Service {
     }
 
     /// Records that the sandbox is ready, with its conditions record, and keeps the journal a
-    /// few times the live sandboxes at most.
-    fn journal_ready(&self, sb: &Sandbox) {
+    /// few times the live sandboxes at most. Where replicas share the provider, the record goes
+    /// to the provider (a new leader has no journal of the old one's).
+    async fn journal_ready(&self, sb: &Sandbox) -> Result<(), sandman_provider::ProviderError> {
         let conditions = sb.lock().conditions.clone();
+        if self.settings.store.is_shared() {
+            let line = crate::journal::ready_line(sb.id(), conditions.taken());
+            return self.provider.mark_ready(sb.id(), &line).await;
+        }
         self.ready_journal.ready(sb.id(), conditions.taken());
         let ready = || {
             let mut lines = self.table.ready_lines();
@@ -457,6 +465,7 @@ impl Service {
             lines
         };
         self.ready_journal.compact_if_grown(ready, self.table.len());
+        Ok(())
     }
 
     /// After a sandbox's move to `gone` or `failed` from `prev`: the gauges and counters, the

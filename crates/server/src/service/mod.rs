@@ -31,6 +31,8 @@ mod request;
 mod snapshots;
 mod table;
 #[cfg(test)]
+mod replica_tests;
+#[cfg(test)]
 mod tests;
 
 use std::collections::BTreeMap;
@@ -47,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::accounting::Accounting;
-use crate::conditions::{KEY_FILE, Signer};
+use crate::conditions::Signer;
 use crate::daemon::{self, DaemonClient, Identities};
 use crate::error::{ServerError, ServerResult};
 use crate::events::Events;
@@ -56,6 +58,7 @@ use crate::metrics::Metrics;
 use crate::prepare::Gates;
 use crate::provider::AnyProvider;
 use crate::sandbox::{Backend, Sandbox};
+use crate::store::Store;
 
 use self::jobs::Jobs;
 use self::leases::Leases;
@@ -70,8 +73,11 @@ pub struct Settings {
     pub max_ttl: Option<Duration>,
     pub ready_timeout: Duration,
     pub gone_retention: Duration,
-    /// Where jobs, pools, claims and accounting are kept across restarts.
+    /// Where claims, accounting and the ready journal are kept across restarts.
     pub state_dir: PathBuf,
+    /// Where jobs, pools, snapshots and the conditions key are kept: the state directory, or
+    /// the cluster when several replicas share them.
+    pub store: Store,
     /// Creates admitted a second, over all jobs (`None`: unlimited).
     pub create_rate: Option<f64>,
     /// Creates admitted at once after a quiet spell.
@@ -91,12 +97,13 @@ impl Settings {
             max_ttl: Some(Duration::from_secs(86400)),
             ready_timeout: Duration::from_secs(120),
             gone_retention: Duration::from_secs(3600),
-            state_dir,
             create_rate: Some(DEFAULT_CREATE_RATE),
             create_burst: DEFAULT_CREATE_RATE,
             max_queue: DEFAULT_MAX_QUEUE,
             max_output_bytes: bounds::MAX_OUTPUT_BYTES.max,
             daemons: Daemons::Real,
+            store: Store::Dir(state_dir.clone()),
+            state_dir,
         }
     }
 }
@@ -173,7 +180,7 @@ const BODY_BUDGET_KIB: usize = 256 * 1024;
 impl Service {
     pub fn new(settings: Settings, provider: AnyProvider, token: String) -> Arc<Self> {
         let now = Instant::now();
-        let jobs = Jobs::open(&settings.state_dir);
+        let jobs = Jobs::open(&settings.store);
         let queue = Queue::new(&settings, jobs.tenants(), now);
         let metrics = Metrics::default();
         metrics.create_rate_allowed.set(queue.rate().unwrap_or(0.0));
@@ -183,16 +190,14 @@ impl Service {
             token,
             table: Table::default(),
             jobs,
-            pools: WarmPools::open(&settings.state_dir),
+            pools: WarmPools::open(&settings.state_dir, &settings.store),
             queue,
             leases: Leases::default(),
-            snapshots: snapshots::Snapshots::open(&settings.state_dir),
+            snapshots: snapshots::Snapshots::open(&settings.store),
             ready_journal: ReadyJournal::open(&settings.state_dir),
-            accounting: Accounting::open(&settings.state_dir),
+            accounting: Accounting::open_with(&settings.state_dir, &settings.store),
             events: Events::default(),
-            signer: Signer::open(&settings.state_dir).map_err(|e| {
-                format!("cannot read or make the signing key {}: {e}", settings.state_dir.join(KEY_FILE).display())
-            }),
+            signer: settings.store.signer(),
             gates: Gates::default(),
             metrics,
             daemons: daemon::client(identities.clone()),

@@ -37,7 +37,7 @@ fn record(id: &str, job: Option<&str>, lease_s: u64, idle: Option<u64>, ttl: Opt
     spec.created_at_ms = now_ms();
     spec.server = ServerMeta { lease_s, idle_timeout_s: idle, ttl_s: ttl, auto_resume, ..ServerMeta::default() };
     let endpoint = Endpoint::Unix(format!("/nowhere/{id}.sock").into());
-    Record { spec, endpoint, ended: None, claim: None, paused: false }
+    Record { spec, endpoint, ended: None, claim: None, paused: false, ready: None }
 }
 
 async fn ready(s: &Arc<Service>, rec: Record) {

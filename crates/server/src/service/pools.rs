@@ -3,7 +3,7 @@
 //! own bookkeeping is [`crate::pool`]'s.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -20,21 +20,22 @@ use crate::error::{ServerError, ServerResult};
 use crate::metrics::PoolLabel;
 use crate::pool::{self, Claim, ClaimJournal, POOL_LABEL, Pools, Put};
 use crate::sandbox::{Sandbox, Timers, now_ms};
+use crate::store::{self, Store};
 use crate::sys::random_hex;
 
 /// The pools and their unclaimed members, where their specs are kept, and the journal of claims.
 #[derive(Debug)]
 pub(super) struct WarmPools {
-    state_dir: PathBuf,
+    store: Store,
     pools: Mutex<Pools>,
     claims: ClaimJournal,
 }
 
 impl WarmPools {
-    pub(super) fn open(state_dir: &Path) -> WarmPools {
+    pub(super) fn open(state_dir: &Path, store: &Store) -> WarmPools {
         WarmPools {
-            state_dir: state_dir.to_path_buf(),
-            pools: Mutex::new(Pools::new(pool::load_specs(state_dir))),
+            store: store.clone(),
+            pools: Mutex::new(Pools::new(store.load(store::POOLS))),
             claims: ClaimJournal::open(state_dir),
         }
     }
@@ -49,7 +50,7 @@ impl WarmPools {
 
     /// Keeps the pools' specs for the next start.
     fn save(&self, pools: &Pools) {
-        pool::save_specs(&self.state_dir, &pools.specs());
+        self.store.save(store::POOLS, &pools.specs());
     }
 }
 

@@ -22,8 +22,13 @@ impl Service {
     pub async fn recover(self: &Arc<Self>) -> ServerResult<(usize, usize)> {
         let records = self.provider.list().await.map_err(ServerError::Provider)?;
         let mut claims = self.pools.claims().take_found();
-        // Without a journal (a first start) every running sandbox counts as ready.
-        let journal = self.ready_journal.take_found();
+        // Without a journal (a first start) every running sandbox counts as ready. Replicas
+        // sharing the provider keep the journal's lines on the provider's records instead.
+        let journal = if self.settings.store.is_shared() {
+            Some(records.iter().filter_map(|r| r.ready.as_deref().and_then(crate::journal::parse_line)).collect())
+        } else {
+            self.ready_journal.take_found()
+        };
         let mut ready_lines = Vec::new();
         let mut live_claims = Vec::new();
         let mut orphans = Vec::new();

@@ -5,7 +5,6 @@
 //! Start at [`Service::take_snapshot`] and [`Service::fork`].
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use sandman_provider::Provider;
@@ -16,20 +15,19 @@ use super::Service;
 use super::request::bad_number;
 use crate::error::{ServerError, ServerResult};
 use crate::sandbox::now_ms;
+use crate::store::{self, Store};
 
 /// The snapshots the server holds, by id, and the file that keeps them.
 #[derive(Debug)]
 pub(super) struct Snapshots {
-    file: PathBuf,
+    store: Store,
     /// Locked briefly to read or change the map (and write the file), never across an await.
     entries: Mutex<BTreeMap<String, Snapshot>>,
 }
 
 impl Snapshots {
-    pub(super) fn open(state_dir: &Path) -> Snapshots {
-        let file = state_dir.join("snapshots.json");
-        let entries = std::fs::read(&file).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        Snapshots { file, entries: Mutex::new(entries) }
+    pub(super) fn open(store: &Store) -> Snapshots {
+        Snapshots { entries: Mutex::new(store.load(store::SNAPSHOTS)), store: store.clone() }
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Snapshot>> {
@@ -62,14 +60,7 @@ impl Snapshots {
     }
 
     fn save(&self, entries: &BTreeMap<String, Snapshot>) {
-        let tmp = self.file.with_extension("json.tmp");
-        let result = serde_json::to_vec_pretty(entries)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| std::fs::write(&tmp, bytes))
-            .and_then(|()| std::fs::rename(&tmp, &self.file));
-        if let Err(e) = result {
-            tracing::error!(path = %self.file.display(), error = %e, "cannot save snapshots");
-        }
+        self.store.save(store::SNAPSHOTS, entries);
     }
 }
 
@@ -217,6 +208,7 @@ impl Service {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
+    use std::path::Path;
     use std::time::Duration;
 
     use sandman_provider::Endpoint;

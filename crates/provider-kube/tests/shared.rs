@@ -1,0 +1,138 @@
+//! What server replicas share through the API server (`shared`), against a mocked API server:
+//! the documents' ConfigMap written after each change with the `resourceVersion` last seen, a
+//! conflict fencing the writer, and the conditions key made once and read by every replica.
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::{Reply, mock, ok};
+use http::StatusCode;
+use sandman_provider_kube::shared::{DOCUMENTS, KEY_SECRET, Shared};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+const NS: &str = "sandman-system";
+
+fn status(code: u16, reason: &str) -> Reply {
+    Reply::Json(
+        StatusCode::from_u16(code).unwrap(),
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code, "message": reason}),
+    )
+}
+
+/// One ConfigMap and one Secret, with resource versions checked as the API server checks them.
+#[derive(Default)]
+struct Objects {
+    configmap: Option<Value>,
+    secret: Option<Value>,
+    rv: u64,
+    /// Another writer's update lands before the next replace.
+    someone_else_writes: bool,
+}
+
+impl Objects {
+    fn handle(&mut self, method: &str, path: &str, body: Value) -> Reply {
+        let cm_path = format!("/api/v1/namespaces/{NS}/configmaps");
+        let secret_path = format!("/api/v1/namespaces/{NS}/secrets");
+        if path == format!("{cm_path}/{DOCUMENTS}") && method == "GET" {
+            return self.configmap.clone().map_or_else(|| status(404, "NotFound"), ok);
+        }
+        if path == cm_path && method == "POST" {
+            if self.configmap.is_some() {
+                return status(409, "AlreadyExists");
+            }
+            self.rv += 1;
+            let mut cm = body;
+            cm["metadata"]["resourceVersion"] = self.rv.to_string().into();
+            self.configmap = Some(cm.clone());
+            return Reply::Json(StatusCode::CREATED, cm);
+        }
+        if path == format!("{cm_path}/{DOCUMENTS}") && method == "PUT" {
+            if self.someone_else_writes {
+                self.someone_else_writes = false;
+                self.rv += 1;
+            }
+            let current = self.configmap.as_ref().map(|c| c["metadata"]["resourceVersion"].clone());
+            let stored = Some(Value::String(self.rv.to_string()));
+            if current.is_none() || body["metadata"]["resourceVersion"] != stored.clone().unwrap() {
+                return status(409, "Conflict");
+            }
+            self.rv += 1;
+            let mut cm = body;
+            cm["metadata"]["resourceVersion"] = self.rv.to_string().into();
+            self.configmap = Some(cm.clone());
+            return ok(cm);
+        }
+        if path == format!("{secret_path}/{KEY_SECRET}") && method == "GET" {
+            return self.secret.clone().map_or_else(|| status(404, "NotFound"), ok);
+        }
+        if path == secret_path && method == "POST" {
+            if self.secret.is_some() {
+                return status(409, "AlreadyExists");
+            }
+            self.secret = Some(body.clone());
+            return Reply::Json(StatusCode::CREATED, body);
+        }
+        status(404, "NotFound")
+    }
+}
+
+fn cluster() -> (Shared, Arc<Mutex<Objects>>, common::Mock) {
+    let objects = Arc::new(Mutex::new(Objects::default()));
+    let seen = objects.clone();
+    let (client, mock) = mock(move |req| seen.lock().unwrap().handle(&req.method, &req.path, req.json()));
+    (Shared::new(client, NS), objects, mock)
+}
+
+#[tokio::test]
+async fn documents_are_written_with_the_version_last_seen_and_a_conflict_fences_the_writer() {
+    let (shared, objects, mock) = cluster();
+    let cancel = CancellationToken::new();
+    let docs = shared.documents(cancel.clone()).await.unwrap();
+    assert_eq!(docs.get("jobs.json"), None, "made empty");
+    let v = docs.set("jobs.json", r#"{"a":1}"#.into());
+    docs.written(v).await.unwrap();
+    let v = docs.set("pools.json", r#"{"p":2}"#.into());
+    docs.written(v).await.unwrap();
+    let stored = objects.lock().unwrap().configmap.clone().unwrap();
+    assert_eq!(stored["data"], json!({"jobs.json": r#"{"a":1}"#, "pools.json": r#"{"p":2}"#}));
+    // Every replace carried the version the one before answered.
+    let puts: Vec<String> = mock
+        .seen()
+        .iter()
+        .filter(|s| s.method == "PUT")
+        .map(|s| s.json()["metadata"]["resourceVersion"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(puts, ["1", "2"]);
+
+    // A second replica reads what the first wrote.
+    let (other, other_objects, _other_mock) = cluster();
+    *other_objects.lock().unwrap() = Objects { configmap: Some(stored), rv: 3, ..Objects::default() };
+    let read = other.documents(cancel.clone()).await.unwrap();
+    assert_eq!(read.get("pools.json").as_deref(), Some(r#"{"p":2}"#));
+
+    // Someone else wrote meanwhile: the write is refused, the change is not called kept, and the
+    // writer is fenced (its replica must stop leading).
+    objects.lock().unwrap().someone_else_writes = true;
+    let v = docs.set("jobs.json", r#"{"a":2}"#.into());
+    let why = docs.written(v).await.unwrap_err();
+    assert!(why.contains("two replicas acted as leader"), "{why}");
+    assert!(docs.fenced().is_cancelled());
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn the_conditions_key_is_made_once_and_read_by_every_replica() {
+    let (shared, objects, _mock) = cluster();
+    let key = shared.key(|| vec![7u8; 32]).await.unwrap();
+    assert_eq!(key, vec![7u8; 32]);
+    // Another replica finds it and never makes its own.
+    let again = shared.key(|| panic!("a second key was made")).await.unwrap();
+    assert_eq!(again, key);
+    // A Secret too short to be a key is refused, naming it.
+    objects.lock().unwrap().secret = Some(json!({"metadata": {"name": KEY_SECRET}, "data": {"key": "c2hvcnQ="}}));
+    let err = shared.key(|| vec![1u8; 32]).await.unwrap_err().to_string();
+    assert!(err.contains(KEY_SECRET) && err.contains("5 bytes"), "{err}");
+}
