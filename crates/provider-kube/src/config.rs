@@ -170,7 +170,38 @@ pub struct KubeConfig {
     /// place. It watches every Node and every pod of the cluster, so it needs list and watch on
     /// both cluster-wide; `enabled: false` turns it off (every create makes its pod at once).
     pub capacity: CapacityConfig,
+    /// Where snapshots go ([`crate::snapshot`]): unset, snapshots and forks are refused.
+    pub snapshots: Option<SnapshotsConfig>,
 }
+
+/// The registry the provider pushes snapshots to, as images its nodes pull.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotsConfig {
+    /// `host[:port]/repository`: snapshot `snap-…` is pushed as `<registry>:snap-…`. The nodes'
+    /// container runtime must be able to pull from it (a plain-HTTP registry must be named in
+    /// its registry configuration, except on the node's loopback).
+    pub registry: String,
+    /// Reach the registry over plain HTTP though it is not on loopback.
+    #[serde(default)]
+    pub insecure: bool,
+    /// The credentials file for the pushes and for reading the pods' images from their
+    /// registries, instead of `$REGISTRY_AUTH_FILE` or `~/.docker/config.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_file: Option<PathBuf>,
+    /// The most bytes the named directories of one snapshot may archive to (held in the
+    /// server's memory while the snapshot is made).
+    #[serde(default = "default_snapshot_bytes")]
+    pub max_bytes: u64,
+}
+
+/// 1 GiB.
+fn default_snapshot_bytes() -> u64 {
+    1 << 30
+}
+
+/// The largest `max_bytes` of snapshots: 16 GiB.
+pub const MAX_SNAPSHOT_BYTES: u64 = 16 << 30;
 
 /// Capacity-aware admission.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,6 +268,7 @@ impl Default for KubeConfig {
             pod_pids_limit: None,
             prepare_timeout_s: 600,
             capacity: CapacityConfig::default(),
+            snapshots: None,
         }
     }
 }
@@ -314,6 +346,21 @@ impl KubeConfig {
                 && let Err(e) = sandman_wire::server::Quantity::Text(q.clone()).value()
             {
                 return bad(format!("{what}: {e}"));
+            }
+        }
+        if let Some(snapshots) = &self.snapshots {
+            let probe = format!("{}:probe", snapshots.registry);
+            if snapshots.registry.contains('@')
+                || !snapshots.registry.contains('/')
+                || sandman_image::DockerRef::parse(&probe).is_err()
+            {
+                return bad(format!(
+                    "snapshots.registry `{}` must be `host[:port]/repository`, without a tag",
+                    snapshots.registry
+                ));
+            }
+            if snapshots.max_bytes == 0 || snapshots.max_bytes > MAX_SNAPSHOT_BYTES {
+                return bad(format!("snapshots.max_bytes must be 1 to {MAX_SNAPSHOT_BYTES}"));
             }
         }
         for (k, v) in &self.pod_labels {
