@@ -566,6 +566,11 @@ impl Provider for KubeProvider {
         }
     }
 
+    /// Refused at once when no registry is configured: there is nowhere to push to.
+    fn check_snapshot(&self) -> Result<(), ProviderError> {
+        self.config.snapshots.as_ref().map(|_| ()).ok_or_else(snapshot::no_registry)
+    }
+
     /// The named directories as one layer over the pod's image, pushed to the configured
     /// registry ([`snapshot`]).
     async fn snapshot_dirs(

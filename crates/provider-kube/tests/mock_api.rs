@@ -1612,6 +1612,7 @@ async fn a_snapshot_is_refused_at_once_naming_the_provider_and_the_reason() {
         Err(ProviderError::Unsupported(m)) => assert!(m.contains("`snapshots: {registry:"), "{m}"),
         other => panic!("expected a refusal, got {other:?}"),
     };
+    no_registry(p.check_snapshot());
     no_registry(p.snapshot_dirs("sb-1", "snap-1", Vec::new()).await.map(|_| ()));
     no_registry(p.check(&spec("sb-2", "snapshot:snap-1")));
     assert_eq!(api.seen().len(), before, "the refusal asked the API server");

@@ -400,6 +400,13 @@ pub trait Provider: Send + Sync {
         SnapshotScope::Whole
     }
 
+    /// Refuses at once, before the server reads anything of the sandbox, a snapshot this
+    /// provider cannot take as it is set up (the kubernetes provider with no registry to push
+    /// to). The default takes them.
+    fn check_snapshot(&self) -> Result<(), ProviderError> {
+        Ok(())
+    }
+
     /// Records `dirs` of sandbox `id` (archived by the server through its daemon) under
     /// `snapshot`, for a provider whose [`Provider::snapshot_scope`] is
     /// [`SnapshotScope::Named`]: a create whose image is `snapshot:<snapshot>` starts from the

@@ -184,6 +184,15 @@ impl Provider for AnyProvider {
         }
     }
 
+    fn check_snapshot(&self) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.check_snapshot(),
+            AnyProvider::Docker(p) => p.check_snapshot(),
+            AnyProvider::Kube(p) => p.check_snapshot(),
+            AnyProvider::Fake(p) => p.check_snapshot(),
+        }
+    }
+
     async fn snapshot_dirs(
         &self,
         id: &str,

@@ -86,6 +86,7 @@ impl Service {
         let paths: Vec<String> = req.paths.iter().map(|p| normal(p)).collect();
         let scope = self.provider.snapshot_scope();
         self.check_scope(scope, &paths)?;
+        self.provider.check_snapshot().map_err(ServerError::Provider)?;
         let target = self.call_target(id)?;
         let sb = self.get(id)?;
         let snap_id = format!("snap-{}", &crate::sys::random_hex()[..12]);
