@@ -188,9 +188,9 @@ pub async fn push_extended(
         let descriptor = planned.descriptor.as_ref().ok_or_else(|| {
             ImageError::malformed(format!("the manifest of `{base}`"), "a layer without a descriptor")
         })?;
-        if !to.has_blob(&descriptor.digest).await?
-            && !(same_registry && to.mount_from(from.name(), &descriptor.digest).await)
-        {
+        let there = to.has_blob(&descriptor.digest).await?
+            || (same_registry && to.mount_from(from.name(), &descriptor.digest).await);
+        if !there {
             let stream = from.blob(descriptor).await?;
             to.put_blob_stream(stream, &descriptor.digest, descriptor.size).await?;
             copied_layers += 1;

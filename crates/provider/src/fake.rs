@@ -46,8 +46,11 @@ pub struct FakeProvider {
     snapshots: Mutex<BTreeMap<String, String>>,
     /// Whether snapshots record named directories only, and then their bound in bytes (as the
     /// kubernetes provider's do), with the directories each such snapshot got.
-    named: Mutex<(Option<u64>, BTreeMap<String, Vec<crate::NamedDir>>)>,
+    named: Mutex<Named>,
 }
+
+/// The bound of named-directory snapshots when they are on, and the directories each got.
+type Named = (Option<u64>, BTreeMap<String, Vec<crate::NamedDir>>);
 
 /// Where the fake's sandboxes answer.
 enum Endpoints {

@@ -54,7 +54,7 @@ impl CreateSnapshot {
 }
 
 /// At most [`MAX_PATHS`] directories, each absolute, of at most [`MAX_PATH_BYTES`], with no
-/// `.` or `..` part, not `/` itself, and none named twice.
+/// `.` or `..` part, not `/` itself, and none named twice or inside another.
 pub fn check_paths(paths: &[String]) -> Result<(), OutOfRange> {
     let out = |value: String, range: &str| Err(OutOfRange { field: "paths".into(), value, range: range.into() });
     if paths.len() > MAX_PATHS {
@@ -73,8 +73,9 @@ pub fn check_paths(paths: &[String]) -> Result<(), OutOfRange> {
                 &format!("absolute directories below `/`, at most {MAX_PATH_BYTES} bytes, without `.` or `..`"),
             );
         }
-        if paths[..i].iter().any(|q| normal(q) == normal(p)) {
-            return out(format!("`{p}` twice"), "each directory once");
+        let inside = |outer: &str, inner: &str| inner == outer || inner.starts_with(&format!("{outer}/"));
+        if let Some(q) = paths[..i].iter().find(|q| inside(&normal(q), &normal(p)) || inside(&normal(p), &normal(q))) {
+            return out(format!("`{p}` and `{q}`"), "each directory once, none inside another");
         }
     }
     Ok(())
@@ -247,9 +248,18 @@ mod tests {
     #[test]
     fn a_snapshots_paths_are_absolute_directories_named_once() {
         let ok = |p: &[&str]| check_paths(&p.iter().map(|s| s.to_string()).collect::<Vec<_>>());
-        assert!(ok(&["/workspace", "/root/.cache"]).is_ok());
+        assert!(ok(&["/workspace", "/root/.cache", "/work"]).is_ok());
         assert!(ok(&[]).is_ok());
-        for bad in [&["workspace"][..], &["/"], &["/a/../etc"], &["/a/./b"], &["/a", "/a/"], &["//"]] {
+        for bad in [
+            &["workspace"][..],
+            &["/"],
+            &["/a/../etc"],
+            &["/a/./b"],
+            &["/a", "/a/"],
+            &["//"],
+            &["/a", "/a/b"],
+            &["/a/b/c", "/a"],
+        ] {
             assert_eq!(ok(bad).err().map(|e| e.field).as_deref(), Some("paths"), "{bad:?}");
         }
         let many: Vec<String> = (0..=MAX_PATHS).map(|i| format!("/d{i}")).collect();

@@ -371,8 +371,8 @@ mod tests {
 
     /// A service over a fake that records named directories, each sandbox's daemon a stand-in
     /// answering `stat` and `archive`.
-    fn named(dir: &Path) -> (Arc<Service>, Arc<std::sync::Mutex<Vec<sandman_testkit::standin::StandIn>>>) {
-        let standins = Arc::new(std::sync::Mutex::new(Vec::new()));
+    fn named(dir: &Path) -> (Arc<Service>, Arc<Mutex<Vec<sandman_testkit::standin::StandIn>>>) {
+        let standins = Arc::new(Mutex::new(Vec::new()));
         let (kept, sockets) = (standins.clone(), dir.to_path_buf());
         let fake = FakeProvider::each_at(move |spec| {
             let socket = sockets.join(format!("{}.sock", spec.id));
