@@ -13,10 +13,11 @@
 //! The test starts a registry on 127.0.0.1 (storage in a temporary directory) and pushes a
 //! busybox image to it, writes a provider config (a namespace of its own, the daemon from a
 //! host directory, snapshots pushed to that registry), then: a sandbox writes files in
-//! `/workspace` and outside it, a snapshot naming no directory is refused, a fork of two naming
-//! `/workspace` starts two pods from the pushed image, each sees the files and only its own later
-//! writes, and nothing outside `/workspace` came along. The namespace is deleted however the test
-//! ends.
+//! `/workspace` and outside it and deletes a file of the image in `/home/user`, a snapshot naming
+//! no directory is refused, a fork of two naming `/workspace` and `/home/user` starts two pods
+//! from the pushed image, each sees the files (not the deleted one; the directory has the owner
+//! the source gave it) and only its own later writes, and nothing outside the named
+//! directories came along. The namespace is deleted however the test ends.
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 mod e2e;
@@ -135,7 +136,8 @@ async fn kubernetes_forks_of_named_directories_see_the_snapshot_and_only_their_o
         &http,
         &src,
         "mkdir -p /workspace/sub && echo base > /workspace/a.txt && echo deep > /workspace/sub/b.txt && \
-         ln -s a.txt /workspace/link && chmod 600 /workspace/sub/b.txt && echo outside > /tmp/outside",
+         ln -s a.txt /workspace/link && chmod 600 /workspace/sub/b.txt && echo outside > /tmp/outside && \
+         rm /home/user/.profile && echo notes > /home/user/notes && chown 1000 /home/user",
     )
     .await;
 
@@ -146,11 +148,13 @@ async fn kubernetes_forks_of_named_directories_see_the_snapshot_and_only_their_o
     assert!(message.contains("kubernetes provider") && message.contains("container runtime"), "{message}");
 
     let started = Instant::now();
-    let forked =
-        http.post(&format!("/v1/sandboxes/{src}/fork"), json!({"count": 2, "paths": ["/workspace"]})).await.ok();
+    let forked = http
+        .post(&format!("/v1/sandboxes/{src}/fork"), json!({"count": 2, "paths": ["/workspace", "/home/user"]}))
+        .await
+        .ok();
     let fork_s = started.elapsed().as_secs_f64();
     let snapshot = forked["snapshot"].clone();
-    assert_eq!(snapshot["paths"], json!(["/workspace"]), "{snapshot}");
+    assert_eq!(snapshot["paths"], json!(["/workspace", "/home/user"]), "{snapshot}");
     let pushed = snapshot["pushed"].as_str().unwrap();
     assert!(pushed.starts_with(&format!("{snapshots}:{}@sha256:", snapshot["id"].as_str().unwrap())), "{pushed}");
     let kids: Vec<String> =
@@ -162,10 +166,12 @@ async fn kubernetes_forks_of_named_directories_see_the_snapshot_and_only_their_o
             &http,
             kid,
             "cat /workspace/a.txt /workspace/sub/b.txt /workspace/link; stat -c %a /workspace/sub/b.txt; \
-             test -e /tmp/outside && echo outside-came-along; true",
+             test -e /tmp/outside && echo outside-came-along; cat /home/user/notes; \
+             test -e /home/user/.profile && echo deleted-file-came-back; stat -c %u /home/user; true",
         )
         .await;
-        assert_eq!(seen, "base\ndeep\nbase\n600\n", "fork {kid} sees: {seen:?}");
+        // A named directory is as the source left it: what it deleted of the image stays deleted.
+        assert_eq!(seen, "base\ndeep\nbase\n600\nnotes\n1000\n", "fork {kid} sees: {seen:?}");
     }
     // Each fork's writes are its own.
     for (i, kid) in kids.iter().enumerate() {

@@ -417,6 +417,24 @@ write_burst: 40
     }
 
     #[test]
+    fn a_snapshots_registry_is_a_repository_without_a_tag_and_its_bound_is_bounded() {
+        let with = |text: &str| KubeConfig::from_yaml(text).unwrap_or_else(|e| panic!("{e}"));
+        let ok = with("snapshots: {registry: \"10.88.0.1:5000/sandman/snapshots\", insecure: true}");
+        ok.validate().unwrap_or_else(|e| panic!("{e}"));
+        let snapshots = ok.snapshots.unwrap_or_else(|| panic!("no snapshots"));
+        assert_eq!((snapshots.insecure, snapshots.max_bytes), (true, 1 << 30));
+        for bad in [
+            "snapshots: {registry: snapshots}",
+            "snapshots: {registry: \"reg.example/snaps:latest\"}",
+            "snapshots: {registry: \"reg.example/snaps@sha256:00\"}",
+            "snapshots: {registry: \"reg.example/snaps\", max_bytes: 0}",
+        ] {
+            assert!(matches!(with(bad).validate(), Err(ConfigError::Invalid(m)) if m.contains("snapshots.")), "{bad}");
+        }
+        assert!(KubeConfig::from_yaml("snapshots: {registry: r.example/s, regsitry: x}").is_err());
+    }
+
+    #[test]
     fn unknown_fields_and_bad_values_are_refused() {
         assert!(KubeConfig::from_json(r#"{"namespaces": "x"}"#).is_err());
         assert!(KubeConfig::from_yaml("write_qsp: 3\n").is_err());

@@ -123,3 +123,25 @@ impl KubeProvider {
         Ok(SnapshotMade { size: Some(layer.tar.len() as u64), pushed: Some(format!("{target}@{}", pushed.digest)) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_image_runs_its_pushed_reference_and_other_images_run_as_written() {
+        let mut config = KubeConfig::default();
+        assert_eq!(task_image(" python:3.12 ", &config).ok().as_deref(), Some("python:3.12"));
+        assert!(matches!(task_image("snapshot:snap-1", &config), Err(ProviderError::Unsupported(_))));
+        config.snapshots = Some(SnapshotsConfig {
+            registry: "reg.example:5000/snaps".into(),
+            insecure: false,
+            auth_file: None,
+            max_bytes: 1,
+        });
+        assert_eq!(task_image("snapshot:snap-1", &config).ok().as_deref(), Some("reg.example:5000/snaps:snap-1"));
+        for bad in ["snapshot:", "snapshot:a/b", "snapshot:x:y"] {
+            assert!(task_image(bad, &config).is_err(), "{bad}");
+        }
+    }
+}
