@@ -194,8 +194,8 @@ async fn kubernetes_forks_of_named_directories_see_the_snapshot_and_only_their_o
         assert!(http.release(sb).await.status < 300);
     }
     println!(
-        "kubernetes: one plain create {create_s:.2} s; a fork of 2 from /workspace {fork_s:.2} s (a snapshot layer of {} \
-         bytes pushed, then two pods from it): {:.2}x the plain create",
+        "kubernetes: one plain create {create_s:.2} s; a fork of 2 naming /workspace and /home/user \
+         {fork_s:.2} s (a layer of {} bytes pushed, then two pods from it): {:.2}x the plain create",
         snapshot["size"],
         fork_s / create_s
     );
