@@ -9,8 +9,8 @@ source's job, labels, resources, environment, lease and user unless given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ._core import Call, seg
 
@@ -43,6 +43,11 @@ class Snapshot:
     job: Optional[str] = None
     #: Bytes of its own layer (the source's changes), where the provider knows them.
     size: Optional[int] = None
+    #: The directories it recorded when it recorded named ones only (kubernetes); empty: the
+    #: whole file system.
+    paths: List[str] = field(default_factory=list)
+    #: Where the provider pushed it as an image, when it did (kubernetes).
+    pushed: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Snapshot":
@@ -56,6 +61,8 @@ class Snapshot:
             name=d.get("name"),
             job=d.get("job"),
             size=None if d.get("size") is None else int(d["size"]),
+            paths=[str(p) for p in d.get("paths") or []],
+            pushed=d.get("pushed"),
         )
 
 
@@ -63,8 +70,10 @@ def _path(snapshot_id: str, rest: str = "") -> str:
     return f"/v1/snapshots/{seg(snapshot_id)}{rest}"
 
 
-def take_call(sandbox_id: str, name: Optional[str]) -> Call:
+def take_call(sandbox_id: str, name: Optional[str], paths: Optional[Sequence[str]] = None) -> Call:
     body: Dict[str, Any] = {} if name is None else {"name": name}
+    if paths:
+        body["paths"] = list(paths)
     return Call("POST", f"/v1/sandboxes/{seg(sandbox_id)}/snapshots", json=body, timeout=None, has_timeout=True)
 
 
@@ -93,6 +102,7 @@ def fork_call(
     name: Optional[str],
     job: Optional[str],
     labels: Optional[Mapping[str, str]],
+    paths: Optional[Sequence[str]] = None,
     resources: Optional[Mapping[str, Any]],
     env: Optional[Mapping[str, str]],
     lease: Optional[int],
@@ -104,6 +114,7 @@ def fork_call(
     body: Dict[str, Any] = {"count": count, "wait": wait}
     for key, value in (
         ("name", name),
+        ("paths", list(paths) if paths else None),
         ("job", job),
         ("labels", None if labels is None else dict(labels)),
         ("resources", None if resources is None else dict(resources)),

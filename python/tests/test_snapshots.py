@@ -68,3 +68,23 @@ async def test_a_fork_sends_its_count_and_only_the_fields_given(mock_api: Any) -
     assert seen[0].url.path == "/v1/sandboxes/sb-1/fork"
     assert json.loads(seen[0].content) == {"count": 1, "wait": True, "job": "other", "lease_s": 60}
     assert [k.id for k in kids] == ["sb-2"] and kids[0].snapshot_of is not None
+
+
+async def test_a_snapshot_and_a_fork_send_the_directories_named_and_read_where_it_was_pushed(mock_api: Any) -> None:
+    seen: List[httpx.Request] = []
+    snapshot = {"id": "snap-1", "source": "sb-1", "provider": "kubernetes", "image": "snapshot:snap-1",
+                "base_image": "python:3.12", "created_at_ms": 1, "paths": ["/workspace"],
+                "pushed": "registry.internal/snaps:snap-1@sha256:ab"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path.endswith("/fork"):
+            return httpx.Response(200, json={"snapshot": snapshot, "sandboxes": []})
+        return httpx.Response(200, json=snapshot)
+
+    async with mock_api(handler) as api:
+        snap = await api.sandbox("sb-1").snapshot(paths=["/workspace"])
+        await api.sandbox("sb-1").fork(2, paths=["/workspace", "/root"])
+    assert json.loads(seen[0].content) == {"paths": ["/workspace"]}
+    assert (snap.paths, snap.pushed) == (["/workspace"], "registry.internal/snaps:snap-1@sha256:ab")
+    assert json.loads(seen[1].content) == {"count": 2, "wait": True, "paths": ["/workspace", "/root"]}

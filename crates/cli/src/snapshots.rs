@@ -33,6 +33,10 @@ pub enum SnapshotAction {
         /// A name to show beside the id.
         #[arg(long)]
         name: Option<String>,
+        /// Record only this directory (repeatable): what the kubernetes provider needs; the
+        /// others record the whole file system and refuse it.
+        #[arg(long = "path", value_name = "DIR")]
+        paths: Vec<String>,
     },
     /// List the snapshots, oldest first.
     Ls {
@@ -63,6 +67,10 @@ pub struct ForkCmd {
     /// The snapshot's name.
     #[arg(long)]
     pub name: Option<String>,
+    /// Record only this directory in the snapshot (repeatable): what the kubernetes provider
+    /// needs.
+    #[arg(long = "path", value_name = "DIR")]
+    pub paths: Vec<String>,
     /// The children's job [default: the source's].
     #[arg(long)]
     pub job: Option<String>,
@@ -89,8 +97,8 @@ fn key_value(text: &str) -> Result<(String, String), String> {
 
 pub async fn snapshot(client: &Client, cmd: SnapshotCmd) -> anyhow::Result<ExitCode> {
     match cmd.action {
-        SnapshotAction::Create { id, name } => {
-            let made = client.snapshot(&id, &CreateSnapshot { name }).await?;
+        SnapshotAction::Create { id, name, paths } => {
+            let made = client.snapshot(&id, &CreateSnapshot { name, paths }).await?;
             if cmd.json {
                 outln!("{}", format::json(&made)?)?;
             } else {
@@ -149,6 +157,7 @@ pub async fn fork(client: &Client, cmd: ForkCmd) -> anyhow::Result<ExitCode> {
     let req = ForkRequest {
         count: cmd.count,
         name: cmd.name,
+        paths: cmd.paths,
         job: cmd.job,
         labels: (!cmd.labels.is_empty()).then(|| cmd.labels.into_iter().collect()),
         env: cmd.env.into_iter().collect::<BTreeMap<_, _>>(),

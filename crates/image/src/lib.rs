@@ -13,6 +13,7 @@ mod archive;
 mod auth;
 mod engine;
 mod error;
+pub mod extend;
 mod flight;
 pub mod layer;
 mod manifest;
@@ -28,6 +29,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 pub use error::ImageError;
+pub use extend::{DirArchive, DirLayer, Pushed, RegistryAccess, layer_of_dirs, push_extended};
 pub use layer::{LayerWritten, write_layer};
 pub use reference::{DockerRef, ImageSource};
 use sandman_wire::server::ImageConfig;

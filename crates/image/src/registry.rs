@@ -116,6 +116,70 @@ impl Remote {
     }
 }
 
+/// Pushing blob by blob and a manifest of one's own ([`crate::extend`]).
+impl Remote {
+    /// Authenticates for pushing to this repository (a token server grants push and pull).
+    pub(crate) async fn authorize_push(&self) -> Result<(), ImageError> {
+        let reference = self.name.to_oci();
+        let authenticated = self.client.auth(&reference, &self.auth, RegistryOperation::Push);
+        match tokio::time::timeout(self.stall, authenticated).await {
+            Err(_) => Err(self.stalled("authenticating to push")),
+            Ok(Err(e)) => Err(self.error("authenticating to push", e).await),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
+    pub(crate) fn name(&self) -> &DockerRef {
+        &self.name
+    }
+
+    /// Whether the repository holds blob `digest`.
+    pub(crate) async fn has_blob(&self, digest: &str) -> Result<bool, ImageError> {
+        match self.client.blob_exists(&self.name.to_oci(), digest).await {
+            Ok(found) => Ok(found),
+            Err(e) => Err(self.error(&format!("looking for blob {digest}"), e).await),
+        }
+    }
+
+    /// Asks the registry to link blob `digest` of repository `from` (of the same registry)
+    /// into this one; whether it did.
+    pub(crate) async fn mount_from(&self, from: &DockerRef, digest: &str) -> bool {
+        self.client.mount_blob(&self.name.to_oci(), &from.to_oci(), digest).await.is_ok()
+    }
+
+    /// Uploads blob `digest` from a stream of `size` bytes (the registry checks the digest).
+    pub(crate) async fn put_blob_stream(
+        &self,
+        stream: futures_util::stream::BoxStream<'static, std::io::Result<Bytes>>,
+        digest: &str,
+        size: u64,
+    ) -> Result<(), ImageError> {
+        let stream = stream.map(|chunk| chunk.map_err(|e| OciDistributionError::GenericError(Some(e.to_string()))));
+        match self.client.push_blob_stream(&self.name.to_oci(), stream, digest, Some(size)).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.error(&format!("pushing blob {digest}"), e).await),
+        }
+    }
+
+    /// Uploads blob `digest` held in memory.
+    pub(crate) async fn put_blob(&self, data: Bytes, digest: &str) -> Result<(), ImageError> {
+        match self.client.push_blob(&self.name.to_oci(), data, digest).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.error(&format!("pushing blob {digest}"), e).await),
+        }
+    }
+
+    /// Puts `manifest` (of type `media_type`) under this reference's tag.
+    pub(crate) async fn put_manifest(&self, manifest: Vec<u8>, media_type: &str) -> Result<(), ImageError> {
+        let content_type = reqwest::header::HeaderValue::from_str(media_type)
+            .map_err(|e| ImageError::malformed(format!("media type `{media_type}`"), e))?;
+        match self.client.push_manifest_raw(&self.name.to_oci(), manifest, content_type).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.error("pushing the manifest", e).await),
+        }
+    }
+}
+
 impl Remote {
     fn registry(&self) -> String {
         format!("registry {}", self.name.registry())

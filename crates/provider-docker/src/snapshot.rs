@@ -98,7 +98,7 @@ impl DockerProvider {
             _ => None,
         };
         tracing::info!(sandbox = id, snapshot, ?size, "container committed as a snapshot");
-        Ok(SnapshotMade { size })
+        Ok(SnapshotMade { size, pushed: None })
     }
 
     /// A create's image: a snapshot's is on the engine or nowhere (never pulled).

@@ -170,7 +170,38 @@ pub struct KubeConfig {
     /// place. It watches every Node and every pod of the cluster, so it needs list and watch on
     /// both cluster-wide; `enabled: false` turns it off (every create makes its pod at once).
     pub capacity: CapacityConfig,
+    /// Where snapshots go ([`crate::snapshot`]): unset, snapshots and forks are refused.
+    pub snapshots: Option<SnapshotsConfig>,
 }
+
+/// The registry the provider pushes snapshots to, as images its nodes pull.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotsConfig {
+    /// `host[:port]/repository`: snapshot `snap-…` is pushed as `<registry>:snap-…`. The nodes'
+    /// container runtime must be able to pull from it (a plain-HTTP registry must be named in
+    /// its registry configuration, except on the node's loopback).
+    pub registry: String,
+    /// Reach the registry over plain HTTP though it is not on loopback.
+    #[serde(default)]
+    pub insecure: bool,
+    /// The credentials file for the pushes and for reading the pods' images from their
+    /// registries, instead of `$REGISTRY_AUTH_FILE` or `~/.docker/config.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth_file: Option<PathBuf>,
+    /// The most bytes the named directories of one snapshot may archive to (held in the
+    /// server's memory while the snapshot is made).
+    #[serde(default = "default_snapshot_bytes")]
+    pub max_bytes: u64,
+}
+
+/// 1 GiB.
+fn default_snapshot_bytes() -> u64 {
+    1 << 30
+}
+
+/// The largest `max_bytes` of snapshots: 16 GiB.
+pub const MAX_SNAPSHOT_BYTES: u64 = 16 << 30;
 
 /// Capacity-aware admission.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,6 +268,7 @@ impl Default for KubeConfig {
             pod_pids_limit: None,
             prepare_timeout_s: 600,
             capacity: CapacityConfig::default(),
+            snapshots: None,
         }
     }
 }
@@ -316,6 +348,21 @@ impl KubeConfig {
                 return bad(format!("{what}: {e}"));
             }
         }
+        if let Some(snapshots) = &self.snapshots {
+            let probe = format!("{}:probe", snapshots.registry);
+            if snapshots.registry.contains('@')
+                || !snapshots.registry.contains('/')
+                || sandman_image::DockerRef::parse(&probe).is_err()
+            {
+                return bad(format!(
+                    "snapshots.registry `{}` must be `host[:port]/repository`, without a tag",
+                    snapshots.registry
+                ));
+            }
+            if snapshots.max_bytes == 0 || snapshots.max_bytes > MAX_SNAPSHOT_BYTES {
+                return bad(format!("snapshots.max_bytes must be 1 to {MAX_SNAPSHOT_BYTES}"));
+            }
+        }
         for (k, v) in &self.pod_labels {
             if k.starts_with("sandman.dev/") || k == crate::pod::LABEL_MANAGED_BY {
                 return bad(format!("pod_labels: `{k}` is set by sandman itself"));
@@ -367,6 +414,24 @@ write_burst: 40
         assert_eq!(from_yaml.write_burst, 40);
         assert_eq!(from_yaml.create_timeout_s, KubeConfig::default().create_timeout_s);
         from_yaml.validate().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    #[test]
+    fn a_snapshots_registry_is_a_repository_without_a_tag_and_its_bound_is_bounded() {
+        let with = |text: &str| KubeConfig::from_yaml(text).unwrap_or_else(|e| panic!("{e}"));
+        let ok = with("snapshots: {registry: \"10.88.0.1:5000/sandman/snapshots\", insecure: true}");
+        ok.validate().unwrap_or_else(|e| panic!("{e}"));
+        let snapshots = ok.snapshots.unwrap_or_else(|| panic!("no snapshots"));
+        assert_eq!((snapshots.insecure, snapshots.max_bytes), (true, 1 << 30));
+        for bad in [
+            "snapshots: {registry: snapshots}",
+            "snapshots: {registry: \"reg.example/snaps:latest\"}",
+            "snapshots: {registry: \"reg.example/snaps@sha256:00\"}",
+            "snapshots: {registry: \"reg.example/snaps\", max_bytes: 0}",
+        ] {
+            assert!(matches!(with(bad).validate(), Err(ConfigError::Invalid(m)) if m.contains("snapshots.")), "{bad}");
+        }
+        assert!(KubeConfig::from_yaml("snapshots: {registry: r.example/s, regsitry: x}").is_err());
     }
 
     #[test]

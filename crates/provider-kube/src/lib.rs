@@ -14,6 +14,7 @@ pub mod pace;
 pub mod pod;
 pub mod prepare;
 pub mod shared;
+pub mod snapshot;
 pub mod status;
 pub mod tokens;
 mod watch;
@@ -540,8 +541,8 @@ impl Drop for Creating<'_> {
     }
 }
 
-/// Why the kubernetes provider refuses snapshots and forks.
-pub const SNAPSHOT_REFUSED: &str = "the kubernetes provider cannot snapshot a sandbox: a pod's file system belongs to its node's container runtime, which the Kubernetes API cannot commit into an image; take snapshots on the process or docker provider and export them to a registry (POST /v1/snapshots/{id}/export) that the cluster pulls from";
+/// Why the kubernetes provider refuses a snapshot of a whole file system.
+pub const SNAPSHOT_REFUSED: &str = "the kubernetes provider cannot snapshot a sandbox's whole file system: a pod's file system belongs to its node's container runtime, which the Kubernetes API cannot commit into an image; name the directories to record (`paths`), which are pushed as one layer over the pod's image to the registry of its `snapshots` configuration";
 /// Why the kubernetes provider refuses pause and resume.
 const NO_FREEZE: &str = "a pod cannot be frozen without a runtime's help (the Kubernetes API has no pause; a \
                          runtime class whose runtime freezes, such as a microVM's, would be needed)";
@@ -552,10 +553,54 @@ impl Provider for KubeProvider {
     }
 
     /// Refused at once: a pod's files are in its node's container runtime, which neither the
-    /// API server nor the daemon can commit into an image.
+    /// API server nor the daemon can commit into an image. Named directories can be recorded
+    /// ([`Provider::snapshot_dirs`]).
     async fn snapshot(&self, id: &str, snapshot: &str) -> Result<sandman_provider::SnapshotMade, ProviderError> {
         let _ = (id, snapshot);
         Err(ProviderError::Unsupported(SNAPSHOT_REFUSED.into()))
+    }
+
+    fn snapshot_scope(&self) -> sandman_provider::SnapshotScope {
+        sandman_provider::SnapshotScope::Named {
+            why: snapshot::WHOLE_REFUSED,
+            max_bytes: self.config.snapshots.as_ref().map_or(0, |s| s.max_bytes),
+        }
+    }
+
+    /// Refused at once when no registry is configured: there is nowhere to push to.
+    fn check_snapshot(&self) -> Result<(), ProviderError> {
+        self.config.snapshots.as_ref().map(|_| ()).ok_or_else(snapshot::no_registry)
+    }
+
+    /// The named directories as one layer over the pod's image, pushed to the configured
+    /// registry ([`snapshot`]).
+    async fn snapshot_dirs(
+        &self,
+        id: &str,
+        snapshot: &str,
+        dirs: Vec<sandman_provider::NamedDir>,
+    ) -> Result<sandman_provider::SnapshotMade, ProviderError> {
+        self.push_snapshot(id, snapshot, dirs).await
+    }
+
+    /// The snapshot's image stays in the registry (the registry's own deletion and garbage
+    /// collection remove it); only the server forgets the snapshot.
+    async fn delete_snapshot(&self, snapshot: &str) -> Result<(), ProviderError> {
+        let _ = snapshot;
+        Ok(())
+    }
+
+    /// Refused: the snapshot is an image in the registry already; its tag says where.
+    async fn export_snapshot(&self, snapshot: &str, reference: &str) -> Result<String, ProviderError> {
+        let _ = reference;
+        let at = match &self.config.snapshots {
+            Some(s) => format!("`{}`", snapshot::snapshot_reference(s, snapshot)),
+            None => "its registry".into(),
+        };
+        Err(ProviderError::Unsupported(format!(
+            "the kubernetes provider's snapshot `{snapshot}` is an image in {at} already: pull it from there, or copy it \
+             with the registry's tools (skopeo copy, crane copy)"
+        )))
     }
 
     /// Refused at once: Kubernetes has no way to freeze a pod's processes (no pause in the pod

@@ -142,6 +142,7 @@ pub fn check(spec: &SandboxSpec, config: &KubeConfig) -> Result<(), ProviderErro
         ));
     }
     check_image(&spec.image)?;
+    crate::snapshot::task_image(&spec.image, config)?;
     resources(spec, config)?;
     check_pids(spec, config)?;
     for k in spec.env.keys() {
@@ -458,7 +459,7 @@ fn task_container(spec: &SandboxSpec, config: &KubeConfig) -> Result<Container, 
 
     Ok(Container {
         name: TASK_CONTAINER.into(),
-        image: Some(spec.image.trim().to_string()),
+        image: Some(crate::snapshot::task_image(&spec.image, config)?),
         image_pull_policy: config.image_pull_policy.map(|p| p.as_str().to_string()),
         // The image's entry point is replaced by the daemon; its working directory, user and
         // environment stay.

@@ -13,13 +13,16 @@ use std::time::Duration;
 
 use common::{Cluster, MISSING_IMAGE, NAMESPACE, Reply, Watches, as_ours, client_on, event, json, mock, ok, pod_list};
 use http::StatusCode;
+use sandman_image::{ImageStore, Progress, StoreConfig};
 use sandman_provider::conformance::{self, spec};
-use sandman_provider::{Claim, Endpoint, Provider, ProviderError, ProviderEvent, SandboxSpec};
+use sandman_provider::{Claim, Endpoint, NamedDir, Provider, ProviderError, ProviderEvent, SandboxSpec, SnapshotScope};
 use sandman_provider_kube::api::KubeApi;
+use sandman_provider_kube::config::SnapshotsConfig;
 use sandman_provider_kube::pace::Pacer;
 use sandman_provider_kube::pod::build_pod;
 use sandman_provider_kube::status::PodState;
 use sandman_provider_kube::{CapacityConfig, Footprint, IdentityCheck, KubeConfig, KubeProvider, TokenDelivery};
+use sandman_testkit::registry::{Auth, Compression, LayerBuilder, Registry, TestImage, host_arch};
 use sandman_testkit::standin::StandIn;
 use sandman_wire::server::Reason;
 use serde_json::Value;
@@ -1588,8 +1591,9 @@ async fn a_pod_write_keeps_nothing_of_the_pod_while_it_waits() {
     assert!(post.accept.as_deref().is_some_and(|a| a.contains("as=PartialObjectMetadata;")), "{:?}", post.accept);
 }
 
-/// A snapshot (and so a fork) is refused at once, naming the provider and why, and asks the API
-/// server nothing.
+/// A snapshot of the whole file system is refused at once, naming the provider and why; one of
+/// named directories, and a create from a snapshot, are refused at once when no registry is
+/// configured, asking the API server nothing.
 #[tokio::test]
 async fn a_snapshot_is_refused_at_once_naming_the_provider_and_the_reason() {
     let watches = Arc::new(Mutex::new(Watches::default()));
@@ -1597,9 +1601,121 @@ async fn a_snapshot_is_refused_at_once_naming_the_provider_and_the_reason() {
     let p = provider(client);
     let before = api.seen().len();
     let refused = p.snapshot("sb-1", "snap-1").await.err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(refused.starts_with("the kubernetes provider cannot snapshot a sandbox: "), "{refused}");
-    assert!(refused.contains("container runtime"), "{refused}");
+    assert!(
+        refused.starts_with("the kubernetes provider cannot snapshot a sandbox's whole file system: "),
+        "{refused}"
+    );
+    assert!(refused.contains("container runtime") && refused.contains("`paths`"), "{refused}");
+    assert!(matches!(p.snapshot_scope(), SnapshotScope::Named { why, .. } if why.contains("container runtime")));
+
+    let no_registry = |r: Result<_, ProviderError>| match r {
+        Err(ProviderError::Unsupported(m)) => assert!(m.contains("`snapshots: {registry:"), "{m}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    no_registry(p.check_snapshot());
+    no_registry(p.snapshot_dirs("sb-1", "snap-1", Vec::new()).await.map(|_| ()));
+    no_registry(p.check(&spec("sb-2", "snapshot:snap-1")));
     assert_eq!(api.seen().len(), before, "the refusal asked the API server");
+}
+
+fn snapshots_config(registry: &Registry) -> KubeConfig {
+    KubeConfig {
+        snapshots: Some(SnapshotsConfig {
+            registry: format!("{}/sandman/snapshots", registry.addr()),
+            insecure: false,
+            auth_file: None,
+            max_bytes: 1 << 20,
+        }),
+        ..config()
+    }
+}
+
+/// A tar of `files` (names relative to the directory), as the daemon's `GET /v1/archive` makes.
+fn archive(files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, data) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        h.set_size(data.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, name, *data).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+fn dir(path: &str, files: &[(&str, &[u8])]) -> NamedDir {
+    NamedDir { path: path.into(), mode: 0o755, uid: 0, gid: 0, tar: archive(files) }
+}
+
+/// A snapshot of named directories is pushed to the configured registry as the pod's image with
+/// one more layer (its files under their absolute paths, the image's config kept); a create
+/// from it runs that image; a snapshot of a sandbox made from a snapshot grows it again without
+/// sending the image's layers twice.
+#[tokio::test]
+async fn a_snapshot_pushes_the_named_directories_over_the_pods_image_and_a_create_runs_it() {
+    let scratch = tempfile::tempdir_in(sandman_testkit::scratch!()).unwrap();
+    let registry = Registry::start(Auth::Anonymous, scratch.path());
+    let base_layer = LayerBuilder::new().dir("etc").file("etc/os-release", b"ID=base\n").build(Compression::Gzip);
+    let run = serde_json::json!({ "WorkingDir": "/workspace", "Env": ["PATH=/bin", "BASE=1"] });
+    registry.push("task", "1", &TestImage::with_config(vec![base_layer], host_arch(), run)).await;
+    let base = registry.reference("task", "1");
+
+    let cluster = Cluster::shared();
+    let (client, _mock) = client_on(&cluster);
+    let config = snapshots_config(&registry);
+    let api = KubeApi::new(client.clone(), NAMESPACE, Pacer::new(1000.0, 1), 4);
+    api.create_pod(&build_pod(&spec("sb-snap", &base), &config).unwrap()).await.unwrap();
+    let p = provider_with(client, config.clone());
+
+    let dirs = vec![
+        dir("/workspace", &[("notes.txt", b"before the snapshot"), ("src/lib.rs", b"pub fn f() {}")]),
+        dir("/root/.cache", &[("pip", b"cached")]),
+    ];
+    let made = p.snapshot_dirs("sb-snap", "snap-one", dirs).await.unwrap();
+    let pushed = made.pushed.clone().unwrap();
+    let expected = format!("{}/sandman/snapshots:snap-one@sha256:", registry.addr());
+    assert!(pushed.starts_with(&expected), "{pushed}");
+    assert!(made.size.unwrap() > 0);
+
+    // Pulled back: the base's layer and the snapshot's, the base's config, the files absolute.
+    let store = ImageStore::open({
+        let mut c = StoreConfig::new(scratch.path().join("images"));
+        c.docker_socket = Some(scratch.path().join("no-engine.sock"));
+        c
+    })
+    .unwrap();
+    let reference = format!("{}/sandman/snapshots:snap-one", registry.addr());
+    let image = store.resolve(&reference, Progress::none()).await.unwrap();
+    assert_eq!(image.layers.len(), 2);
+    assert_eq!(image.config.workdir.as_deref(), Some("/workspace"));
+    assert_eq!(image.config.env.get("BASE").map(String::as_str), Some("1"));
+    let top = &image.layers[1];
+    assert_eq!(std::fs::read(top.join("workspace/notes.txt")).unwrap(), b"before the snapshot");
+    assert_eq!(std::fs::read(top.join("workspace/src/lib.rs")).unwrap(), b"pub fn f() {}");
+    assert_eq!(std::fs::read(top.join("root/.cache/pip")).unwrap(), b"cached");
+    assert!(!top.join("etc").exists(), "the snapshot's layer holds only the named directories");
+
+    // A create from the snapshot runs its image.
+    let child = build_pod(&spec("sb-child", "snapshot:snap-one"), &config).unwrap();
+    let task = child.spec.as_ref().unwrap().containers.iter().find(|c| c.name == "task").unwrap();
+    assert_eq!(task.image.as_deref(), Some(reference.as_str()));
+
+    // A snapshot of that child: one more layer, the image's own blobs found in the registry.
+    api.create_pod(&child).await.unwrap();
+    let pushes_before = registry.requests("PUT", "/v2/sandman/snapshots/blobs/uploads/");
+    let again = p.snapshot_dirs("sb-child", "snap-two", vec![dir("/workspace", &[("more.txt", b"x")])]).await.unwrap();
+    assert!(again.pushed.is_some());
+    let two =
+        store.resolve(&format!("{}/sandman/snapshots:snap-two", registry.addr()), Progress::none()).await.unwrap();
+    assert_eq!(two.layers.len(), 3);
+    assert!(two.layers[2].join("workspace/more.txt").is_file());
+    assert!(!two.layers[2].join("workspace/notes.txt").exists());
+    let pushes = registry.requests("PUT", "/v2/sandman/snapshots/blobs/uploads/") - pushes_before;
+    assert!(pushes <= 2, "the second snapshot sent {pushes} blobs: only its layer and config are new");
+
+    // A sandbox the cluster does not have.
+    let missing = p.snapshot_dirs("sb-none", "snap-three", Vec::new()).await;
+    assert!(matches!(missing, Err(ProviderError::NotFound(_))), "{missing:?}");
 }
 
 // ---- pause ----

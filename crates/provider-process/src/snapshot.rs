@@ -108,7 +108,7 @@ impl ProcessProvider {
             .map_err(|e| ProviderError::Backend(format!("cannot add snapshot `{snapshot}` to the image store: {e}")))?;
         drop(layer);
         tracing::info!(sandbox = id, snapshot, image = %made.id, bytes = written.size, files = written.file_bytes, "snapshot committed to the image store");
-        Ok(SnapshotMade { size: Some(written.size) })
+        Ok(SnapshotMade { size: Some(written.size), pushed: None })
     }
 
     /// `Provider::delete_snapshot`: the snapshot's image leaves the store unless sandboxes run

@@ -44,7 +44,13 @@ pub struct FakeProvider {
     proves_daemon: AtomicBool,
     /// The snapshots taken, each with the image of the sandbox it was taken of.
     snapshots: Mutex<BTreeMap<String, String>>,
+    /// Whether snapshots record named directories only, and then their bound in bytes (as the
+    /// kubernetes provider's do), with the directories each such snapshot got.
+    named: Mutex<Named>,
 }
+
+/// The bound of named-directory snapshots when they are on, and the directories each got.
+type Named = (Option<u64>, BTreeMap<String, Vec<crate::NamedDir>>);
 
 /// Where the fake's sandboxes answer.
 enum Endpoints {
@@ -93,6 +99,7 @@ impl FakeProvider {
             create_delay: Mutex::default(),
             proves_daemon: AtomicBool::new(false),
             snapshots: Mutex::default(),
+            named: Mutex::default(),
         }
     }
 
@@ -161,6 +168,17 @@ impl FakeProvider {
     /// The snapshots the fake holds.
     pub fn snapshots(&self) -> Vec<String> {
         self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).keys().cloned().collect()
+    }
+
+    /// Makes snapshots record named directories only, of at most `max_bytes` together, as the
+    /// kubernetes provider's do.
+    pub fn set_named_snapshots(&self, max_bytes: u64) {
+        self.named.lock().unwrap_or_else(PoisonError::into_inner).0 = Some(max_bytes);
+    }
+
+    /// The directories snapshot `snapshot` got, when it recorded named ones.
+    pub fn snapshot_dirs_of(&self, snapshot: &str) -> Vec<crate::NamedDir> {
+        self.named.lock().unwrap_or_else(PoisonError::into_inner).1.get(snapshot).cloned().unwrap_or_default()
     }
 }
 
@@ -295,10 +313,30 @@ impl Provider for FakeProvider {
             None => return Err(ProviderError::NotFound(id.to_string())),
         };
         self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).insert(snapshot.to_string(), image);
-        Ok(crate::SnapshotMade { size: Some(0) })
+        Ok(crate::SnapshotMade { size: Some(0), pushed: None })
+    }
+
+    fn snapshot_scope(&self) -> crate::SnapshotScope {
+        match self.named.lock().unwrap_or_else(PoisonError::into_inner).0 {
+            Some(max_bytes) => crate::SnapshotScope::Named { why: "the fake is told to", max_bytes },
+            None => crate::SnapshotScope::Whole,
+        }
+    }
+
+    async fn snapshot_dirs(
+        &self,
+        id: &str,
+        snapshot: &str,
+        dirs: Vec<crate::NamedDir>,
+    ) -> Result<crate::SnapshotMade, ProviderError> {
+        self.snapshot(id, snapshot).await?;
+        let size = dirs.iter().map(|d| d.tar.len() as u64).sum();
+        self.named.lock().unwrap_or_else(PoisonError::into_inner).1.insert(snapshot.to_string(), dirs);
+        Ok(crate::SnapshotMade { size: Some(size), pushed: Some(format!("fake.registry/snapshots:{snapshot}")) })
     }
 
     async fn delete_snapshot(&self, snapshot: &str) -> Result<(), ProviderError> {
+        self.named.lock().unwrap_or_else(PoisonError::into_inner).1.remove(snapshot);
         self.snapshots.lock().unwrap_or_else(PoisonError::into_inner).remove(snapshot);
         Ok(())
     }

@@ -222,6 +222,31 @@ pub struct Prepared {
 pub struct SnapshotMade {
     /// Bytes of the snapshot's own layer (the sandbox's changes), where the provider knows them.
     pub size: Option<u64>,
+    /// The image reference the provider pushed the snapshot to, when it did.
+    pub pushed: Option<String>,
+}
+
+/// What a provider's snapshots record ([`Provider::snapshot_scope`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotScope {
+    /// The sandbox's whole file system (its changes over its image): [`Provider::snapshot`].
+    Whole,
+    /// Only the directories a request names, which the server archives through the sandbox's
+    /// daemon: [`Provider::snapshot_dirs`]. `why` says why the whole file system cannot be
+    /// recorded; the archives of one snapshot may hold at most `max_bytes` together.
+    Named { why: &'static str, max_bytes: u64 },
+}
+
+/// One directory a snapshot records: its absolute path, its own mode and owner, and its
+/// contents as the sandbox's daemon archived them (`GET /v1/archive`: a tar whose names are
+/// relative to the directory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedDir {
+    pub path: String,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub tar: Vec<u8>,
 }
 
 /// Why a provider call failed.
@@ -382,6 +407,39 @@ pub trait Provider: Send + Sync {
         let _ = (id, snapshot);
         let name = self.name();
         async move { Err(ProviderError::Unsupported(format!("the {name} provider cannot snapshot a sandbox"))) }
+    }
+
+    /// What this provider's snapshots record: the whole file system (the default), or only the
+    /// directories a request names.
+    fn snapshot_scope(&self) -> SnapshotScope {
+        SnapshotScope::Whole
+    }
+
+    /// Refuses at once, before the server reads anything of the sandbox, a snapshot this
+    /// provider cannot take as it is set up (the kubernetes provider with no registry to push
+    /// to). The default takes them.
+    fn check_snapshot(&self) -> Result<(), ProviderError> {
+        Ok(())
+    }
+
+    /// Records `dirs` of sandbox `id` (archived by the server through its daemon) under
+    /// `snapshot`, for a provider whose [`Provider::snapshot_scope`] is
+    /// [`SnapshotScope::Named`]: a create whose image is `snapshot:<snapshot>` starts from the
+    /// sandbox's image with those directories as they were. The default refuses, naming the
+    /// provider.
+    fn snapshot_dirs(
+        &self,
+        id: &str,
+        snapshot: &str,
+        dirs: Vec<NamedDir>,
+    ) -> impl Future<Output = Result<SnapshotMade, ProviderError>> + Send {
+        let _ = (id, snapshot, dirs);
+        let name = self.name();
+        async move {
+            Err(ProviderError::Unsupported(format!(
+                "the {name} provider records a sandbox's whole file system, not named directories"
+            )))
+        }
     }
 
     /// Removes `snapshot`; sandboxes started from it keep running. Removing one that is gone

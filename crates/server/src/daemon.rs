@@ -431,6 +431,49 @@ pub async fn call_json<B: serde::Serialize, T: serde::de::DeserializeOwned>(
     serde_json::from_slice(&bytes).map_err(|e| CallError::Failed(format!("cannot decode the daemon's answer: {e}")))
 }
 
+/// A `GET` whose answer is read whole, up to `limit` bytes: `Ok(None)` when it is longer (the
+/// rest is not read). A directory's archive for a snapshot.
+pub async fn fetch_bytes(
+    client: &DaemonClient,
+    endpoint: &Endpoint,
+    token: &str,
+    path: &str,
+    limit: u64,
+) -> Result<Option<Vec<u8>>, CallError> {
+    let uri = uri(endpoint, path).map_err(|e| e.to_string())?;
+    let req = http::Request::builder()
+        .method(http::Method::GET)
+        .uri(uri)
+        .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+        .body(Body::empty())
+        .map_err(|e| e.to_string())?;
+    let resp = client.request(req).await.map_err(|e| CallError::of_client(&e))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
+            .collect()
+            .await
+            .map_err(|e| format!("reading the answer: {e}"))?
+            .to_bytes();
+        let detail = serde_json::from_slice::<sandman_wire::ErrorBody>(&bytes)
+            .map(|b| b.error.message)
+            .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+        return Err(CallError::Failed(format!("the daemon answered {status}: {detail}")));
+    }
+    let mut body = resp.into_body();
+    let mut out = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| format!("reading the answer: {}", with_causes(&e)))?;
+        if let Ok(data) = frame.into_data() {
+            if out.len() as u64 + data.len() as u64 > limit {
+                return Ok(None);
+            }
+            out.extend_from_slice(&data);
+        }
+    }
+    Ok(Some(out))
+}
+
 /// Waits until the daemon at `endpoint` answers its health check, for at most `limit`, on a
 /// connection over which it has proven the token [`Identities`] holds for it (the connector's
 /// challenge: `GET /v1/health?challenge=`, answered with an HMAC of the challenge keyed with the

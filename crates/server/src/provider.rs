@@ -3,8 +3,8 @@
 
 use sandman_provider::fake::FakeProvider;
 use sandman_provider::{
-    Claim, Endpoint, NodeProgress, Prepared, Progress, Provider, ProviderError, ProviderEvent, Record, SandboxSpec,
-    SnapshotMade,
+    Claim, Endpoint, NamedDir, NodeProgress, Prepared, Progress, Provider, ProviderError, ProviderEvent, Record,
+    SandboxSpec, SnapshotMade, SnapshotScope,
 };
 use sandman_provider_docker::DockerProvider;
 use sandman_provider_kube::KubeProvider;
@@ -181,6 +181,38 @@ impl Provider for AnyProvider {
             AnyProvider::Docker(p) => p.snapshot(id, snapshot).await,
             AnyProvider::Kube(p) => p.snapshot(id, snapshot).await,
             AnyProvider::Fake(p) => p.snapshot(id, snapshot).await,
+        }
+    }
+
+    fn snapshot_scope(&self) -> SnapshotScope {
+        match self {
+            AnyProvider::Process(p) => p.snapshot_scope(),
+            AnyProvider::Docker(p) => p.snapshot_scope(),
+            AnyProvider::Kube(p) => p.snapshot_scope(),
+            AnyProvider::Fake(p) => p.snapshot_scope(),
+        }
+    }
+
+    fn check_snapshot(&self) -> Result<(), ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.check_snapshot(),
+            AnyProvider::Docker(p) => p.check_snapshot(),
+            AnyProvider::Kube(p) => p.check_snapshot(),
+            AnyProvider::Fake(p) => p.check_snapshot(),
+        }
+    }
+
+    async fn snapshot_dirs(
+        &self,
+        id: &str,
+        snapshot: &str,
+        dirs: Vec<NamedDir>,
+    ) -> Result<SnapshotMade, ProviderError> {
+        match self {
+            AnyProvider::Process(p) => p.snapshot_dirs(id, snapshot, dirs).await,
+            AnyProvider::Docker(p) => p.snapshot_dirs(id, snapshot, dirs).await,
+            AnyProvider::Kube(p) => p.snapshot_dirs(id, snapshot, dirs).await,
+            AnyProvider::Fake(p) => p.snapshot_dirs(id, snapshot, dirs).await,
         }
     }
 

@@ -33,8 +33,15 @@ struct Counts {
     with_token: AtomicUsize,
 }
 
-/// Fixed answers by path. Locked only to read or add one, never across an await.
-type Answers = Arc<Mutex<HashMap<String, serde_json::Value>>>;
+/// Fixed answers by path: JSON, or raw bytes (an archive). Locked only to read or add one,
+/// never across an await.
+type Answers = Arc<Mutex<HashMap<String, Fixed>>>;
+
+#[derive(Debug, Clone)]
+enum Fixed {
+    Json(serde_json::Value),
+    Bytes(Bytes),
+}
 
 /// Where a stand-in listens.
 enum Listener {
@@ -85,7 +92,12 @@ impl StandIn {
 
     /// Answers `GET path` (the path alone, no query) with `body` from now on.
     pub fn answer(&self, path: &str, body: serde_json::Value) {
-        self.answers.lock().unwrap_or_else(PoisonError::into_inner).insert(path.to_string(), body);
+        self.answers.lock().unwrap_or_else(PoisonError::into_inner).insert(path.to_string(), Fixed::Json(body));
+    }
+
+    /// Answers `GET path` (the path alone, no query) with the bytes `body` from now on.
+    pub fn answer_bytes(&self, path: &str, body: Bytes) {
+        self.answers.lock().unwrap_or_else(PoisonError::into_inner).insert(path.to_string(), Fixed::Bytes(body));
     }
 
     /// How many health calls it has answered.
@@ -131,7 +143,8 @@ fn answer<B>(req: &Request<B>, counts: &Counts, answers: &Answers, token: Option
         serde_json::to_value(health).unwrap_or_else(|e| panic!("{e}"))
     } else {
         match answers.lock().unwrap_or_else(PoisonError::into_inner).get(path) {
-            Some(body) => body.clone(),
+            Some(Fixed::Json(body)) => body.clone(),
+            Some(Fixed::Bytes(bytes)) => return Response::new(Full::new(bytes.clone())),
             None => {
                 let mut resp = Response::new(Full::new(Bytes::from_static(b"{}")));
                 *resp.status_mut() = StatusCode::NOT_FOUND;

@@ -28,6 +28,10 @@ pub const LAYER_FD: i32 = 999;
 pub const FORK_COUNT: Bound = Bound::new("count", 1, 256, Unit::Count);
 /// The longest name a snapshot may have, in bytes.
 pub const MAX_NAME_BYTES: usize = 128;
+/// The most directories one snapshot may name (`paths`).
+pub const MAX_PATHS: usize = 16;
+/// The longest directory a snapshot may name, in bytes.
+pub const MAX_PATH_BYTES: usize = 4096;
 
 /// `POST /v1/sandboxes/{id}/snapshots`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -36,12 +40,54 @@ pub struct CreateSnapshot {
     /// A name of the caller's, shown beside the id (not unique).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The directories to record (absolute, such as `/workspace`), for a provider that records
+    /// named directories rather than the whole file system (kubernetes); the others refuse it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
 }
 
 impl CreateSnapshot {
     pub fn check_bounds(&self) -> Result<(), OutOfRange> {
-        check_name(self.name.as_deref())
+        check_name(self.name.as_deref())?;
+        check_paths(&self.paths)
     }
+}
+
+/// At most [`MAX_PATHS`] directories, each absolute, of at most [`MAX_PATH_BYTES`], with no
+/// `.` or `..` part, not `/` itself, and none named twice or inside another.
+pub fn check_paths(paths: &[String]) -> Result<(), OutOfRange> {
+    let out = |value: String, range: &str| Err(OutOfRange { field: "paths".into(), value, range: range.into() });
+    if paths.len() > MAX_PATHS {
+        return out(format!("{} directories", paths.len()), &format!("at most {MAX_PATHS} directories"));
+    }
+    for (i, p) in paths.iter().enumerate() {
+        let parts: Vec<&str> = p.split('/').skip(1).filter(|c| !c.is_empty()).collect();
+        let bad = !p.starts_with('/')
+            || p.len() > MAX_PATH_BYTES
+            || parts.is_empty()
+            || parts.iter().any(|c| *c == "." || *c == "..")
+            || p.contains('\0');
+        if bad {
+            return out(
+                format!("`{p}`"),
+                &format!("absolute directories below `/`, at most {MAX_PATH_BYTES} bytes, without `.` or `..`"),
+            );
+        }
+        let inside = |outer: &str, inner: &str| inner == outer || inner.starts_with(&format!("{outer}/"));
+        if let Some(q) = paths[..i].iter().find(|q| inside(&normal(q), &normal(p)) || inside(&normal(p), &normal(q))) {
+            return out(format!("`{p}` and `{q}`"), "each directory once, none inside another");
+        }
+    }
+    Ok(())
+}
+
+/// A checked path without repeated or trailing slashes: `/a//b/` is `/a/b`.
+pub fn normal(path: &str) -> String {
+    path.split('/').filter(|c| !c.is_empty()).fold(String::new(), |mut s, c| {
+        s.push('/');
+        s.push_str(c);
+        s
+    })
 }
 
 fn check_name(name: Option<&str>) -> Result<(), OutOfRange> {
@@ -76,6 +122,13 @@ pub struct Snapshot {
     /// Bytes of its layer (the source's changes), where the provider knows them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<u64>,
+    /// The directories it recorded, when it recorded named ones only (kubernetes); empty: the
+    /// whole file system.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
+    /// Where the provider pushed it as an image, when it did (kubernetes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pushed: Option<String>,
     /// Milliseconds since the Unix epoch.
     pub created_at_ms: u64,
 }
@@ -120,6 +173,9 @@ pub struct ForkRequest {
     /// The snapshot's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The snapshot's directories ([`CreateSnapshot::paths`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -150,6 +206,7 @@ impl ForkRequest {
     pub fn check_bounds(&self) -> Result<(), OutOfRange> {
         FORK_COUNT.check(self.count)?;
         check_name(self.name.as_deref())?;
+        check_paths(&self.paths)?;
         if let Some(r) = &self.resources {
             r.check_bounds()?;
         }
@@ -186,6 +243,28 @@ mod tests {
         let r: ForkRequest = serde_json::from_str(r#"{"count": 2}"#).unwrap_or_else(|e| panic!("{e}"));
         assert!(r.wait);
         assert!(serde_json::from_str::<ForkRequest>(r#"{"count": 2, "cnt": 1}"#).is_err());
+    }
+
+    #[test]
+    fn a_snapshots_paths_are_absolute_directories_named_once() {
+        let ok = |p: &[&str]| check_paths(&p.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert!(ok(&["/workspace", "/root/.cache", "/work"]).is_ok());
+        assert!(ok(&[]).is_ok());
+        for bad in [
+            &["workspace"][..],
+            &["/"],
+            &["/a/../etc"],
+            &["/a/./b"],
+            &["/a", "/a/"],
+            &["//"],
+            &["/a", "/a/b"],
+            &["/a/b/c", "/a"],
+        ] {
+            assert_eq!(ok(bad).err().map(|e| e.field).as_deref(), Some("paths"), "{bad:?}");
+        }
+        let many: Vec<String> = (0..=MAX_PATHS).map(|i| format!("/d{i}")).collect();
+        assert!(check_paths(&many).is_err());
+        assert_eq!(normal("/a//b/"), "/a/b");
     }
 
     #[test]

@@ -668,16 +668,19 @@ class AsyncSandbox:
 
     # ---- commands ----
 
-    async def snapshot(self, *, name: Optional[str] = None) -> Snapshot:
+    async def snapshot(self, *, name: Optional[str] = None, paths: Optional[Sequence[str]] = None) -> Snapshot:
         """Records the sandbox's files as they are now (not its processes) as a snapshot, kept until
-        deleted or its job is; start sandboxes from it with `create(snapshot.image)`."""
-        return Snapshot.from_dict(await self.client._json(_snapshots.take_call(self.id, name)))
+        deleted or its job is; start sandboxes from it with `create(snapshot.image)`. `paths`
+        names the directories to record, which the kubernetes provider needs (it records those
+        only); the other providers record the whole file system and refuse it."""
+        return Snapshot.from_dict(await self.client._json(_snapshots.take_call(self.id, name, paths)))
 
     async def fork(
         self,
         count: int = 1,
         *,
         name: Optional[str] = None,
+        paths: Optional[Sequence[str]] = None,
         job: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         resources: Optional[Mapping[str, Any]] = None,
@@ -692,11 +695,12 @@ class AsyncSandbox:
         with this one's files (not its processes), and writes its own. The children get this
         sandbox's job, labels, resources, environment (with `env` added), lease and user unless
         given. The snapshot is each child's `snapshot_of` (delete it when done, or let the job's
-        end delete it)."""
+        end delete it). `paths`: the directories the snapshot records (see `snapshot`)."""
         call = _snapshots.fork_call(
             self.id,
             count,
             name=name,
+            paths=paths,
             job=job,
             labels=labels,
             resources=resources,

@@ -57,7 +57,7 @@ async fn take(State(e2b): State<Arc<E2b>>, Path(id): Path<String>, body: bytes::
             ));
         }
         live(&e2b, &id)?;
-        let snapshot = e2b.service.take_snapshot(&id, CreateSnapshot { name: body.name }).await?;
+        let snapshot = e2b.service.take_snapshot(&id, CreateSnapshot { name: body.name, paths: Vec::new() }).await?;
         Ok::<_, ControlError>(info(&snapshot))
     };
     match result.await {

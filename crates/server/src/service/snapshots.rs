@@ -7,9 +7,10 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use sandman_provider::Provider;
+use sandman_provider::{NamedDir, Provider, SnapshotScope};
+use sandman_wire::daemon::{FileKind, FileStat};
 use sandman_wire::server::{CreateSandbox, SandboxState};
-use sandman_wire::snapshots::{CreateSnapshot, ForkRequest, Forked, IMAGE_PREFIX, Snapshot, snapshot_of_image};
+use sandman_wire::snapshots::{CreateSnapshot, ForkRequest, Forked, IMAGE_PREFIX, Snapshot, normal, snapshot_of_image};
 
 use super::Service;
 use super::request::bad_number;
@@ -73,10 +74,21 @@ impl Service {
     /// sandbox must be ready; its lease is held while the provider works.
     pub async fn take_snapshot(&self, id: &str, req: CreateSnapshot) -> ServerResult<Snapshot> {
         req.check_bounds().map_err(bad_number)?;
+        let paths: Vec<String> = req.paths.iter().map(|p| normal(p)).collect();
+        let scope = self.provider.snapshot_scope();
+        self.check_scope(scope, &paths)?;
+        self.provider.check_snapshot().map_err(ServerError::Provider)?;
         let target = self.call_target(id)?;
         let sb = self.get(id)?;
         let snap_id = format!("snap-{}", &crate::sys::random_hex()[..12]);
-        let made = self.provider.snapshot(id, &snap_id).await.map_err(ServerError::Provider)?;
+        let made = match scope {
+            SnapshotScope::Whole => self.provider.snapshot(id, &snap_id).await,
+            SnapshotScope::Named { max_bytes, .. } => {
+                let dirs = self.archive_dirs(id, &target, &paths, max_bytes).await?;
+                self.provider.snapshot_dirs(id, &snap_id, dirs).await
+            }
+        }
+        .map_err(ServerError::Provider)?;
         drop(target);
         let snapshot = Snapshot {
             image: format!("{IMAGE_PREFIX}{snap_id}"),
@@ -87,11 +99,78 @@ impl Service {
             provider: self.provider.name().to_string(),
             base_image: sb.spec.image.clone(),
             size: made.size,
+            paths,
+            pushed: made.pushed,
             created_at_ms: now_ms(),
         };
         tracing::info!(sandbox = id, snapshot = %snapshot.id, size = ?snapshot.size, "snapshot taken");
         self.snapshots.insert(snapshot.clone());
         Ok(snapshot)
+    }
+
+    /// Refuses at once a snapshot that names no directories on a provider that records named
+    /// ones only, and one that names some on a provider that records the whole file system.
+    fn check_scope(&self, scope: SnapshotScope, paths: &[String]) -> ServerResult<()> {
+        let name = self.provider.name();
+        match scope {
+            SnapshotScope::Named { why, .. } if paths.is_empty() => Err(ServerError::InvalidArgument(format!(
+                "`paths` is required: the {name} provider snapshots only the directories a request names (such as \
+                 {{\"paths\": [\"/workspace\"]}}), because {why}"
+            ))),
+            SnapshotScope::Whole if !paths.is_empty() => Err(ServerError::InvalidArgument(format!(
+                "`paths`: the {name} provider records a sandbox's whole file system; leave `paths` out"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Each of `paths` of sandbox `id` as its daemon archives it (`GET /v1/archive`), with the
+    /// directory's own mode and owner (`GET /v1/stat`), at most `max_bytes` together.
+    async fn archive_dirs(
+        &self,
+        id: &str,
+        target: &super::CallTarget,
+        paths: &[String],
+        max_bytes: u64,
+    ) -> ServerResult<Vec<NamedDir>> {
+        let failed = |path: &str, e: crate::daemon::CallError| {
+            ServerError::Unavailable(format!("cannot archive `{path}` of sandbox `{id}` for its snapshot: {e}"))
+        };
+        let mut dirs = Vec::with_capacity(paths.len());
+        let mut left = max_bytes;
+        for path in paths {
+            let query = form_urlencoded::Serializer::new(String::new()).append_pair("path", path).finish();
+            let stat: FileStat = crate::daemon::call_json::<(), _>(
+                &self.daemons,
+                &target.endpoint,
+                &target.token,
+                http::Method::GET,
+                &format!("/v1/stat?{query}"),
+                None,
+            )
+            .await
+            .map_err(|e| failed(path, e))?;
+            if stat.kind != FileKind::Dir {
+                return Err(ServerError::InvalidArgument(format!(
+                    "`paths`: `{path}` is not a directory in sandbox `{id}` (it is a {:?})",
+                    stat.kind
+                )));
+            }
+            let archive_path = format!("/v1/archive?{query}");
+            let tar = crate::daemon::fetch_bytes(&self.daemons, &target.endpoint, &target.token, &archive_path, left)
+                .await
+                .map_err(|e| failed(path, e))?
+                .ok_or_else(|| {
+                    ServerError::InvalidArgument(format!(
+                        "the directories named in `paths` hold more than {max_bytes} bytes, the {} provider's bound \
+                         for one snapshot",
+                        self.provider.name()
+                    ))
+                })?;
+            left -= tar.len() as u64;
+            dirs.push(NamedDir { path: path.clone(), mode: stat.mode, uid: stat.uid, gid: stat.gid, tar });
+        }
+        Ok(dirs)
     }
 
     pub fn snapshot_info(&self, id: &str) -> ServerResult<Snapshot> {
@@ -160,7 +239,8 @@ impl Service {
             // The snapshot's call says why (gone with its reason, or not ready).
             self.call_target(id)?;
         }
-        let snapshot = self.take_snapshot(id, CreateSnapshot { name: req.name.clone() }).await?;
+        let snapshot =
+            self.take_snapshot(id, CreateSnapshot { name: req.name.clone(), paths: req.paths.clone() }).await?;
         let spec = &source.spec;
         let mut env = spec.env.clone();
         env.extend(req.env.clone());
@@ -279,5 +359,97 @@ mod tests {
         assert!(s.snapshot_list(None, None).is_empty());
         assert!(fake(&s).snapshots().is_empty());
         assert!(matches!(s.snapshot_info(&forked.snapshot.id), Err(ServerError::NotFound(_))));
+    }
+
+    /// A service over a fake that records named directories, each sandbox's daemon a stand-in
+    /// answering `stat` and `archive`.
+    fn named(dir: &Path) -> (Arc<Service>, Arc<Mutex<Vec<sandman_testkit::standin::StandIn>>>) {
+        let standins = Arc::new(Mutex::new(Vec::new()));
+        let (kept, sockets) = (standins.clone(), dir.to_path_buf());
+        let fake = FakeProvider::each_at(move |spec| {
+            let socket = sockets.join(format!("{}.sock", spec.id));
+            let standin = sandman_testkit::standin::StandIn::unix(&socket, Some(&spec.token));
+            standin.answer("/v1/stat", stat(FileKind::Dir));
+            standin.answer_bytes("/v1/archive", bytes::Bytes::from_static(b"the archive"));
+            kept.lock().unwrap_or_else(|e| panic!("{e}")).push(standin);
+            Endpoint::Unix(socket)
+        });
+        fake.set_named_snapshots(1 << 20);
+        let state = dir.join("state");
+        std::fs::create_dir_all(&state).unwrap_or_else(|e| panic!("{e}"));
+        let settings = Settings { ready_timeout: Duration::from_secs(5), ..Settings::new(state) };
+        let s = Service::new(settings, AnyProvider::Fake(fake), "t".into());
+        s.start_background();
+        (s, standins)
+    }
+
+    fn stat(kind: FileKind) -> serde_json::Value {
+        let stat = FileStat {
+            path: "/workspace".into(),
+            kind,
+            size: 0,
+            mode: 0o750,
+            uid: 1000,
+            gid: 1001,
+            mtime_ms: 0,
+            link_target: None,
+        };
+        serde_json::to_value(stat).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn paths(p: &[&str]) -> CreateSnapshot {
+        CreateSnapshot { name: None, paths: p.iter().map(|s| s.to_string()).collect() }
+    }
+
+    #[tokio::test]
+    async fn a_provider_of_named_directories_gets_their_archives_and_a_snapshot_naming_none_is_refused() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let (s, standins) = named(dir.path());
+        let req = CreateSandbox { image: "img".into(), wait: true, ..CreateSandbox::default() };
+        let sb = s.create(req).await.unwrap_or_else(|e| panic!("{e}"));
+
+        let none = s.take_snapshot(&sb.id, paths(&[])).await;
+        let Err(ServerError::InvalidArgument(m)) = &none else { panic!("{none:?}") };
+        for words in ["`paths` is required", "the fake provider", "because the fake is told to"] {
+            assert!(m.contains(words), "{m}");
+        }
+
+        let snap = s.take_snapshot(&sb.id, paths(&["/workspace/"])).await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(snap.paths, vec!["/workspace".to_string()]);
+        assert_eq!(snap.pushed.as_deref(), Some(format!("fake.registry/snapshots:{}", snap.id).as_str()));
+        let got = fake(&s).snapshot_dirs_of(&snap.id);
+        let want =
+            NamedDir { path: "/workspace".into(), mode: 0o750, uid: 1000, gid: 1001, tar: b"the archive".to_vec() };
+        assert_eq!(got, vec![want]);
+
+        // A fork names the directories of its snapshot.
+        let forked = s
+            .fork(
+                &sb.id,
+                ForkRequest { count: 2, paths: vec!["/workspace".into()], wait: true, ..ForkRequest::default() },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(forked.snapshot.paths, vec!["/workspace".to_string()]);
+        assert!(forked.sandboxes.iter().all(|k| k.image == forked.snapshot.image));
+        let unnamed = s.fork(&sb.id, ForkRequest { count: 1, wait: true, ..ForkRequest::default() }).await;
+        assert!(matches!(unnamed, Err(ServerError::InvalidArgument(_))), "{unnamed:?}");
+
+        // Over the provider's bound, and a path that is not a directory.
+        fake(&s).set_named_snapshots(4);
+        let big = s.take_snapshot(&sb.id, paths(&["/workspace"])).await;
+        assert!(matches!(&big, Err(ServerError::InvalidArgument(m)) if m.contains("more than 4 bytes")), "{big:?}");
+        fake(&s).set_named_snapshots(1 << 20);
+        standins.lock().unwrap_or_else(|e| panic!("{e}"))[0].answer("/v1/stat", stat(FileKind::File));
+        let file = s.take_snapshot(&sb.id, paths(&["/workspace"])).await;
+        assert!(matches!(&file, Err(ServerError::InvalidArgument(m)) if m.contains("not a directory")), "{file:?}");
+
+        // A provider that records the whole file system takes no `paths`.
+        let other = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let whole = service(other.path());
+        let sb = whole.create(CreateSandbox { image: "img".into(), wait: true, ..CreateSandbox::default() }).await;
+        let sb = sb.unwrap_or_else(|e| panic!("{e}"));
+        let named = whole.take_snapshot(&sb.id, paths(&["/workspace"])).await;
+        assert!(matches!(&named, Err(ServerError::InvalidArgument(m)) if m.contains("leave `paths` out")), "{named:?}");
     }
 }
