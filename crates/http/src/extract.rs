@@ -149,21 +149,6 @@ pub async fn read_limited(body: Body, limit: usize) -> Result<Bytes, BadRequest>
     Ok(whole.freeze())
 }
 
-/// [`read_limited`] on a task of its own, which is aborted if this future is dropped (its
-/// caller went away).
-///
-/// For a server on tokio's multi-thread runtime. hyper's request body channel wakes its sender,
-/// the connection's task, whenever its data is taken; a handler reading the body runs on that
-/// very task, so the wake lands on the running task, which tokio then treats as a yield: it
-/// wakes a parked worker thread to steal it, one more thread woken (and the call's next steps
-/// moved to it) for every request with a body. Between an agent's calls the machine goes idle,
-/// and waking a parked thread on an idle core is dear. Taken on another task, the wake is an
-/// ordinary one, and the connection's task runs on where it was.
-pub async fn read_limited_apart(body: Body, limit: usize) -> Result<Bytes, BadRequest> {
-    let read = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(read_limited(body, limit)));
-    read.await.unwrap_or_else(|e| Err(BadRequest::Invalid(format!("cannot read request body: {e}"))))
-}
-
 /// Reads and drops what is left of a refused body, up to `most` bytes more, so that a client
 /// sending a body a little over the limit has sent it all and reads the answer: one cut off
 /// mid-send (the connection closed under it) sees a broken pipe, not the 413. Past `most` it
@@ -239,47 +224,6 @@ mod tests {
         let whole = read_limited(Body::from("{}"), 1 << 10).await;
         assert_eq!(whole.ok().as_deref(), Some(&b"{}"[..]));
         assert!(matches!(read_limited(Body::from("{}"), 1).await, Err(BadRequest::TooLarge { limit: 1 })));
-    }
-
-    #[tokio::test]
-    async fn a_body_read_apart_is_the_body_read_in_place() {
-        let whole = || {
-            Body::from_stream(futures_util::stream::iter(
-                ["{\"a\":", "1}"].map(|c| Ok::<_, std::io::Error>(Bytes::from_static(c.as_bytes()))),
-            ))
-        };
-        assert_eq!(read_limited_apart(whole(), 1 << 10).await, Ok(Bytes::from_static(b"{\"a\":1}")));
-        assert_eq!(read_limited_apart(whole(), 1 << 10).await, read_limited(whole(), 1 << 10).await);
-        assert_eq!(read_limited_apart(whole(), 4).await, Err(BadRequest::TooLarge { limit: 4 }));
-    }
-
-    /// The caller gone, the task reading for it stops and lets go of the body.
-    #[tokio::test]
-    async fn a_body_read_apart_is_dropped_with_its_caller() {
-        struct Dropped(Option<tokio::sync::oneshot::Sender<()>>);
-        impl Drop for Dropped {
-            fn drop(&mut self) {
-                if let Some(tx) = self.0.take() {
-                    let _ = tx.send(());
-                }
-            }
-        }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let guard = Dropped(Some(tx));
-        // A first piece, then nothing more: the read waits on the body until it is abandoned.
-        let first = futures_util::stream::once(async { Ok::<_, std::io::Error>(Bytes::from_static(b"{")) });
-        let rest = futures_util::stream::pending().map(move |()| {
-            let _held = &guard;
-            Ok::<_, std::io::Error>(Bytes::new())
-        });
-        let read = read_limited_apart(Body::from_stream(first.chain(rest)), 1 << 10);
-        let abandoned = tokio::select! {
-            _ = read => false,
-            _ = tokio::task::yield_now() => true,
-        };
-        assert!(abandoned);
-        // Dropped mid-read: the reading task is aborted and the body (and its guard) dropped.
-        assert_eq!(rx.await, Ok(()));
     }
 
     /// A body of `n` chunks of 1 KiB, counting the chunks read.

@@ -60,9 +60,7 @@ pub async fn forward(
     let holds_output = holds_output(&rest);
     let body = if is_post_json && (merges || holds_output) {
         let _held = service.hold_body(&parts.headers)?;
-        // Apart from the connection's task: read on it, the body would wake that task as it
-        // runs, and tokio would wake another worker thread for every exec and session command.
-        let bytes = sandman_http::extract::read_limited_apart(body, sandman_http::extract::MAX_JSON_BODY)
+        let bytes = sandman_http::extract::read_limited(body, sandman_http::extract::MAX_JSON_BODY)
             .await
             .map_err(ServerError::Body)?;
         if holds_output {
