@@ -147,6 +147,42 @@ def leader_pod(args: argparse.Namespace) -> Tuple[str, str]:
     raise RuntimeError(f"no server pod has the leader's address {holder}")
 
 
+def server_pods(args: argparse.Namespace) -> List[Tuple[str, str]]:
+    out = kubectl(
+        args, "-n", "sandman-system", "get", "pods", "-l", "app.kubernetes.io/name=sandman-server",
+        "-o", "jsonpath={range .items[*]}{.metadata.name}{' '}{.status.podIP}{'\\n'}{end}",
+    )  # fmt: skip
+    return [tuple(line.split(" ", 1)) for line in out.splitlines() if " " in line]  # type: ignore[misc]
+
+
+def hop_cost(args: argparse.Namespace, n: int = 200) -> str:
+    """p50 of an exec sent to the leader's address and to a follower's (which passes it on),
+    interleaved on one sandbox: what the second hop costs."""
+    _, holder = leader_pod(args)
+    follower = next(ip for _, ip in server_pods(args) if not holder.startswith(ip + ":"))
+    port = holder.rsplit(":", 1)[1]
+    leader_c = sandman.Sandman(f"http://{holder}", args.token, retries=0)
+    follower_c = sandman.Sandman(f"http://{follower}:{port}", args.token, retries=0)
+    sb = leader_c.create(args.image, resources={"cpu": "10m", "memory": "16Mi"})
+    times: Dict[str, List[float]] = {"leader": [], "follower": []}
+    try:
+        for i in range(n + 10):
+            for name, c in (("leader", leader_c), ("follower", follower_c)):
+                t0 = time.perf_counter()
+                c.sandbox(sb.id).exec(["true"])
+                if i >= 10:
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        sb.release()
+        leader_c.close()
+        follower_c.close()
+    p50 = {k: sorted(v)[len(v) // 2] * 1000 for k, v in times.items()}
+    return (
+        f"exec p50 through the leader {p50['leader']:.2f} ms, through a follower {p50['follower']:.2f} ms "
+        f"({p50['follower'] / p50['leader']:.2f}x, {n} each, interleaved)"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kubeconfig", required=True)
@@ -157,6 +193,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=24)
     args = ap.parse_args()
 
+    hop = hop_cost(args)
+    print(hop, file=sys.stderr)
     balancer = Balancer(args)
     client = sandman.Sandman(balancer.url, args.token, retries=20, retry_deadline=120, timeout=300)
     jobs = {"failover-a": 1.0, "failover-b": 3.0}
@@ -276,7 +314,7 @@ def main() -> int:
 
     failover = (first_create_after_kill[0] - killed_at[0]) if first_create_after_kill and killed_at else None
     print(
-        f"replicas: {args.creates} keyed creates from 2 jobs in {took:.1f} s, {len(failures)} failed; "
+        f"{hop}; replicas: {args.creates} keyed creates from 2 jobs in {took:.1f} s, {len(failures)} failed; "
         f"killed the leader {killed}; another replica took the Lease "
         f"{'%.1f s' % (lease_taken - killed_at[0]) if lease_taken and killed_at else 'never'} and the first create "
         f"started after the kill succeeded {'%.1f s' % failover if failover is not None else 'never'} after it; "

@@ -359,6 +359,9 @@ impl KubeApi {
                 }
             };
             let status = resp.status();
+            if status == StatusCode::UNAUTHORIZED {
+                crate::shared::credentials_refused(what);
+            }
             let asked_wait = retry_after(resp.headers());
             let throttle = status == StatusCode::TOO_MANY_REQUESTS
                 || (status == StatusCode::SERVICE_UNAVAILABLE && asked_wait.is_some());

@@ -27,6 +27,28 @@ use tokio_util::sync::CancellationToken;
 /// receiver [`Shared::elect`] gave is dropped.
 pub type Election = tokio::task::JoinHandle<Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>>;
 
+/// What the process does when the API server refuses its credentials (`401 Unauthorized`),
+/// once set by [`on_credentials_refused`].
+static CREDENTIALS_REFUSED: std::sync::OnceLock<RefusedHook> = std::sync::OnceLock::new();
+
+type RefusedHook = Box<dyn Fn(&str) + Send + Sync>;
+
+/// Sets what happens the first time the API server answers `401 Unauthorized` to any call of
+/// this process (the provider's, the shared documents' writer): a replica's pod that was deleted
+/// (force-deleted, its node lost) may still run for a while with a token the API server no
+/// longer accepts, and must not go on answering calls it can no longer carry out. A server
+/// replica exits there (see `sandman_server::replicas`). Set once; later calls are ignored.
+pub fn on_credentials_refused(hook: impl Fn(&str) + Send + Sync + 'static) {
+    let _ = CREDENTIALS_REFUSED.set(Box::new(hook));
+}
+
+/// Runs the hook of [`on_credentials_refused`], if any, for the call `what`.
+pub(crate) fn credentials_refused(what: &str) {
+    if let Some(hook) = CREDENTIALS_REFUSED.get() {
+        hook(what);
+    }
+}
+
 /// The Lease whose holder is the leader.
 pub const LEASE: &str = "sandman-leader";
 /// The ConfigMap holding the documents of record.
@@ -318,6 +340,15 @@ impl Documents {
                     Ok(cm) => {
                         self.lock().resource_version = cm.metadata.resource_version;
                         self.written.send_replace(Written::Upto(version));
+                        continue;
+                    }
+                    Err(e) if status(&e).is_some_and(|s| s.code == 401) => {
+                        credentials_refused(&format!("write the ConfigMap `{DOCUMENTS}`"));
+                        tracing::warn!(error = %crate::api::chain(&e), "cannot write the shared state; trying again");
+                        tokio::select! {
+                            () = cancel.cancelled() => return,
+                            () = tokio::time::sleep(RETRY) => {}
+                        }
                         continue;
                     }
                     Err(e) if status(&e).is_some_and(|s| s.is_conflict() || s.is_not_found()) => {

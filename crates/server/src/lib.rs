@@ -450,6 +450,17 @@ async fn run_replica(
     let shared = sandman_provider_kube::shared::Shared::connect(&namespace)
         .await
         .map_err(|source| ServeError::Provider { name: "kubernetes".into(), source })?;
+    // A replica whose pod was deleted (force-deleted, or its node lost) may run on for a while
+    // with a token the API server no longer takes. If it leads, it would fail creates that the
+    // next leader would carry out: it stops at once instead, answering nothing more, and its
+    // callers (through the other replicas) resend what is safe to the next leader.
+    sandman_provider_kube::shared::on_credentials_refused(|what| {
+        eprintln!(
+            "error: the API server refused this replica's credentials (to {what}): its pod was deleted, or its \
+             token revoked; stopping at once so that another replica leads"
+        );
+        std::process::exit(1);
+    });
     let watching = tokio_util::sync::CancellationToken::new();
     let draining = tokio_util::sync::CancellationToken::new();
     let replica = replicas::Replica::new(me.clone(), shared.leader(watching.clone()), draining.clone());
