@@ -363,8 +363,10 @@ impl Client {
         call: &str,
         body: RequestBody,
     ) -> Result<Response<Incoming>, (ClientError, Hint)> {
-        let uri: Uri =
-            head.url.parse().map_err(|source| (ClientError::InvalidUrl { url: head.url.clone(), source }, Hint::None))?;
+        let uri: Uri = head
+            .url
+            .parse()
+            .map_err(|source| (ClientError::InvalidUrl { url: head.url.clone(), source }, Hint::None))?;
         let mut builder = Request::builder()
             .method(head.method.clone())
             .uri(uri)
@@ -374,8 +376,9 @@ impl Client {
         if let Some(content_type) = head.content_type {
             builder = builder.header(CONTENT_TYPE, content_type);
         }
-        let request =
-            builder.body(body).map_err(|source| (ClientError::BuildRequest { call: call.to_owned(), source }, Hint::None))?;
+        let request = builder
+            .body(body)
+            .map_err(|source| (ClientError::BuildRequest { call: call.to_owned(), source }, Hint::None))?;
         let sent = match &self.http {
             Transport::Tcp(c) => c.request(request).await,
             Transport::Unix(c) => c.request(request).await,

@@ -240,7 +240,8 @@ async fn a_refused_connection_is_tried_again_until_the_server_listens() {
 /// answers the sandbox made under its key), an exec is not.
 #[tokio::test]
 async fn a_replicas_unanswered_503_resends_only_idempotent_calls() {
-    let (url, seen) = replica_losing_its_leader(&[("POST /v1/sandboxes", 2), ("POST /v1/sandboxes/sb-1/exec", 1)]).await;
+    let (url, seen) =
+        replica_losing_its_leader(&[("POST /v1/sandboxes", 2), ("POST /v1/sandboxes/sb-1/exec", 1)]).await;
     let client = Client::new(&url, "t").unwrap().with_retry(policy());
     let sandbox = client.create(&CreateSandbox { image: "host".into(), ..Default::default() }).await.unwrap();
     assert_eq!(sandbox.id, "sb-1");

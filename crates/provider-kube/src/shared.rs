@@ -25,7 +25,8 @@ use tokio_util::sync::CancellationToken;
 
 /// The task that holds (or campaigns for) the Lease: it releases the Lease and ends once every
 /// receiver [`Shared::elect`] gave is dropped.
-pub type Election = tokio::task::JoinHandle<Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>>;
+pub type Election =
+    tokio::task::JoinHandle<Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>>;
 
 /// What the process does when the API server refuses its credentials (`401 Unauthorized`),
 /// once set by [`on_credentials_refused`].
@@ -141,7 +142,9 @@ impl Shared {
                 };
                 let lease = match event {
                     None => return,
-                    Some(Ok(kube::runtime::watcher::Event::Apply(l) | kube::runtime::watcher::Event::InitApply(l))) => l,
+                    Some(Ok(kube::runtime::watcher::Event::Apply(l) | kube::runtime::watcher::Event::InitApply(l))) => {
+                        l
+                    }
                     Some(Ok(kube::runtime::watcher::Event::Delete(_))) => {
                         tx.send_replace(None);
                         continue;
@@ -190,10 +193,12 @@ impl Shared {
         };
         match api.create(&PostParams::default(), &secret).await {
             Ok(s) => read(s),
-            Err(e) if status(&e).is_some_and(kube::core::Status::is_already_exists) => match api.get(KEY_SECRET).await {
-                Ok(s) => read(s),
-                Err(e) => Err(failed(&format!("read the Secret `{KEY_SECRET}`"), &e)),
-            },
+            Err(e) if status(&e).is_some_and(kube::core::Status::is_already_exists) => {
+                match api.get(KEY_SECRET).await {
+                    Ok(s) => read(s),
+                    Err(e) => Err(failed(&format!("read the Secret `{KEY_SECRET}`"), &e)),
+                }
+            }
             Err(e) => Err(failed(&format!("make the Secret `{KEY_SECRET}`"), &e)),
         }
     }
@@ -215,9 +220,10 @@ impl Shared {
                 };
                 match api.create(&PostParams::default(), &cm).await {
                     Ok(cm) => cm,
-                    Err(e) if status(&e).is_some_and(kube::core::Status::is_already_exists) => {
-                        api.get(DOCUMENTS).await.map_err(|e| failed(&format!("read the ConfigMap `{DOCUMENTS}`"), &e))?
-                    }
+                    Err(e) if status(&e).is_some_and(kube::core::Status::is_already_exists) => api
+                        .get(DOCUMENTS)
+                        .await
+                        .map_err(|e| failed(&format!("read the ConfigMap `{DOCUMENTS}`"), &e))?,
                     Err(e) => return Err(failed(&format!("make the ConfigMap `{DOCUMENTS}`"), &e)),
                 }
             }

@@ -1429,7 +1429,8 @@ fn scan(sandboxes: &Path, creating: &HashSet<String>) -> std::io::Result<Scanned
         };
         let endpoint = Endpoint::Unix(dir.socket());
         let paused = dir.read_cgroups().is_some_and(|c| c.is_frozen());
-        let record = |ended| Record { spec: spec.clone(), endpoint: endpoint.clone(), ended, claim: None, paused, ready: None };
+        let record =
+            |ended| Record { spec: spec.clone(), endpoint: endpoint.clone(), ended, claim: None, paused, ready: None };
         if creating.contains(&id) {
             out.found.push((record(None), None));
             continue;

@@ -225,7 +225,14 @@ impl Provider for FakeProvider {
             Endpoints::Same(endpoint) => endpoint.clone(),
             Endpoints::Each(endpoint_of) => endpoint_of(spec),
         };
-        let record = Record { spec: spec.clone(), endpoint: endpoint.clone(), ended: None, claim: None, paused: false, ready: None };
+        let record = Record {
+            spec: spec.clone(),
+            endpoint: endpoint.clone(),
+            ended: None,
+            claim: None,
+            paused: false,
+            ready: None,
+        };
         self.records.lock().unwrap_or_else(PoisonError::into_inner).insert(spec.id.clone(), record);
         Ok(endpoint)
     }

@@ -278,8 +278,16 @@ pub async fn run(
     let app = api::router_with(service.clone(), limits(&args), fusion_config(&args, &listen));
     on_start(&Started { listen, socket: socket.clone(), token: source, recovered, found_dead });
     let edge = edge(&args, max_connections);
-    serve_until(listener, unix, app, edge, service.draining.clone(), Duration::from_secs(args.shutdown_drain_s), shutdown)
-        .await;
+    serve_until(
+        listener,
+        unix,
+        app,
+        edge,
+        service.draining.clone(),
+        Duration::from_secs(args.shutdown_drain_s),
+        shutdown,
+    )
+    .await;
     if let Some(path) = &socket {
         let _ = std::fs::remove_file(path);
     }

@@ -99,7 +99,8 @@ async fn dispatch(State(replica): State<Arc<Replica>>, req: Request) -> Response
         "/metrics" => {
             // A follower's own: Prometheus scrapes every pod, and only the leader's figures
             // are the service's.
-            return ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], "sandman_replica_leading 0\n").into_response();
+            return ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], "sandman_replica_leading 0\n")
+                .into_response();
         }
         _ => {}
     }
@@ -328,8 +329,7 @@ mod tests {
         assert_eq!(status, StatusCode::CREATED, "{body}");
         assert_eq!(headers.get("x-leader").and_then(|v| v.to_str().ok()), Some("echo"));
         assert_eq!(
-            body,
-            r#"POST /v1/sandboxes/sb-1/exec?x=1 auth=Bearer secret forwarded=1 body={"argv":["true"]}"#,
+            body, r#"POST /v1/sandboxes/sb-1/exec?x=1 auth=Bearer secret forwarded=1 body={"argv":["true"]}"#,
             "the method, path, query, token and body reach the leader, marked as passed on once"
         );
         // Its own health and readiness, and metrics that say it does not lead.
@@ -383,12 +383,14 @@ mod tests {
         let provider = crate::provider::AnyProvider::Fake(FakeProvider::new(Endpoint::Unix(dir.path().join("x"))));
         let service = Service::new(settings, provider, "t".into());
         service.start_background();
-        let leader_app = router(service.clone(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 8 });
+        let leader_app =
+            router(service.clone(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 8 });
         // A follower in front of the leader, as the Service would route a client to either.
         let leader = Replica::new("127.0.0.1:2".into(), watch::channel(None).1, CancellationToken::new());
         let _ = leader.leading.set((leader_app, service));
         let leader_addr = serve(leader.router()).await;
-        let follower = Replica::new("127.0.0.1:3".into(), watch::channel(Some(leader_addr)).1, CancellationToken::new());
+        let follower =
+            Replica::new("127.0.0.1:3".into(), watch::channel(Some(leader_addr)).1, CancellationToken::new());
         let app = follower.router();
         let create = http::Request::builder()
             .method("POST")

@@ -88,9 +88,10 @@ impl Store {
     pub async fn saved(&self) -> ServerResult<()> {
         match self {
             Store::Dir(_) => Ok(()),
-            Store::Shared { documents, .. } => documents.written(documents.version()).await.map_err(|why| {
-                ServerError::Unavailable(format!("the change could not be kept in the cluster: {why}"))
-            }),
+            Store::Shared { documents, .. } => documents
+                .written(documents.version())
+                .await
+                .map_err(|why| ServerError::Unavailable(format!("the change could not be kept in the cluster: {why}"))),
         }
     }
 
@@ -99,10 +100,7 @@ impl Store {
     pub fn signer(&self) -> Result<Signer, String> {
         match self {
             Store::Dir(dir) => Signer::open(dir).map_err(|e| {
-                format!(
-                    "cannot read or make the signing key {}: {e}",
-                    dir.join(crate::conditions::KEY_FILE).display()
-                )
+                format!("cannot read or make the signing key {}: {e}", dir.join(crate::conditions::KEY_FILE).display())
             }),
             Store::Shared { key, .. } => Ok(Signer::new(key)),
         }

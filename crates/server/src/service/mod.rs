@@ -27,11 +27,11 @@ mod pools;
 mod prepare;
 mod queue;
 mod recovery;
+#[cfg(test)]
+mod replica_tests;
 mod request;
 mod snapshots;
 mod table;
-#[cfg(test)]
-mod replica_tests;
 #[cfg(test)]
 mod tests;
 

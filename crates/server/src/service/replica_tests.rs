@@ -64,8 +64,7 @@ async fn leader(
     let documents = shared.documents(CancellationToken::new()).await.unwrap_or_else(|e| panic!("{e}"));
     let key = shared.key(|| vec![3u8; 32]).await.unwrap_or_else(|e| panic!("{e}"));
     let store = Store::Shared { documents, key: key.into() };
-    let settings =
-        Settings { create_rate: None, daemons: Daemons::Absent, store, ..Settings::new(dir.to_path_buf()) };
+    let settings = Settings { create_rate: None, daemons: Daemons::Absent, store, ..Settings::new(dir.to_path_buf()) };
     let s = Service::new(settings, AnyProvider::Fake(provider), "t".into());
     s.start_background();
     s
@@ -136,11 +135,14 @@ async fn the_next_leader_has_the_jobs_pools_and_usage_the_last_one_kept() {
     let objects: Arc<Mutex<BTreeMap<String, serde_json::Value>>> = Arc::default();
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let first = leader(dir.path(), FakeProvider::new(Endpoint::Unix(dir.path().join("x"))), objects.clone()).await;
-    first
-        .put_job("train", JobSpec { max_sandboxes: Some(3), ..JobSpec::default() })
-        .unwrap_or_else(|e| panic!("{e}"));
+    first.put_job("train", JobSpec { max_sandboxes: Some(3), ..JobSpec::default() }).unwrap_or_else(|e| panic!("{e}"));
     let made = first
-        .create(CreateSandbox { image: "img".into(), wait: true, job: Some("train".into()), ..CreateSandbox::default() })
+        .create(CreateSandbox {
+            image: "img".into(),
+            wait: true,
+            job: Some("train".into()),
+            ..CreateSandbox::default()
+        })
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     first.release(&made.id, Reason::Released).await.unwrap_or_else(|e| panic!("{e}"));
