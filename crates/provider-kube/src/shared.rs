@@ -18,15 +18,13 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
-use kube_lease_manager::LeaseManagerBuilder;
 use sandman_provider::ProviderError;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 /// The task that holds (or campaigns for) the Lease: it releases the Lease and ends once every
-/// receiver [`Shared::elect`] gave is dropped.
-pub type Election =
-    tokio::task::JoinHandle<Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>>;
+/// receiver [`Shared::elect`] gave is dropped, or once it stops leading.
+pub type Election = tokio::task::JoinHandle<()>;
 
 /// What the process does when the API server refuses its credentials (`401 Unauthorized`),
 /// once set by [`on_credentials_refused`].
@@ -60,8 +58,11 @@ const KEY_FIELD: &str = "key";
 /// Seconds a leader's Lease holds without a renewal; a follower takes over at most this long
 /// after a leader dies without releasing it.
 pub const LEASE_DURATION_S: u64 = 15;
-/// Seconds before its end a leader renews the Lease.
-const LEASE_GRACE_S: u64 = 5;
+/// How often a leader renews the Lease, and a follower looks at it.
+const LEASE_RETRY: Duration = Duration::from_secs(2);
+/// A leader that has not renewed the Lease for this long stops leading, before any follower may
+/// take it ([`LEASE_DURATION_S`] after it last saw it change).
+const RENEW_DEADLINE: Duration = Duration::from_secs(10);
 
 fn labels() -> BTreeMap<String, String> {
     BTreeMap::from([
@@ -110,20 +111,53 @@ impl Shared {
     }
 
     /// Campaigns for the Lease as `identity` (the replica's address, which followers forward
-    /// to): the receiver is `true` while this replica leads. Dropping every receiver releases
-    /// the Lease, so that a follower takes over at once rather than when it expires.
+    /// to): the receiver is `true` while this replica leads. As client-go's leader election:
+    /// every write of the Lease is a replace carrying the `resourceVersion` read just before, so
+    /// of two replicas writing at once one wins; a follower takes the Lease only once it has
+    /// seen it unchanged for [`LEASE_DURATION_S`] by its own clock; and a leader that could not
+    /// renew it for [`RENEW_DEADLINE`] (shorter) stops leading, the receiver turns `false` and
+    /// the task ends. Dropping every receiver releases the Lease, so that a follower takes over
+    /// at its next look rather than when the Lease expires.
     pub async fn elect(&self, identity: &str) -> Result<(watch::Receiver<bool>, Election), ProviderError> {
-        let manager = LeaseManagerBuilder::new(self.client.clone(), LEASE)
-            .with_namespace(&self.namespace)
-            .with_identity(identity)
-            .with_duration(LEASE_DURATION_S)
-            .with_grace(LEASE_GRACE_S)
-            .with_field_manager("sandman-server")
-            .build()
-            .await
-            .map_err(|e| ProviderError::Backend(format!("cannot use the Lease `{LEASE}`: {e}")))?;
-        let (leading, task) = manager.watch().await;
-        Ok((leading, task))
+        let api: Api<Lease> = Api::namespaced(self.client.clone(), &self.namespace);
+        api.get_opt(LEASE).await.map_err(|e| failed(&format!("read the Lease `{LEASE}`"), &e))?;
+        let (tx, rx) = watch::channel(false);
+        let identity = identity.to_string();
+        let task = tokio::spawn(async move {
+            let mut elector = Elector { api, identity, observed: None };
+            let mut renewed: Option<tokio::time::Instant> = None;
+            loop {
+                match elector.try_acquire_or_renew().await {
+                    Ok(true) => renewed = Some(tokio::time::Instant::now()),
+                    Ok(false) => {
+                        if renewed.is_some() {
+                            tracing::error!(lease = LEASE, "another replica holds the Lease");
+                            tx.send_replace(false);
+                            return;
+                        }
+                    }
+                    Err(e) => tracing::warn!(lease = LEASE, error = %e, "cannot read or write the Lease"),
+                }
+                if let Some(at) = renewed {
+                    if at.elapsed() > RENEW_DEADLINE {
+                        tracing::error!(lease = LEASE, "could not renew the Lease in time: no longer leading");
+                        tx.send_replace(false);
+                        return;
+                    }
+                    tx.send_if_modified(|l| !std::mem::replace(l, true));
+                }
+                tokio::select! {
+                    () = tx.closed() => {
+                        if renewed.is_some() {
+                            elector.release().await;
+                        }
+                        return;
+                    }
+                    () = tokio::time::sleep(LEASE_RETRY) => {}
+                }
+            }
+        });
+        Ok((rx, task))
     }
 
     /// The leader's identity as the Lease names it, followed by one watch of that one object:
@@ -382,6 +416,89 @@ impl Documents {
                 () = cancel.cancelled() => return,
                 () = self.wake.notified() => {}
             }
+        }
+    }
+}
+
+/// One replica's view of the Lease while it campaigns or leads.
+struct Elector {
+    api: Api<Lease>,
+    identity: String,
+    /// The Lease's `resourceVersion` when this replica last saw it change, and when (by its own
+    /// clock: another replica's `renewTime` is never compared with this one's clock).
+    observed: Option<(String, tokio::time::Instant)>,
+}
+
+impl Elector {
+    /// Takes or renews the Lease: `true` when this replica holds it now.
+    async fn try_acquire_or_renew(&mut self) -> Result<bool, String> {
+        let now = tokio::time::Instant::now();
+        let stamp = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(k8s_openapi::jiff::Timestamp::now());
+        let Some(mut lease) = self.api.get_opt(LEASE).await.map_err(|e| crate::api::chain(&e))? else {
+            let lease = Lease {
+                metadata: ObjectMeta { name: Some(LEASE.into()), labels: Some(labels()), ..ObjectMeta::default() },
+                spec: Some(k8s_openapi::api::coordination::v1::LeaseSpec {
+                    holder_identity: Some(self.identity.clone()),
+                    lease_duration_seconds: Some(LEASE_DURATION_S as i32),
+                    acquire_time: Some(stamp.clone()),
+                    renew_time: Some(stamp),
+                    lease_transitions: Some(0),
+                    ..Default::default()
+                }),
+            };
+            return match self.api.create(&PostParams::default(), &lease).await {
+                Ok(_) => Ok(true),
+                Err(e) if status(&e).is_some_and(kube::core::Status::is_already_exists) => Ok(false),
+                Err(e) => Err(crate::api::chain(&e)),
+            };
+        };
+        let rv = lease.metadata.resource_version.clone().unwrap_or_default();
+        if self.observed.as_ref().is_none_or(|(seen, _)| *seen != rv) {
+            self.observed = Some((rv, now));
+        }
+        let spec = lease.spec.get_or_insert_with(Default::default);
+        let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
+        let mine = holder.as_deref() == Some(self.identity.as_str());
+        if let (Some(_), false) = (&holder, mine) {
+            let duration =
+                Duration::from_secs(spec.lease_duration_seconds.map_or(LEASE_DURATION_S, |d| d.max(1) as u64));
+            let since = self.observed.as_ref().map_or(now, |(_, at)| *at);
+            if now.saturating_duration_since(since) < duration {
+                return Ok(false);
+            }
+        }
+        if !mine {
+            spec.acquire_time = Some(stamp.clone());
+            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + i32::from(holder.is_some()));
+        }
+        spec.holder_identity = Some(self.identity.clone());
+        spec.lease_duration_seconds = Some(LEASE_DURATION_S as i32);
+        spec.renew_time = Some(stamp);
+        // A replace carries the resourceVersion just read: a write by anyone since is a conflict.
+        match self.api.replace(LEASE, &PostParams::default(), &lease).await {
+            Ok(written) => {
+                let rv = written.metadata.resource_version.unwrap_or_default();
+                self.observed = Some((rv, tokio::time::Instant::now()));
+                Ok(true)
+            }
+            Err(e) if status(&e).is_some_and(kube::core::Status::is_conflict) => Ok(false),
+            Err(e) => Err(crate::api::chain(&e)),
+        }
+    }
+
+    /// Gives the Lease up, if this replica still holds it, so that a follower need not wait for
+    /// it to expire.
+    async fn release(&self) {
+        let Ok(Some(mut lease)) = self.api.get_opt(LEASE).await else { return };
+        let Some(spec) = lease.spec.as_mut() else { return };
+        if spec.holder_identity.as_deref() != Some(self.identity.as_str()) {
+            return;
+        }
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        match self.api.replace(LEASE, &PostParams::default(), &lease).await {
+            Ok(_) => tracing::info!(lease = LEASE, "released the Lease"),
+            Err(e) => tracing::warn!(lease = LEASE, error = %crate::api::chain(&e), "cannot release the Lease"),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use common::{Reply, mock, ok};
 use http::StatusCode;
-use sandman_provider_kube::shared::{DOCUMENTS, KEY_SECRET, Shared};
+use sandman_provider_kube::shared::{DOCUMENTS, KEY_SECRET, LEASE, Shared};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -27,6 +27,7 @@ fn status(code: u16, reason: &str) -> Reply {
 struct Objects {
     configmap: Option<Value>,
     secret: Option<Value>,
+    lease: Option<Value>,
     rv: u64,
     /// Another writer's update lands before the next replace.
     someone_else_writes: bool,
@@ -34,6 +35,31 @@ struct Objects {
 
 impl Objects {
     fn handle(&mut self, method: &str, path: &str, body: Value) -> Reply {
+        let lease_path = format!("/apis/coordination.k8s.io/v1/namespaces/{NS}/leases");
+        if path == format!("{lease_path}/{LEASE}") && method == "GET" {
+            return self.lease.clone().map_or_else(|| status(404, "NotFound"), ok);
+        }
+        if path == lease_path && method == "POST" {
+            if self.lease.is_some() {
+                return status(409, "AlreadyExists");
+            }
+            self.rv += 1;
+            let mut lease = body;
+            lease["metadata"]["resourceVersion"] = self.rv.to_string().into();
+            self.lease = Some(lease.clone());
+            return Reply::Json(StatusCode::CREATED, lease);
+        }
+        if path == format!("{lease_path}/{LEASE}") && method == "PUT" {
+            let current = self.lease.as_ref().map(|l| l["metadata"]["resourceVersion"].clone());
+            if current != Some(body["metadata"]["resourceVersion"].clone()) {
+                return status(409, "Conflict");
+            }
+            self.rv += 1;
+            let mut lease = body;
+            lease["metadata"]["resourceVersion"] = self.rv.to_string().into();
+            self.lease = Some(lease.clone());
+            return ok(lease);
+        }
         let cm_path = format!("/api/v1/namespaces/{NS}/configmaps");
         let secret_path = format!("/api/v1/namespaces/{NS}/secrets");
         if path == format!("{cm_path}/{DOCUMENTS}") && method == "GET" {
@@ -135,4 +161,69 @@ async fn the_conditions_key_is_made_once_and_read_by_every_replica() {
     objects.lock().unwrap().secret = Some(json!({"metadata": {"name": KEY_SECRET}, "data": {"key": "c2hvcnQ="}}));
     let err = shared.key(|| vec![1u8; 32]).await.unwrap_err().to_string();
     assert!(err.contains(KEY_SECRET) && err.contains("5 bytes"), "{err}");
+}
+
+fn holder(objects: &Mutex<Objects>) -> Option<String> {
+    objects.lock().unwrap().lease.as_ref().and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string))
+}
+
+/// Two replicas campaign on one Lease: one leads, the other waits as long as the leader renews,
+/// takes over at its next look once the leader releases it, and a leader whose Lease someone
+/// else wrote stops leading at its next renewal.
+#[tokio::test(start_paused = true)]
+async fn one_replica_leads_until_it_releases_the_lease_or_another_writes_it() {
+    let objects = Arc::new(Mutex::new(Objects::default()));
+    let shared_objects = objects.clone();
+    let (client, _mock) = mock(move |req| shared_objects.lock().unwrap().handle(&req.method, &req.path, req.json()));
+    let (a, b) = (Shared::new(client.clone(), NS), Shared::new(client, NS));
+    let (mut a_leads, a_task) = a.elect("10.0.0.1:7777").await.unwrap();
+    a_leads.wait_for(|l| *l).await.unwrap();
+    assert_eq!(holder(&objects).as_deref(), Some("10.0.0.1:7777"));
+    let (mut b_leads, _b_task) = b.elect("10.0.0.2:7777").await.unwrap();
+    // A minute of renewals: the follower never finds the Lease unchanged for its duration.
+    tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+    assert!(!*b_leads.borrow(), "two leaders");
+    assert!(*a_leads.borrow());
+    // The leader lets go: the follower takes over at its next look, long before 15 s.
+    let released = tokio::time::Instant::now();
+    drop(a_leads);
+    a_task.await.unwrap();
+    b_leads.wait_for(|l| *l).await.unwrap();
+    assert!(released.elapsed() < std::time::Duration::from_secs(5), "{:?}", released.elapsed());
+    assert_eq!(holder(&objects).as_deref(), Some("10.0.0.2:7777"));
+    // Someone else writes the Lease (a replica that took it after missing renewals): the
+    // leader's next renewal finds it and it stops leading.
+    {
+        let mut o = objects.lock().unwrap();
+        o.rv += 1;
+        let rv = o.rv.to_string();
+        let lease = o.lease.as_mut().unwrap();
+        lease["spec"]["holderIdentity"] = "10.0.0.3:7777".into();
+        lease["metadata"]["resourceVersion"] = rv.into();
+    }
+    b_leads.wait_for(|l| !*l).await.unwrap();
+    assert_eq!(holder(&objects).as_deref(), Some("10.0.0.3:7777"), "the deposed leader wrote the Lease back");
+}
+
+/// A leader that dies without letting go: a follower takes the Lease once it has seen it
+/// unchanged for the Lease's duration, and not before.
+#[tokio::test(start_paused = true)]
+async fn a_follower_takes_over_from_a_dead_leader_after_the_lease_duration() {
+    let objects = Arc::new(Mutex::new(Objects::default()));
+    let shared_objects = objects.clone();
+    let (client, _mock) = mock(move |req| shared_objects.lock().unwrap().handle(&req.method, &req.path, req.json()));
+    let (a, b) = (Shared::new(client.clone(), NS), Shared::new(client, NS));
+    let (mut a_leads, a_task) = a.elect("10.0.0.1:7777").await.unwrap();
+    a_leads.wait_for(|l| *l).await.unwrap();
+    let (mut b_leads, _b_task) = b.elect("10.0.0.2:7777").await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    // Killed: no more renewals, no release.
+    a_task.abort();
+    let died = tokio::time::Instant::now();
+    b_leads.wait_for(|l| *l).await.unwrap();
+    let took = died.elapsed();
+    let duration = std::time::Duration::from_secs(sandman_provider_kube::shared::LEASE_DURATION_S);
+    assert!(took >= duration - std::time::Duration::from_secs(2), "took over after {took:?}, before the Lease ran out");
+    assert!(took <= duration + std::time::Duration::from_secs(3), "took over only after {took:?}");
+    assert_eq!(holder(&objects).as_deref(), Some("10.0.0.2:7777"));
 }
