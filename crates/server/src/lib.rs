@@ -489,7 +489,7 @@ async fn run_replica(
                 })
                 .await
                 .map_err(|e| e.to_string())?;
-            let provider = build_provider(&args, &state_dir).await.map_err(|e| error_chain(&e))?;
+            let provider = build_provider(&args, &state_dir).await.map_err(|e| daemon::with_causes(&e))?;
             let fenced = documents.fenced();
             let store = store::Store::Shared { documents, key: key.into() };
             let service = Service::new(settings(&args, &state_dir, store), provider, token);
@@ -540,18 +540,6 @@ async fn run_replica(
         Ok(replicas::Ended::Deposed(why)) => Err(ServeError::Replicas(format!("stopped leading: {why}"))),
         Err(e) => Err(ServeError::Replicas(format!("the election task failed: {e}"))),
     }
-}
-
-/// An error and its sources, on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        next = s.source();
-    }
-    out
 }
 
 /// The URL clients reach the server at, from the address it listens on: an unspecified

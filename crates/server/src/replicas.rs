@@ -392,26 +392,21 @@ mod tests {
         let follower =
             Replica::new("127.0.0.1:3".into(), watch::channel(Some(leader_addr)).1, CancellationToken::new());
         let app = follower.router();
-        let create = http::Request::builder()
-            .method("POST")
-            .uri("/v1/sandboxes")
-            .header("authorization", "Bearer t")
-            .header("content-type", "application/json")
-            .body(Body::from(r#"{"image":"img","idempotency_key":"k1"}"#))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let (status, _, body) = call(&app, create).await;
+        let create = || {
+            http::Request::builder()
+                .method("POST")
+                .uri("/v1/sandboxes")
+                .header("authorization", "Bearer t")
+                .header("content-type", "application/json")
+                .body(Body::from(r#"{"image":"img","idempotency_key":"k1"}"#))
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let (status, _, body) = call(&app, create()).await;
         assert_eq!(status, StatusCode::OK, "{body}");
         let made: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
         assert_eq!(made["state"], "ready", "{body}");
         // The same key through the leader itself: the same sandbox.
-        let again = http::Request::builder()
-            .method("POST")
-            .uri("/v1/sandboxes")
-            .header("authorization", "Bearer t")
-            .header("content-type", "application/json")
-            .body(Body::from(r#"{"image":"img","idempotency_key":"k1"}"#))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let (_, _, body) = call(&Arc::clone(&leader).router(), again).await;
+        let (_, _, body) = call(&Arc::clone(&leader).router(), create()).await;
         let same: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
         assert_eq!(same["id"], made["id"]);
         // A wrong token is refused by the leader (the follower passes the call on as it is).
