@@ -308,6 +308,10 @@ pub struct Documents {
 
 /// Pause after a write the API server refused for a reason other than a conflict.
 const RETRY: Duration = Duration::from_secs(1);
+/// The least time between two writes of the ConfigMap: changes made meanwhile (a sandbox's
+/// accounting sums at each end, in a burst) go in the next write, so that the API server takes
+/// at most ten writes a second from it however fast sandboxes come and go.
+const WRITE_EVERY: Duration = Duration::from_millis(100);
 
 impl Documents {
     fn lock(&self) -> std::sync::MutexGuard<'_, DocState> {
@@ -380,6 +384,10 @@ impl Documents {
                     Ok(cm) => {
                         self.lock().resource_version = cm.metadata.resource_version;
                         self.written.send_replace(Written::Upto(version));
+                        tokio::select! {
+                            () = cancel.cancelled() => return,
+                            () = tokio::time::sleep(WRITE_EVERY) => {}
+                        }
                         continue;
                     }
                     Err(e) if status(&e).is_some_and(|s| s.code == 401) => {
