@@ -124,12 +124,7 @@ pub async fn forward(
         service.tasks.spawn(async move {
             // The spliced connection is the call: the lease is held while it lasts.
             let _held = held;
-            let (Ok(client), Ok(daemon)) = (inbound.await, outbound.await) else { return };
-            let _ = tokio::io::copy_bidirectional(
-                &mut hyper_util::rt::TokioIo::new(client),
-                &mut hyper_util::rt::TokioIo::new(daemon),
-            )
-            .await;
+            splice(inbound, outbound).await;
         });
     }
     let (mut parts, body) = resp.into_parts();
@@ -141,6 +136,17 @@ pub async fn forward(
         keep_upgrade(&kept, &mut parts.headers);
     }
     Ok(Response::from_parts(parts, sandman_http::holding(Body::new(body), held)).into_response())
+}
+
+/// Once both sides of an HTTP/1.1 upgrade have switched, copies bytes both ways until either
+/// closes.
+pub(crate) async fn splice(inbound: hyper::upgrade::OnUpgrade, outbound: hyper::upgrade::OnUpgrade) {
+    let (Ok(client), Ok(server)) = (inbound.await, outbound.await) else { return };
+    let _ = tokio::io::copy_bidirectional(
+        &mut hyper_util::rt::TokioIo::new(client),
+        &mut hyper_util::rt::TokioIo::new(server),
+    )
+    .await;
 }
 
 /// Whether a request asks to switch protocols (`Connection: upgrade` with `Upgrade`).

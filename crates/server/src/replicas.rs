@@ -183,14 +183,7 @@ async fn forward(replica: &Replica, addr: &str, mut req: Request) -> Response {
     let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(inbound)) = (switching, inbound) {
         let outbound = hyper::upgrade::on(&mut resp);
-        tokio::spawn(async move {
-            let (Ok(client), Ok(leader)) = (inbound.await, outbound.await) else { return };
-            let _ = tokio::io::copy_bidirectional(
-                &mut hyper_util::rt::TokioIo::new(client),
-                &mut hyper_util::rt::TokioIo::new(leader),
-            )
-            .await;
-        });
+        tokio::spawn(crate::proxy::splice(inbound, outbound));
     }
     let (mut parts, body) = resp.into_parts();
     let kept = parts.headers.clone();
