@@ -412,3 +412,76 @@ mod tests {
         assert_eq!(status, StatusCode::UNAUTHORIZED);
     }
 }
+
+#[cfg(test)]
+mod upgrade_tests {
+    use axum::Router;
+    use axum::extract::Request;
+    use axum::response::{IntoResponse, Response};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::sync::watch;
+    use tokio_util::sync::CancellationToken;
+
+    use super::Replica;
+
+    /// A leader whose every call switches protocols and then echoes what it reads.
+    fn echoing_leader() -> Router {
+        Router::new().fallback(|mut req: Request| async move {
+            let upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let Ok(upgraded) = upgrade.await else { return };
+                let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                let mut buf = [0u8; 64];
+                while let Ok(n) = io.read(&mut buf).await {
+                    if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let resp: Response = (
+                http::StatusCode::SWITCHING_PROTOCOLS,
+                [(http::header::CONNECTION, "upgrade"), (http::header::UPGRADE, "websocket")],
+            )
+                .into_response();
+            resp
+        })
+    }
+
+    async fn serve(app: Router) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}")).to_string();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    }
+
+    /// A WebSocket to a sandbox's port, sent to a follower: the follower passes the upgrade on
+    /// and splices the two connections, so bytes go through both ways.
+    #[tokio::test]
+    async fn a_follower_passes_an_upgrade_on_and_splices_the_connections() {
+        let leader = serve(echoing_leader()).await;
+        let follower = Replica::new("127.0.0.1:1".into(), watch::channel(Some(leader)).1, CancellationToken::new());
+        let addr = serve(follower.router()).await;
+        let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap_or_else(|e| panic!("{e}"));
+        conn.write_all(
+            b"GET /v1/sandboxes/sb-1/ports/8080/ws HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut byte = [0u8; 1];
+            conn.read_exact(&mut byte).await.unwrap_or_else(|e| panic!("{e}"));
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 101"), "{head}");
+        assert!(head.contains("upgrade: websocket"), "{head}");
+        conn.write_all(b"ping through two hops").await.unwrap_or_else(|e| panic!("{e}"));
+        let mut echoed = [0u8; 21];
+        tokio::time::timeout(std::time::Duration::from_secs(30), conn.read_exact(&mut echoed))
+            .await
+            .unwrap_or_else(|_| panic!("nothing came back through the spliced connections"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&echoed, b"ping through two hops");
+    }
+}
