@@ -33,75 +33,56 @@ struct Objects {
     someone_else_writes: bool,
 }
 
+/// Makes the object of `slot` from `body`, with a new resource version: 409 when it exists.
+fn create(slot: &mut Option<Value>, rv: &mut u64, mut body: Value) -> Reply {
+    if slot.is_some() {
+        return status(409, "AlreadyExists");
+    }
+    *rv += 1;
+    body["metadata"]["resourceVersion"] = rv.to_string().into();
+    *slot = Some(body.clone());
+    Reply::Json(StatusCode::CREATED, body)
+}
+
+/// Replaces the object of `slot` with `body`, as the API server does: only when `body` carries
+/// the resource version stored (else 409), and with a new one.
+fn replace(slot: &mut Option<Value>, rv: &mut u64, mut body: Value) -> Reply {
+    let stored = slot.as_ref().map(|o| o["metadata"]["resourceVersion"].clone());
+    if stored.is_none() || stored != Some(body["metadata"]["resourceVersion"].clone()) {
+        return status(409, "Conflict");
+    }
+    *rv += 1;
+    body["metadata"]["resourceVersion"] = rv.to_string().into();
+    *slot = Some(body.clone());
+    ok(body)
+}
+
 impl Objects {
     fn handle(&mut self, method: &str, path: &str, body: Value) -> Reply {
-        let lease_path = format!("/apis/coordination.k8s.io/v1/namespaces/{NS}/leases");
-        if path == format!("{lease_path}/{LEASE}") && method == "GET" {
-            return self.lease.clone().map_or_else(|| status(404, "NotFound"), ok);
-        }
-        if path == lease_path && method == "POST" {
-            if self.lease.is_some() {
-                return status(409, "AlreadyExists");
-            }
-            self.rv += 1;
-            let mut lease = body;
-            lease["metadata"]["resourceVersion"] = self.rv.to_string().into();
-            self.lease = Some(lease.clone());
-            return Reply::Json(StatusCode::CREATED, lease);
-        }
-        if path == format!("{lease_path}/{LEASE}") && method == "PUT" {
-            let current = self.lease.as_ref().map(|l| l["metadata"]["resourceVersion"].clone());
-            if current != Some(body["metadata"]["resourceVersion"].clone()) {
-                return status(409, "Conflict");
-            }
-            self.rv += 1;
-            let mut lease = body;
-            lease["metadata"]["resourceVersion"] = self.rv.to_string().into();
-            self.lease = Some(lease.clone());
-            return ok(lease);
-        }
-        let cm_path = format!("/api/v1/namespaces/{NS}/configmaps");
-        let secret_path = format!("/api/v1/namespaces/{NS}/secrets");
-        if path == format!("{cm_path}/{DOCUMENTS}") && method == "GET" {
-            return self.configmap.clone().map_or_else(|| status(404, "NotFound"), ok);
-        }
-        if path == cm_path && method == "POST" {
-            if self.configmap.is_some() {
-                return status(409, "AlreadyExists");
-            }
-            self.rv += 1;
-            let mut cm = body;
-            cm["metadata"]["resourceVersion"] = self.rv.to_string().into();
-            self.configmap = Some(cm.clone());
-            return Reply::Json(StatusCode::CREATED, cm);
-        }
-        if path == format!("{cm_path}/{DOCUMENTS}") && method == "PUT" {
-            if self.someone_else_writes {
-                self.someone_else_writes = false;
+        let leases = format!("/apis/coordination.k8s.io/v1/namespaces/{NS}/leases");
+        let configmaps = format!("/api/v1/namespaces/{NS}/configmaps");
+        let secrets = format!("/api/v1/namespaces/{NS}/secrets");
+        let (slot, named) = if path.starts_with(&leases) {
+            (&mut self.lease, format!("{leases}/{LEASE}"))
+        } else if path.starts_with(&configmaps) {
+            if method == "PUT" && std::mem::take(&mut self.someone_else_writes) {
                 self.rv += 1;
+                if let Some(cm) = self.configmap.as_mut() {
+                    cm["metadata"]["resourceVersion"] = self.rv.to_string().into();
+                }
             }
-            let current = self.configmap.as_ref().map(|c| c["metadata"]["resourceVersion"].clone());
-            let stored = Some(Value::String(self.rv.to_string()));
-            if current.is_none() || body["metadata"]["resourceVersion"] != stored.clone().unwrap() {
-                return status(409, "Conflict");
-            }
-            self.rv += 1;
-            let mut cm = body;
-            cm["metadata"]["resourceVersion"] = self.rv.to_string().into();
-            self.configmap = Some(cm.clone());
-            return ok(cm);
+            (&mut self.configmap, format!("{configmaps}/{DOCUMENTS}"))
+        } else if path.starts_with(&secrets) {
+            (&mut self.secret, format!("{secrets}/{KEY_SECRET}"))
+        } else {
+            return status(404, "NotFound");
+        };
+        match method {
+            "GET" if path == named => slot.clone().map_or_else(|| status(404, "NotFound"), ok),
+            "POST" if path != named => create(slot, &mut self.rv, body),
+            "PUT" if path == named => replace(slot, &mut self.rv, body),
+            _ => status(404, "NotFound"),
         }
-        if path == format!("{secret_path}/{KEY_SECRET}") && method == "GET" {
-            return self.secret.clone().map_or_else(|| status(404, "NotFound"), ok);
-        }
-        if path == secret_path && method == "POST" {
-            if self.secret.is_some() {
-                return status(409, "AlreadyExists");
-            }
-            self.secret = Some(body.clone());
-            return Reply::Json(StatusCode::CREATED, body);
-        }
-        status(404, "NotFound")
     }
 }
 
