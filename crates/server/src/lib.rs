@@ -15,6 +15,7 @@ pub mod events;
 pub mod fusion;
 pub mod journal;
 pub mod metrics;
+pub mod mirror;
 pub mod pool;
 pub mod prepare;
 pub mod provider;
@@ -471,7 +472,9 @@ async fn run_replica(
     });
     let watching = tokio_util::sync::CancellationToken::new();
     let draining = tokio_util::sync::CancellationToken::new();
-    let replica = replicas::Replica::new(me.clone(), shared.leader(watching.clone()), draining.clone());
+    let mirror = mirror::Mirror::new(token.clone(), args.max_output_bytes);
+    let replica = replicas::Replica::new(me.clone(), shared.leader(watching.clone()), draining.clone(), Some(mirror));
+    let following = tokio::spawn(replica.clone().follow(watching.clone()));
     let app = replica.router();
     on_start(&Started { listen: listen.clone(), socket: socket.clone(), token: source, recovered: 0, found_dead: 0 });
     tracing::info!(replica = me, namespace, "serving as a replica; campaigning for the Lease");
@@ -502,7 +505,8 @@ async fn run_replica(
                 draining.cancelled().await;
                 service_draining.cancel();
             });
-            let app = api::router_with(service.clone(), limits(&args), fusion_config(&args, &listen));
+            let app = api::router_with(service.clone(), limits(&args), fusion_config(&args, &listen))
+                .merge(mirror::leader_routes(service.clone()));
             Ok((app, service, fenced))
         }
     };
@@ -535,6 +539,7 @@ async fn run_replica(
         stop_service(service).await;
     }
     watching.cancel();
+    let _ = following.await;
     match ended {
         Ok(replicas::Ended::Stopped) => Ok(()),
         Ok(replicas::Ended::Deposed(why)) => Err(ServeError::Replicas(format!("stopped leading: {why}"))),

@@ -20,9 +20,13 @@ use http::header::{self, HeaderName};
 
 use sandman_wire::bounds;
 
+use sandman_provider::Endpoint;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::task::TaskTracker;
+
 use crate::daemon;
 use crate::error::{ServerError, ServerResult};
-use crate::service::Service;
+use crate::service::{BODY_BUDGET_KIB, Service};
 
 /// Headers that belong to one hop and are not forwarded.
 pub(crate) const HOP_BY_HOP: [HeaderName; 6] = [
@@ -37,14 +41,85 @@ pub(crate) const HOP_BY_HOP: [HeaderName; 6] = [
 pub async fn forward(
     State(service): State<Arc<Service>>,
     Path((id, rest)): Path<(String, String)>,
-    mut req: Request,
+    req: Request,
 ) -> ServerResult<Response> {
     let target = service.call_target_resuming(&id).await?;
+    service.metrics.proxied.inc();
+    let hop = Hop {
+        daemons: &service.daemons,
+        bodies: &service.bodies,
+        max_output_bytes: service.settings.max_output_bytes,
+        tasks: &service.tasks,
+    };
+    match pass(&hop, &id, &target.route, &rest, req, target.held).await {
+        Ok(resp) => Ok(resp),
+        Err(Failed::Server(e)) => Err(e),
+        // What answered is not the sandbox's daemon: the call was not sent, and the sandbox
+        // ends, untrusted; this call answers as every later one will.
+        Err(Failed::Unproven(why)) => {
+            let sb = service.get(&id)?;
+            service.distrust(&sb, &why).await;
+            Err(sb.gone_error())
+        }
+    }
+}
+
+/// Where a sandbox's proxied calls go and what the server adds to them: its daemon's endpoint
+/// and token, the claimer's environment, whether it is an `eval` sandbox (whose commands may not
+/// change what eval fixes), and its default user. The leader's table has it
+/// ([`Service::call_target`]); a follower replica keeps a copy (`crate::mirror`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Route {
+    pub endpoint: Endpoint,
+    pub token: String,
+    #[serde(default)]
+    pub env: Arc<BTreeMap<String, String>>,
+    #[serde(default)]
+    pub eval: bool,
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// What passing a call on to a daemon uses: the leader's service has one, and so has a follower
+/// replica that calls daemons itself.
+pub(crate) struct Hop<'a> {
+    pub daemons: &'a daemon::DaemonClient,
+    /// The budget of bodies read whole ([`hold_body`]).
+    pub bodies: &'a Arc<Semaphore>,
+    pub max_output_bytes: u64,
+    /// Owns the splice of an upgraded connection.
+    pub tasks: &'a TaskTracker,
+}
+
+/// Why [`pass`] gave no answer of the daemon's.
+#[derive(Debug)]
+pub(crate) enum Failed {
+    Server(ServerError),
+    /// A new connection to the daemon failed its identity proof: nothing was sent, and the
+    /// sandbox is no longer to be trusted.
+    Unproven(sandman_provider::identity::Unproven),
+}
+
+impl From<ServerError> for Failed {
+    fn from(e: ServerError) -> Self {
+        Failed::Server(e)
+    }
+}
+
+/// Passes `req` (the call `rest` of sandbox `id`) on to the daemon `route` names, with its
+/// token, and streams the answer back; `held` lives until the answer has been sent (or, for an
+/// upgrade, until the spliced connection closes).
+pub(crate) async fn pass<H: Send + Unpin + 'static>(
+    hop: &Hop<'_>,
+    id: &str,
+    route: &Route,
+    rest: &str,
+    mut req: Request,
+    held: H,
+) -> Result<Response, Failed> {
     let upgrade = is_upgrade(req.headers());
     let inbound = upgrade.then(|| hyper::upgrade::on(&mut req));
-    let (endpoint, token, held) = (target.endpoint, target.token, target.held);
-    service.metrics.proxied.inc();
-    let query = match (&target.user, creates_files(req.method(), &rest)) {
+    let query = match (&route.user, creates_files(req.method(), rest)) {
         (Some(user), true) => Some(with_user(req.uri().query(), user)),
         _ => req.uri().query().map(str::to_string),
     };
@@ -52,28 +127,28 @@ pub async fn forward(
         Some(q) => format!("/v1/{rest}?{q}"),
         None => format!("/v1/{rest}"),
     };
-    let uri =
-        daemon::uri(&endpoint, &path_and_query).map_err(|e| ServerError::InvalidArgument(format!("bad path: {e}")))?;
+    let uri = daemon::uri(&route.endpoint, &path_and_query)
+        .map_err(|e| ServerError::InvalidArgument(format!("bad path: {e}")))?;
     let (mut parts, body) = req.into_parts();
     let is_post_json = parts.method == http::Method::POST && is_json(&parts.headers);
-    let merges = (!target.env.is_empty() || target.eval || target.user.is_some()) && starts_command(&rest);
-    let holds_output = holds_output(&rest);
+    let merges = (!route.env.is_empty() || route.eval || route.user.is_some()) && starts_command(rest);
+    let holds_output = holds_output(rest);
     let body = if is_post_json && (merges || holds_output) {
-        let _held = service.hold_body(&parts.headers)?;
+        let _held = hold_body(hop.bodies, &parts.headers)?;
         let bytes = sandman_http::extract::read_limited(body, sandman_http::extract::MAX_JSON_BODY)
             .await
             .map_err(ServerError::Body)?;
         if holds_output {
-            check_output_cap(&bytes, service.settings.max_output_bytes)?;
+            check_output_cap(&bytes, hop.max_output_bytes)?;
         }
         if !merges {
             Body::from(bytes)
         } else {
-            if target.eval {
+            if route.eval {
                 check_eval_call(&bytes).map_err(ServerError::InvalidArgument)?;
             }
             parts.headers.remove(header::CONTENT_LENGTH);
-            Body::from(merge_defaults(bytes, &target.env, target.user.as_deref()))
+            Body::from(merge_defaults(bytes, &route.env, route.user.as_deref()))
         }
     } else {
         body
@@ -90,7 +165,7 @@ pub async fn forward(
             }
             headers.append(name.clone(), value.clone());
         }
-        if let Ok(v) = format!("Bearer {token}").parse() {
+        if let Ok(v) = format!("Bearer {}", route.token).parse() {
             headers.insert(header::AUTHORIZATION, v);
         }
         if upgrade {
@@ -98,21 +173,16 @@ pub async fn forward(
         }
     }
     let out = out.body(body).map_err(|e| ServerError::Internal(format!("cannot build the daemon request: {e}")))?;
-    let mut resp = match service.daemons.request(out).await {
+    let mut resp = match hop.daemons.request(out).await {
         Ok(resp) => resp,
-        // What answered is not the sandbox's daemon: the call was not sent, and the sandbox
-        // ends, untrusted; this call answers as every later one will.
         Err(e) => {
-            let Some(why) = daemon::unproven(&e).cloned() else {
-                return Err(ServerError::Unavailable(format!(
+            return Err(match daemon::unproven(&e).cloned() {
+                Some(why) => Failed::Unproven(why),
+                None => Failed::Server(ServerError::Unavailable(format!(
                     "sandbox `{id}` did not answer: {}",
                     daemon::with_causes(&e)
-                )));
-            };
-            let sb = service.get(&id)?;
-            drop(held);
-            service.distrust(&sb, &why).await;
-            return Err(sb.gone_error());
+                ))),
+            });
         }
     };
     let switching = resp.status() == http::StatusCode::SWITCHING_PROTOCOLS;
@@ -120,8 +190,8 @@ pub async fn forward(
     if let (true, Some(inbound)) = (switching, inbound) {
         let outbound = hyper::upgrade::on(&mut resp);
         let held = held.take();
-        // Owned by the service's tracker; it ends when either side closes.
-        service.tasks.spawn(async move {
+        // Owned by the tracker; it ends when either side closes.
+        hop.tasks.spawn(async move {
             // The spliced connection is the call: the lease is held while it lasts.
             let _held = held;
             splice(inbound, outbound).await;
@@ -136,6 +206,25 @@ pub async fn forward(
         keep_upgrade(&kept, &mut parts.headers);
     }
     Ok(Response::from_parts(parts, sandman_http::holding(Body::new(body), held)).into_response())
+}
+
+/// A share of the budget `bodies` of bodies the proxy reads whole, for one body of the size its
+/// `content-length` says (the JSON limit when it says none), held until the permit is dropped;
+/// `503 unavailable` when the budget is spent, rather than memory without bound.
+pub(crate) fn hold_body(bodies: &Arc<Semaphore>, headers: &http::HeaderMap) -> ServerResult<OwnedSemaphorePermit> {
+    let limit = sandman_http::extract::MAX_JSON_BODY as u64;
+    let len = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(limit, |n| n.min(limit));
+    let kib = u32::try_from(len.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    Arc::clone(bodies).try_acquire_many_owned(kib).map_err(|_| {
+        ServerError::Unavailable(format!(
+            "the server holds {} MiB of request bodies at once, its most; retry shortly",
+            BODY_BUDGET_KIB / 1024
+        ))
+    })
 }
 
 /// Once both sides of an HTTP/1.1 upgrade have switched, copies bytes both ways until either

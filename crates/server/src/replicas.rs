@@ -26,6 +26,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
+use crate::mirror::Mirror;
 use crate::service::Service;
 
 /// Set on a call one replica passes to another: a replica that gets one and does not lead
@@ -42,6 +43,9 @@ pub struct Replica {
     pub leader: watch::Receiver<Option<String>>,
     /// Cancelled when this replica's shutdown begins: `/readyz` answers 503.
     pub draining: CancellationToken,
+    /// The leader's routes, for the daemon calls this replica passes on itself while it
+    /// follows (`crate::mirror`); without one, every call goes to the leader.
+    pub mirror: Option<Arc<Mirror>>,
     client: Client<HttpConnector, Body>,
 }
 
@@ -56,14 +60,26 @@ impl std::fmt::Debug for Replica {
 }
 
 impl Replica {
-    pub fn new(me: String, leader: watch::Receiver<Option<String>>, draining: CancellationToken) -> Arc<Replica> {
+    pub fn new(
+        me: String,
+        leader: watch::Receiver<Option<String>>,
+        draining: CancellationToken,
+        mirror: Option<Arc<Mirror>>,
+    ) -> Arc<Replica> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
         let client = Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(connector);
-        Arc::new(Replica { me, leading: OnceLock::new(), leader, draining, client })
+        Arc::new(Replica { me, leading: OnceLock::new(), leader, draining, mirror, client })
+    }
+
+    /// Follows the leader's routes until `stop`, when this replica has a mirror.
+    pub async fn follow(self: Arc<Self>, stop: CancellationToken) {
+        if let Some(mirror) = &self.mirror {
+            mirror.clone().follow(self.me.clone(), self.leader.clone(), self.client.clone(), stop).await;
+        }
     }
 
     /// The router every replica serves: the leader's own, or passing calls on to it.
@@ -98,12 +114,26 @@ async fn dispatch(State(replica): State<Arc<Replica>>, req: Request) -> Response
         }
         "/metrics" => {
             // A follower's own: Prometheus scrapes every pod, and only the leader's figures
-            // are the service's.
-            return ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], "sandman_replica_leading 0\n")
-                .into_response();
+            // are the service's, but for the daemon calls this replica passed on itself.
+            let mut text = String::from("sandman_replica_leading 0\n");
+            if let Some(mirror) = &replica.mirror {
+                text.push_str(&format!(
+                    "sandman_replica_routes {}\nsandman_replica_direct_calls_total {}\n",
+                    mirror.len(),
+                    mirror.direct_calls()
+                ));
+            }
+            return ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response();
         }
         _ => {}
     }
+    let req = match &replica.mirror {
+        Some(mirror) => match mirror.serve(req).await {
+            Ok(resp) => return resp,
+            Err(req) => req,
+        },
+        None => req,
+    };
     if req.headers().contains_key(FORWARDED) {
         return unavailable(
             format!("replica {} was passed a call for the leader, and does not lead; try again", replica.me),
@@ -316,7 +346,7 @@ mod tests {
     async fn a_follower_passes_every_call_on_to_the_leader_with_its_token_and_body() {
         let leader = serve(echo()).await;
         let (_tx, rx) = watch::channel(Some(leader));
-        let replica = Replica::new("127.0.0.1:1".into(), rx, CancellationToken::new());
+        let replica = Replica::new("127.0.0.1:1".into(), rx, CancellationToken::new(), None);
         let app = replica.router();
         let (status, headers, body) = call(&app, post("/v1/sandboxes/sb-1/exec?x=1", r#"{"argv":["true"]}"#)).await;
         assert_eq!(status, StatusCode::CREATED, "{body}");
@@ -336,7 +366,7 @@ mod tests {
     async fn without_a_reachable_leader_a_call_answers_503_with_retry_after() {
         let (tx, rx) = watch::channel(None);
         let draining = CancellationToken::new();
-        let replica = Replica::new("127.0.0.1:1".into(), rx, draining.clone());
+        let replica = Replica::new("127.0.0.1:1".into(), rx, draining.clone(), None);
         let app = replica.router();
         let unavailable = |(status, headers, body): (StatusCode, http::HeaderMap, String)| {
             assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
@@ -379,11 +409,11 @@ mod tests {
         let leader_app =
             router(service.clone(), Limits { request_timeout: Duration::from_secs(30), max_concurrent: 8 });
         // A follower in front of the leader, as the Service would route a client to either.
-        let leader = Replica::new("127.0.0.1:2".into(), watch::channel(None).1, CancellationToken::new());
+        let leader = Replica::new("127.0.0.1:2".into(), watch::channel(None).1, CancellationToken::new(), None);
         let _ = leader.leading.set((leader_app, service));
         let leader_addr = serve(leader.router()).await;
         let follower =
-            Replica::new("127.0.0.1:3".into(), watch::channel(Some(leader_addr)).1, CancellationToken::new());
+            Replica::new("127.0.0.1:3".into(), watch::channel(Some(leader_addr)).1, CancellationToken::new(), None);
         let app = follower.router();
         let create = || {
             http::Request::builder()
@@ -459,7 +489,8 @@ mod upgrade_tests {
     #[tokio::test]
     async fn a_follower_passes_an_upgrade_on_and_splices_the_connections() {
         let leader = serve(echoing_leader()).await;
-        let follower = Replica::new("127.0.0.1:1".into(), watch::channel(Some(leader)).1, CancellationToken::new());
+        let follower =
+            Replica::new("127.0.0.1:1".into(), watch::channel(Some(leader)).1, CancellationToken::new(), None);
         let addr = serve(follower.router()).await;
         let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap_or_else(|e| panic!("{e}"));
         conn.write_all(

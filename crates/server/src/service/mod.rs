@@ -35,7 +35,6 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,6 +56,7 @@ use crate::journal::ReadyJournal;
 use crate::metrics::Metrics;
 use crate::prepare::Gates;
 use crate::provider::AnyProvider;
+use crate::proxy::Route;
 use crate::sandbox::{Backend, Sandbox};
 use crate::store::Store;
 
@@ -163,7 +163,7 @@ pub struct Service {
     /// Cancelled when shutdown begins: from then on `GET /readyz` answers 503 (see `run`).
     pub draining: CancellationToken,
     /// KiB of request bodies the proxy may hold whole at once (see [`Service::hold_body`]).
-    bodies: Arc<Semaphore>,
+    pub(crate) bodies: Arc<Semaphore>,
 }
 
 /// Sleeps until `at`, or for ever without one: the wait of a task that owns a schedule.
@@ -175,7 +175,7 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 /// Request bodies the proxy holds whole at once, at most: 256 MiB, in KiB.
-const BODY_BUDGET_KIB: usize = 256 * 1024;
+pub(crate) const BODY_BUDGET_KIB: usize = 256 * 1024;
 
 impl Service {
     pub fn new(settings: Settings, provider: AnyProvider, token: String) -> Arc<Self> {
@@ -299,33 +299,26 @@ impl Service {
         let now = Instant::now();
         inner.timers.begin(now);
         inner.daemon_touched = now;
-        Ok(CallTarget {
-            held: CallUnderWay(Arc::clone(&sb)),
-            endpoint,
-            token: sb.spec.token.clone(),
-            env: sb.env_overlay.clone(),
-            eval: sb.spec.profile == Profile::Eval,
-            user: crate::sandbox::default_user(sb.spec.server.user.as_deref(), inner.image_config.as_ref()),
-        })
+        let route = route_of(&sb, &inner, endpoint);
+        Ok(CallTarget { held: CallUnderWay(Arc::clone(&sb)), route })
     }
 
-    /// A share of the budget of bodies the proxy reads whole, for one body of the size its
-    /// `content-length` says (the JSON limit when it says none), held until the permit is
-    /// dropped; `503 unavailable` when the budget is spent, rather than memory without bound.
+    /// The route of sandbox `id` while a proxied call may go straight to its daemon: it is
+    /// ready, and not a pool's unclaimed sandbox (whose claim changes what its calls get). What
+    /// the leader tells follower replicas (`crate::mirror`).
+    pub fn route(&self, id: &str) -> Option<Route> {
+        let sb = self.table.get(id)?;
+        if sb.is_unclaimed_pool_member() {
+            return None;
+        }
+        let inner = sb.lock();
+        let endpoint = inner.endpoint.clone().filter(|_| inner.state == SandboxState::Ready)?;
+        Some(route_of(&sb, &inner, endpoint))
+    }
+
+    /// A share of the budget of bodies the proxy reads whole ([`crate::proxy::hold_body`]).
     pub fn hold_body(&self, headers: &http::HeaderMap) -> ServerResult<tokio::sync::OwnedSemaphorePermit> {
-        let limit = sandman_http::extract::MAX_JSON_BODY as u64;
-        let len = headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(limit, |n| n.min(limit));
-        let kib = u32::try_from(len.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
-        Arc::clone(&self.bodies).try_acquire_many_owned(kib).map_err(|_| {
-            ServerError::Unavailable(format!(
-                "the server holds {} MiB of request bodies at once, its most; retry shortly",
-                BODY_BUDGET_KIB / 1024
-            ))
-        })
+        crate::proxy::hold_body(&self.bodies, headers)
     }
 
     /// Brings the gauges computed on demand up to date (queue depth, achieved rate, pool
@@ -379,13 +372,17 @@ impl Service {
 pub struct CallTarget {
     /// The call is under way while this lives: keep it until the answer has been sent.
     pub held: CallUnderWay,
-    pub endpoint: Endpoint,
-    pub token: String,
-    pub env: Arc<BTreeMap<String, String>>,
-    /// An `eval` sandbox: its commands may not change the environment eval fixes.
-    pub eval: bool,
-    /// The sandbox's default user, given to its commands that name none.
-    pub user: Option<String>,
+    pub route: Route,
+}
+
+fn route_of(sb: &Sandbox, inner: &crate::sandbox::Inner, endpoint: Endpoint) -> Route {
+    Route {
+        endpoint,
+        token: sb.spec.token.clone(),
+        env: sb.env_overlay.clone(),
+        eval: sb.spec.profile == Profile::Eval,
+        user: crate::sandbox::default_user(sb.spec.server.user.as_deref(), inner.image_config.as_ref()),
+    }
 }
 
 /// A proxied call under way on a sandbox: its lease and idle timeout do not run out until this

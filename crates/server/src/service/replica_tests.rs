@@ -2,6 +2,7 @@
 //! API server: which sandboxes a replica taking over finds ready (those the old leader marked
 //! ready on the provider), and the documents one leader keeps that the next one reads.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use http_body_util::BodyExt;

@@ -142,8 +142,8 @@ impl Service {
             let query = form_urlencoded::Serializer::new(String::new()).append_pair("path", path).finish();
             let stat: FileStat = crate::daemon::call_json::<(), _>(
                 &self.daemons,
-                &target.endpoint,
-                &target.token,
+                &target.route.endpoint,
+                &target.route.token,
                 http::Method::GET,
                 &format!("/v1/stat?{query}"),
                 None,
@@ -157,16 +157,22 @@ impl Service {
                 )));
             }
             let archive_path = format!("/v1/archive?{query}");
-            let tar = crate::daemon::fetch_bytes(&self.daemons, &target.endpoint, &target.token, &archive_path, left)
-                .await
-                .map_err(|e| failed(path, e))?
-                .ok_or_else(|| {
-                    ServerError::InvalidArgument(format!(
-                        "the directories named in `paths` hold more than {max_bytes} bytes, the {} provider's bound \
+            let tar = crate::daemon::fetch_bytes(
+                &self.daemons,
+                &target.route.endpoint,
+                &target.route.token,
+                &archive_path,
+                left,
+            )
+            .await
+            .map_err(|e| failed(path, e))?
+            .ok_or_else(|| {
+                ServerError::InvalidArgument(format!(
+                    "the directories named in `paths` hold more than {max_bytes} bytes, the {} provider's bound \
                          for one snapshot",
-                        self.provider.name()
-                    ))
-                })?;
+                    self.provider.name()
+                ))
+            })?;
             left -= tar.len() as u64;
             dirs.push(NamedDir { path: path.clone(), mode: stat.mode, uid: stat.uid, gid: stat.gid, tar });
         }

@@ -1,7 +1,7 @@
 //! The service's behaviour over the fake provider: leases and timers, jobs, admission, pools,
 //! recovery, setup commands and preparing images.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use sandman_provider::ServerMeta;
 use sandman_provider::fake::FakeProvider;
@@ -466,7 +466,7 @@ async fn a_pool_fills_claims_hand_out_distinct_sandboxes_and_it_refills() {
         assert_eq!(sb.labels.get(POOL_LABEL).map(String::as_str), Some("warm"));
         let n = sb.labels.get("n").cloned().unwrap_or_default();
         let target = s.call_target(&sb.id).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(target.env.get("TASK"), Some(&n), "the claimer's env is kept for its calls");
+        assert_eq!(target.route.env.get("TASK"), Some(&n), "the claimer's env is kept for its calls");
         assert!(ids.insert(sb.id), "a sandbox was handed out twice");
     }
     assert_eq!(s.job("j").map(|j| j.live).ok(), Some(20));
@@ -582,7 +582,7 @@ async fn a_claim_the_provider_kept_is_recovered_without_the_claims_file() {
     settle().await;
     let sb = s.get("sb-pooled").map(|sb| sb.to_wire()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((sb.state, sb.job.as_deref()), (SandboxState::Ready, Some("j")));
-    assert_eq!(s.call_target("sb-pooled").map(|t| t.env.get("TASK").cloned()).ok(), Some(Some("7".into())));
+    assert_eq!(s.call_target("sb-pooled").map(|t| t.route.env.get("TASK").cloned()).ok(), Some(Some("7".into())));
     // Not an orphan of a pool this server does not know: still in the provider.
     assert_eq!(fake(&s).count(), 1);
 }
