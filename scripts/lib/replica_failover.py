@@ -9,6 +9,11 @@ replica, one at a time. Meanwhile each job's live sandbox pods are sampled twice
 must never exceed its quota. An exec that fails is one in flight where a replica went away: it is
 sent once more and must succeed. At the end every job is deleted and no sandbox pod may be left.
 
+Before the burst it times exec calls through 1, 2 and 3 replicas (`throughput`): the same client
+threads, spread over the leader alone, then over it and one follower, then over all three, with
+the CPU each replica, the sandboxes' daemons and the client used, read from `/proc` (the local
+cluster's node is this machine); and an exec's p50 through the leader and through a follower.
+
 Clients reach the replicas through a small TCP balancer on 127.0.0.1 that sends each new
 connection to the next ready endpoint of the Service `sandman` (as kube-proxy would; the local
 cluster runs none). Prints one line of figures, and `FAILED: …` with exit status 1 on any miss.
@@ -17,6 +22,7 @@ cluster runs none). Prints one line of figures, and `FAILED: …` with exit stat
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import socket
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
@@ -183,6 +190,144 @@ def hop_cost(args: argparse.Namespace, n: int = 200) -> str:
     )
 
 
+def server_pids() -> Dict[str, int]:
+    """The server replicas' processes on this machine (the local cluster's node), by pod IP."""
+    pids: Dict[str, int] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if b"--leader-election" not in argv or b"serve" not in argv:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        ip = env.get(b"POD_IP", b"").decode()
+        if ip:
+            pids[ip] = int(pid)
+    return pids
+
+
+def daemon_pids() -> List[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "sandmand":
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and of its children it waited for."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(args: argparse.Namespace, sandboxes: int = 12, threads: int = 24, seconds: float = 10.0) -> str:
+    """Exec calls a second through 1, 2 and 3 replicas (the leader first), the same clients and
+    sandboxes each time, with the CPU each replica, the daemons and this client used."""
+    _, holder = leader_pod(args)
+    leader_ip, port = holder.rsplit(":", 1)
+    ips = [leader_ip] + [ip for _, ip in server_pods(args) if ip != leader_ip]
+    pids = server_pids()
+    missing = [ip for ip in ips if ip not in pids]
+    if missing:
+        raise RuntimeError(f"no server process on this machine for the replicas at {missing}")
+    client = sandman.Sandman(f"http://{holder}", args.token, retries=0)
+    made = [client.create(args.image, resources={"cpu": "10m", "memory": "16Mi"}) for _ in range(sandboxes)]
+    ids = [sb.id for sb in made]
+    # Each follower has every route before it is timed.
+    deadline = time.monotonic() + 60
+    for ip in ips[1:]:
+        while True:
+            metrics = urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10).read().decode()
+            routes = next((int(l.split()[1]) for l in metrics.splitlines() if l.startswith("sandman_replica_routes ")), 0)
+            if routes >= sandboxes:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the follower {ip} has {routes} routes of {sandboxes}")
+            time.sleep(0.2)
+    body = json.dumps({"argv": ["true"]}).encode()
+    headers = {"authorization": f"Bearer {args.token}", "content-type": "application/json"}
+    rows = []
+    try:
+        for k in (1, 2, 3):
+            stop = threading.Event()
+            lat: List[List[float]] = [[] for _ in range(threads)]
+            errors: List[str] = []
+
+            def worker(t: int) -> None:
+                conn = http.client.HTTPConnection(ips[t % k], int(port), timeout=30)
+                path = f"/v1/sandboxes/{ids[t % sandboxes]}/exec"
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    conn.request("POST", path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    if resp.status != 200:
+                        errors.append(f"{resp.status} {data[:200]!r}")
+                        return
+                    lat[t].append(time.perf_counter() - t0)
+                conn.close()
+
+            workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+            for w in workers:
+                w.start()
+            time.sleep(1.0)  # warm: connections made, daemons' pools filled
+            n0 = sum(len(x) for x in lat)
+            s0 = {ip: cpu_s(pids[ip]) for ip in ips}
+            dpids = daemon_pids()
+            d0 = sum(cpu_s(p) for p in dpids)
+            c0 = sum(os.times()[:2])
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            n1 = sum(len(x) for x in lat)
+            took = time.monotonic() - t0
+            s1 = {ip: cpu_s(pids[ip]) for ip in ips}
+            d1 = sum(cpu_s(p) for p in dpids)
+            c1 = sum(os.times()[:2])
+            stop.set()
+            for w in workers:
+                w.join()
+            if errors:
+                raise RuntimeError(f"through {k} replicas: {errors[0]}")
+            calls = n1 - n0
+            every = sorted(x for xs in lat for x in xs)
+            server = {ip: s1[ip] - s0[ip] for ip in ips}
+            rows.append(
+                (k, calls / took, every[len(every) // 2] * 1000, [server[ip] / took for ip in ips],
+                 sum(server.values()) / calls * 1e6, (d1 - d0) / took, (c1 - c0) / took)
+            )  # fmt: skip
+    finally:
+        for sb in made:
+            sb.release()
+        client.close()
+    base = rows[0][1]
+    lines = [
+        f"exec calls through 1, 2 and 3 replicas ({threads} client threads over {sandboxes} sandboxes, "
+        f"{seconds:.0f} s each, the leader first; CPU in cores, of {os.cpu_count()}):"
+    ]
+    for k, rate, p50, per, us, daemons, me in rows:
+        split = " ".join(f"{c:.2f}" for c in per)
+        lines.append(
+            f"  {k} replica(s): {rate:.0f} calls/s ({rate / base:.2f}x of 1), p50 {p50:.2f} ms; servers (leader first) "
+            f"{split}; server CPU per call {us:.0f} us; daemons {daemons:.2f}; this client {me:.2f}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kubeconfig", required=True)
@@ -191,8 +336,13 @@ def main() -> int:
     ap.add_argument("--creates", type=int, default=500)
     ap.add_argument("--quota", type=int, default=10)
     ap.add_argument("--concurrency", type=int, default=24)
+    ap.add_argument("--bench-only", action="store_true", help="only time exec calls through 1, 2 and 3 replicas")
     args = ap.parse_args()
 
+    bench = throughput(args)
+    print(bench, file=sys.stderr)
+    if args.bench_only:
+        return 0
     hop = hop_cost(args)
     print(hop, file=sys.stderr)
     balancer = Balancer(args)
