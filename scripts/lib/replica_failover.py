@@ -163,8 +163,8 @@ def server_pods(args: argparse.Namespace) -> List[Tuple[str, str]]:
 
 
 def hop_cost(args: argparse.Namespace, n: int = 200) -> str:
-    """p50 of an exec sent to the leader's address and to a follower's (which passes it on),
-    interleaved on one sandbox: what the second hop costs."""
+    """p50 of an exec sent to the leader's address and to a follower's (which calls the daemon
+    itself, from the route the leader streamed to it), interleaved on one sandbox."""
     _, holder = leader_pod(args)
     follower = next(ip for _, ip in server_pods(args) if not holder.startswith(ip + ":"))
     port = holder.rsplit(":", 1)[1]
