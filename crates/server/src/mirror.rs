@@ -2,7 +2,7 @@
 //! each ready sandbox (its daemon's endpoint and token, the claimer's environment, its default
 //! user) to the followers, and a follower passes a sandbox's daemon calls (`/v1/sandboxes/{id}/…`:
 //! exec, files, sessions, ports) straight to the daemon, proving its identity on every new
-//! connection as the leader does, without a hop through the leader. Once a second it tells the
+//! connection as the leader does, without a hop through the leader. Twice a second it tells the
 //! leader which sandboxes it called (and which are still in a call), which count as activity for
 //! their leases and idle timeouts; a daemon that failed its identity proof is told too, and the
 //! leader ends the sandbox as it would have. Everything else (creates, releases, pauses, a call
@@ -46,7 +46,8 @@ use crate::proxy::{self, Failed, Hop, Route};
 use crate::service::{BODY_BUDGET_KIB, Service};
 
 /// How often a follower reports its calls to the leader.
-pub const REPORT_EVERY: Duration = Duration::from_secs(1);
+/// Half the shortest lease (1 s): a call under way through a follower renews even that in time.
+pub const REPORT_EVERY: Duration = Duration::from_millis(500);
 /// A leader's stream that sent nothing (not even a keep-alive) for this long is dead.
 const SILENT_FOR: Duration = Duration::from_secs(45);
 /// The longest line of the routes stream read.
@@ -74,7 +75,7 @@ pub enum Line {
     Keepalive,
 }
 
-/// What a follower tells the leader once a second.
+/// What a follower tells the leader twice a second.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Activity {
     /// Sandboxes with a call since the last report, or one still under way.
@@ -432,7 +433,7 @@ impl Mirror {
         }
     }
 
-    /// Once a second, tells the leader what this replica called.
+    /// Twice a second, tells the leader what this replica called.
     async fn report_to(
         &self,
         leader: watch::Receiver<Option<String>>,
