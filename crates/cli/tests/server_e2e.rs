@@ -412,6 +412,17 @@ async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_include
     assert_eq!((r.status, r.body.as_ref()), (200, &b"served from a sandbox\n"[..]));
     let listing = http.get(&format!("/v1/sandboxes/{id}/ports/{port}/")).await;
     assert!(String::from_utf8_lossy(&listing.body).contains("hello.txt"));
+    // A path with percent-encoding reaches the app as the client wrote it.
+    let put = http
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files?path=/tmp/site/two%20words.txt"),
+            Body::Chunks(Box::new(std::iter::once(Bytes::from_static(b"spaced\n")))),
+        )
+        .await;
+    assert_eq!(put.status, 200);
+    let r = http.get(&format!("/v1/sandboxes/{id}/ports/{port}/two%20words.txt")).await;
+    assert_eq!((r.status, r.body.as_ref()), (200, &b"spaced\n"[..]), "{}", String::from_utf8_lossy(&r.body));
     let anonymous = Http { addr: http.addr.clone(), token: None };
     anonymous.get(&format!("/v1/sandboxes/{id}/ports/{port}/hello.txt")).await.error(401, "unauthorized");
     http.get(&format!("/v1/sandboxes/{id}/ports/0/")).await.error(400, "invalid_argument");

@@ -92,6 +92,10 @@ fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, upgrade: bool, drop_auth: 
 async fn forward_to(daemon: &Daemon, port: &str, path: &str, mut req: Request) -> DaemonResult<Response> {
     let port = parse_port(port)?;
     let upgrade = is_upgrade(req.headers());
+    // The path as the client wrote it, percent-encoding kept (`Path` decodes it: a `%20` would
+    // become a space no URI may hold, a `%2F` a separator).
+    let raw = req.uri().path().strip_prefix("/v1/ports/").and_then(|r| r.split_once('/')).map(|(_, p)| p);
+    let path = raw.unwrap_or(path);
     let path_and_query = match req.uri().query() {
         Some(q) => format!("/{path}?{q}"),
         None => format!("/{path}"),

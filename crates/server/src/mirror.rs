@@ -42,7 +42,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::daemon::{self, DaemonClient, Identities};
 use crate::error::ServerError;
-use crate::proxy::{self, Failed, Hop, Route};
+use crate::proxy::{self, Failed, Hop, Route, daemon_call};
 use crate::service::{BODY_BUDGET_KIB, Service};
 
 /// How often a follower reports its calls to the leader.
@@ -54,8 +54,6 @@ const SILENT_FOR: Duration = Duration::from_secs(45);
 const MAX_LINE: usize = 1 << 20;
 /// The most sandbox ids one activity report carries; more wait for the next.
 pub const MAX_REPORT: usize = 50_000;
-/// The sandbox calls the leader answers itself (its control routes), never passed to a daemon.
-const CONTROL: [&str; 6] = ["keepalive", "pause", "resume", "conditions", "snapshots", "fork"];
 
 /// One line of the routes stream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -496,17 +494,6 @@ impl Drop for Called {
         }
         report.called.insert(std::mem::take(&mut self.id));
     }
-}
-
-/// The sandbox and the daemon call of a path the leader would pass to a daemon
-/// (`/v1/sandboxes/{id}/{call…}`, not one of its own control calls).
-fn daemon_call(path: &str) -> Option<(&str, &str)> {
-    let rest = path.strip_prefix("/v1/sandboxes/")?;
-    let (id, call) = rest.split_once('/')?;
-    if id.is_empty() || call.is_empty() || CONTROL.contains(&call) {
-        return None;
-    }
-    Some((id, call))
 }
 
 #[cfg(test)]

@@ -170,6 +170,8 @@ async fn a_daemon_that_fails_its_proof_on_a_follower_is_reported_and_its_sandbox
 
 #[test]
 fn only_daemon_calls_are_taken_from_the_path() {
+    use crate::proxy::daemon_call;
+    assert_eq!(daemon_call("/v1/sandboxes/sb-1/ports/80/two%20words"), Some(("sb-1", "ports/80/two%20words")));
     assert_eq!(daemon_call("/v1/sandboxes/sb-1/exec"), Some(("sb-1", "exec")));
     assert_eq!(daemon_call("/v1/sandboxes/sb-1/ports/80/a/b"), Some(("sb-1", "ports/80/a/b")));
     assert_eq!(daemon_call("/v1/sandboxes/sb-1/files"), Some(("sb-1", "files")));

@@ -43,6 +43,9 @@ pub async fn forward(
     Path((id, rest)): Path<(String, String)>,
     req: Request,
 ) -> ServerResult<Response> {
+    // The call as the client wrote it, percent-encoding kept (`Path` decodes it: a `%20` in a
+    // port's path would become a space no URI may hold, a `%2F` a separator).
+    let rest = daemon_call(req.uri().path()).map_or(rest, |(_, call)| call.to_string());
     let target = service.call_target_resuming(&id).await?;
     service.metrics.proxied.inc();
     let hop = Hop {
@@ -62,6 +65,21 @@ pub async fn forward(
             Err(sb.gone_error())
         }
     }
+}
+
+/// The sandbox calls the server answers itself (its control routes), never passed to a daemon.
+const CONTROL: [&str; 6] = ["keepalive", "pause", "resume", "conditions", "snapshots", "fork"];
+
+/// The sandbox and the daemon call of a path the server passes to a daemon
+/// (`/v1/sandboxes/{id}/{call…}`, not one of its own control calls), as written: percent-encoding
+/// is kept.
+pub(crate) fn daemon_call(path: &str) -> Option<(&str, &str)> {
+    let rest = path.strip_prefix("/v1/sandboxes/")?;
+    let (id, call) = rest.split_once('/')?;
+    if id.is_empty() || call.is_empty() || CONTROL.contains(&call) {
+        return None;
+    }
+    Some((id, call))
 }
 
 /// Where a sandbox's proxied calls go and what the server adds to them: its daemon's endpoint
