@@ -102,6 +102,17 @@ async fn a_follower_calls_a_sandboxs_daemon_itself_and_tells_the_leader() {
     assert_eq!(out["stdout"], "straight\n", "{out}");
     assert_eq!(mirror.direct_calls(), 1);
     assert_eq!(service.metrics.proxied.get(), 0, "the leader proxied nothing");
+    // The follower's own figures, for Prometheus.
+    let metrics = app
+        .clone()
+        .oneshot(http::Request::get("/metrics").body(Body::empty()).unwrap_or_else(|e| panic!("{e}")))
+        .await
+        .unwrap_or_else(|e| match e {});
+    let metrics = metrics.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    assert_eq!(
+        String::from_utf8_lossy(&metrics),
+        "sandman_replica_leading 0\nsandman_replica_routes 1\nsandman_replica_direct_calls_total 1\n"
+    );
     // The follower told the leader, which renewed the lease from then.
     eventually("the leader renews the lease from the follower's report", || {
         lease_expiry(&service, &id) >= before + 1000
