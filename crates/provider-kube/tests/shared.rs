@@ -148,15 +148,20 @@ fn holder(objects: &Mutex<Objects>) -> Option<String> {
     objects.lock().unwrap().lease.as_ref().and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string))
 }
 
+/// Two replicas' shared state on one mocked API server, and the objects it holds.
+fn two_replicas() -> (Arc<Mutex<Objects>>, Shared, Shared, common::Mock) {
+    let objects = Arc::new(Mutex::new(Objects::default()));
+    let shared_objects = objects.clone();
+    let (client, mock) = mock(move |req| shared_objects.lock().unwrap().handle(&req.method, &req.path, req.json()));
+    (objects, Shared::new(client.clone(), NS), Shared::new(client, NS), mock)
+}
+
 /// Two replicas campaign on one Lease: one leads, the other waits as long as the leader renews,
 /// takes over at its next look once the leader releases it, and a leader whose Lease someone
 /// else wrote stops leading at its next renewal.
 #[tokio::test(start_paused = true)]
 async fn one_replica_leads_until_it_releases_the_lease_or_another_writes_it() {
-    let objects = Arc::new(Mutex::new(Objects::default()));
-    let shared_objects = objects.clone();
-    let (client, _mock) = mock(move |req| shared_objects.lock().unwrap().handle(&req.method, &req.path, req.json()));
-    let (a, b) = (Shared::new(client.clone(), NS), Shared::new(client, NS));
+    let (objects, a, b, _mock) = two_replicas();
     let (mut a_leads, a_task) = a.elect("10.0.0.1:7777").await.unwrap();
     a_leads.wait_for(|l| *l).await.unwrap();
     assert_eq!(holder(&objects).as_deref(), Some("10.0.0.1:7777"));
@@ -190,10 +195,7 @@ async fn one_replica_leads_until_it_releases_the_lease_or_another_writes_it() {
 /// unchanged for the Lease's duration, and not before.
 #[tokio::test(start_paused = true)]
 async fn a_follower_takes_over_from_a_dead_leader_after_the_lease_duration() {
-    let objects = Arc::new(Mutex::new(Objects::default()));
-    let shared_objects = objects.clone();
-    let (client, _mock) = mock(move |req| shared_objects.lock().unwrap().handle(&req.method, &req.path, req.json()));
-    let (a, b) = (Shared::new(client.clone(), NS), Shared::new(client, NS));
+    let (objects, a, b, _mock) = two_replicas();
     let (mut a_leads, a_task) = a.elect("10.0.0.1:7777").await.unwrap();
     a_leads.wait_for(|l| *l).await.unwrap();
     let (mut b_leads, _b_task) = b.elect("10.0.0.2:7777").await.unwrap();

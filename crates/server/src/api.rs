@@ -157,12 +157,18 @@ async fn edge_error(err: BoxError) -> Response {
     }
 }
 
-async fn authorize(State(service): State<Arc<Service>>, req: Request, next: Next) -> Response {
-    let presented = sandman_http::bearer(req.headers().get(header::AUTHORIZATION));
-    if !sandman_http::constant_time_eq(presented.as_bytes(), service.token.as_bytes()) {
+/// Refuses, `401`, a call without the server's token.
+pub(crate) async fn authorize(State(service): State<Arc<Service>>, req: Request, next: Next) -> Response {
+    if !token_matches(req.headers(), &service.token) {
         return ServerError::Unauthorized.into_response();
     }
     next.run(req).await
+}
+
+/// Whether `headers` carry `token` as their bearer token.
+pub(crate) fn token_matches(headers: &http::HeaderMap, token: &str) -> bool {
+    let presented = sandman_http::bearer(headers.get(header::AUTHORIZATION));
+    sandman_http::constant_time_eq(presented.as_bytes(), token.as_bytes())
 }
 
 async fn healthz(State(service): State<Arc<Service>>) -> Json<ServerHealth> {

@@ -89,20 +89,8 @@ pub fn leader_routes(service: Arc<Service>) -> Router {
     Router::new()
         .route("/v1/replicas/routes", get(stream_routes))
         .route("/v1/replicas/activity", post(take_activity))
-        .route_layer(axum::middleware::from_fn_with_state(service.clone(), authorize))
+        .route_layer(axum::middleware::from_fn_with_state(service.clone(), crate::api::authorize))
         .with_state(service)
-}
-
-async fn authorize(State(service): State<Arc<Service>>, req: Request, next: axum::middleware::Next) -> Response {
-    if !token_matches(&req, &service.token) {
-        return ServerError::Unauthorized.into_response();
-    }
-    next.run(req).await
-}
-
-fn token_matches(req: &Request, token: &str) -> bool {
-    let presented = sandman_http::bearer(req.headers().get(header::AUTHORIZATION));
-    sandman_http::constant_time_eq(presented.as_bytes(), token.as_bytes())
 }
 
 /// Lines buffered for one follower before the leader waits for it.
@@ -288,7 +276,7 @@ impl Mirror {
     pub async fn serve(self: &Arc<Self>, req: Request) -> Result<Response, Request> {
         let Some((id, rest)) = daemon_call(req.uri().path()) else { return Err(req) };
         let Some(route) = self.route(id) else { return Err(req) };
-        if !token_matches(&req, &self.token) {
+        if !crate::api::token_matches(req.headers(), &self.token) {
             return Ok(ServerError::Unauthorized.into_response());
         }
         let (id, rest) = (id.to_string(), rest.to_string());
