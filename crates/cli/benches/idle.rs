@@ -8,6 +8,9 @@
 //! - a command in a shell session through the server (`true`), against the same floors;
 //! - the Python SDK's exec (`Sandbox.exec`), a raw `http.client` POST of it, and `posix_spawn` of
 //!   `/bin/true` from the same Python (`sdk_idle.py`);
+//! - the floor of waking alone: a byte passed through a chain of six `cat`s and back, seven
+//!   processes each woken in turn, as a session command wakes client, server, daemon, shell,
+//!   daemon, server and client, with no other work;
 //!
 //! then the daemon's RSS after 200 execs and one session, and a summary of the targets.
 //!
@@ -91,6 +94,57 @@ fn spawn_true() {
     assert!(std::process::Command::new("/bin/true").status().unwrap().success());
 }
 
+/// A chain of `cat`s a byte is passed through and back: each one woken in turn, and this
+/// process last, [`RELAY_WAKES`] wakeups with no other work, the floor under a call that passes
+/// through as many processes.
+struct Relay {
+    first: std::process::ChildStdin,
+    last: std::process::ChildStdout,
+    cats: Vec<std::process::Child>,
+}
+
+/// The processes a session command wakes in turn: client, server, daemon, shell, daemon, server,
+/// client.
+const RELAY_WAKES: usize = 7;
+
+impl Relay {
+    fn start() -> Relay {
+        use std::process::{Command, Stdio};
+        let mut cats: Vec<std::process::Child> = Vec::new();
+        let mut first = None;
+        for _ in 0..RELAY_WAKES - 1 {
+            let stdin = match cats.last_mut() {
+                Some(prev) => Stdio::from(prev.stdout.take().unwrap()),
+                None => Stdio::piped(),
+            };
+            let mut cat = Command::new("cat").stdin(stdin).stdout(Stdio::piped()).spawn().unwrap();
+            if first.is_none() {
+                first = cat.stdin.take();
+            }
+            cats.push(cat);
+        }
+        let last = cats.last_mut().unwrap().stdout.take().unwrap();
+        Relay { first: first.unwrap(), last, cats }
+    }
+
+    fn pass(&mut self) {
+        use std::io::{Read, Write};
+        self.first.write_all(b"x").unwrap();
+        let mut back = [0u8];
+        self.last.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"x");
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        for cat in &mut self.cats {
+            let _ = cat.kill();
+            let _ = cat.wait();
+        }
+    }
+}
+
 /// Rounds after a gap of `gap_ms`: `base` after 100 ms, more for shorter gaps, fewer for 1 s.
 fn rounds_for(gap_ms: u64, base: usize) -> usize {
     match gap_ms {
@@ -129,9 +183,11 @@ async fn bench() {
     if let Some((bdir, server, state)) = figures::baseline_server(&scratch) {
         sides.push(Side::new(format!("baseline {}", bdir.display()), server, Some(state)).await);
     }
+    let mut relay = Relay::start();
     // Warm both: the first calls page in code and fill the pools.
     for _ in 0..50 {
         spawn_true();
+        relay.pass();
         for side in &mut sides {
             for which in 0..CALLS.len() {
                 side.call(which).await;
@@ -139,8 +195,10 @@ async fn bench() {
         }
     }
 
-    // times[gap][0] is the spawn floor; times[gap][1 + side * CALLS + call] the rest.
-    let width = 1 + sides.len() * CALLS.len();
+    // times[gap][0] is the spawn floor, [1] the relay's; times[gap][FLOORS + side * CALLS + call]
+    // the rest.
+    const FLOORS: usize = 2;
+    let width = FLOORS + sides.len() * CALLS.len();
     let mut summary = Vec::new();
     for &gap_ms in &gaps {
         let gap = Duration::from_millis(gap_ms);
@@ -158,17 +216,20 @@ async fn bench() {
                         std::thread::sleep(gap);
                     }
                     let t = Instant::now();
-                    if slot == 0 {
-                        spawn_true();
-                    } else {
-                        let (side, which) = ((slot - 1) / CALLS.len(), (slot - 1) % CALLS.len());
-                        sides[side].call(which).await;
+                    match slot {
+                        0 => spawn_true(),
+                        1 => relay.pass(),
+                        _ => {
+                            let (side, which) = ((slot - FLOORS) / CALLS.len(), (slot - FLOORS) % CALLS.len());
+                            sides[side].call(which).await;
+                        }
                     }
                     times[slot].push(t.elapsed());
                 }
             }
         }
         let spawn = p50(&mut times[0]);
+        let wakes = p50(&mut times[1]);
         println!();
         println!(
             "after an idle gap of {gap_ms} ms ({} calls each, interleaved)   p10 (us)   p50 (us)   p99 (us)   ratio to floor (p50)",
@@ -181,8 +242,15 @@ async fn bench() {
             us(spawn),
             us(pct(&times[0], 0.99))
         );
+        println!(
+            "  {:<45} {:>8.0}   {:>8.0}   {:>8.0}",
+            format!("a byte through {} processes woken in turn", RELAY_WAKES),
+            us(pct(&times[1], 0.1)),
+            us(wakes),
+            us(pct(&times[1], 0.99))
+        );
         for (s, side) in sides.iter().enumerate() {
-            let at = |which: usize| 1 + s * CALLS.len() + which;
+            let at = |which: usize| FLOORS + s * CALLS.len() + which;
             let get = p50(&mut times[at(1)]);
             for (which, name) in CALLS.iter().enumerate() {
                 let v = &mut times[at(which)];
@@ -203,7 +271,7 @@ async fn bench() {
                 );
             }
             let (exec, write, session) = (p50(&mut times[at(0)]), p50(&mut times[at(2)]), p50(&mut times[at(3)]));
-            summary.push((gap_ms, s, us(exec) / us(spawn), us(write) / us(get), us(session)));
+            summary.push((gap_ms, s, us(exec) / us(spawn), us(write) / us(get), us(session), us(wakes)));
         }
     }
 
@@ -260,6 +328,13 @@ async fn bench() {
     line("exec via server / direct spawn, after 100 ms", &|s| at(100, s).map(|r| r.2), "x", 1.5);
     line("1 KiB write / GET sandbox, after 100 ms", &|s| at(100, s).map(|r| r.3), "x", 2.0);
     line("session command, after 100 ms (ms)", &|s| at(100, s).map(|r| r.4 / 1e3), "", 0.6);
+    if let Some(r) = at(100, 0) {
+        println!(
+            "    (waking {RELAY_WAKES} processes in turn, nothing else, after 100 ms: {:.2} ms; the session's other work: {:.2} ms)",
+            r.5 / 1e3,
+            (r.4 - r.5) / 1e3
+        );
+    }
     line("daemon RSS, 200 execs and one session (MiB)", &|s| rss.get(s).map(|k| *k as f64 / 1024.0), "", 4.0);
     for side in &sides {
         let _ = side.server.client().release(side.exec.split('/').nth(3).unwrap()).await;
