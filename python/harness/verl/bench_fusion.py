@@ -11,7 +11,12 @@ flight from threads, scored by verl's own client (`_process_single_case` of
 - `sandman`: `sandman serve`'s SandboxFusion endpoint, through a job's capability URL.
 
 Each side runs alone, after a few warm-up calls that are not counted. Printed per side: calls a
-second, p50/p99 latency of a call, and how many were scored right (all must be), then the ratios.
+second, p50/p99 latency of a call, how many were scored right (all must be) and the share of the
+machine's time its hypervisor gave to others meanwhile (steal, which slows a side down without
+showing in its CPU), then the ratios. With `--rounds N` the sides run N times, every other round
+in the reverse order (floor, sandman, sandman, floor, ...), so that a machine that gets slower or
+faster during the run weighs on every side alike; each round's ratios are printed, and the
+summary gives each side's median round and the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class Result:
     latencies: List[float]
     correct: int
     failures: List[str]
+    #: The share of the machine's time stolen by its hypervisor while the side ran (0 to 1).
+    steal: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -99,6 +106,16 @@ class Result:
     def pct(self, p: float) -> float:
         lat = sorted(self.latencies)
         return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000
+
+
+def cpu_times() -> Tuple[int, int]:
+    """The machine's total and stolen time so far, in clock ticks (the first line of /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields[:8]), (fields[7] if len(fields) > 7 else 0)
 
 
 def drive(side: str, calls: List[Call], in_flight: int, one: Callable[[int, Call], Tuple[bool, str]]) -> Result:
@@ -122,6 +139,7 @@ def drive(side: str, calls: List[Call], in_flight: int, one: Callable[[int, Call
             latencies[i] = time.monotonic() - begun
 
     begun = time.monotonic()
+    total0, steal0 = cpu_times()
     with ThreadPoolExecutor(max_workers=in_flight) as pool:
         try:
             for f in [pool.submit(worker) for _ in range(in_flight)]:
@@ -130,8 +148,10 @@ def drive(side: str, calls: List[Call], in_flight: int, one: Callable[[int, Call
             stopping.set()
             raise
     seconds = time.monotonic() - begun
+    total1, steal1 = cpu_times()
     failures = [f"call {i}: {notes[i]}" for i in range(len(calls)) if not ok[i]]
-    return Result(side, len(calls), seconds, latencies, sum(ok), failures)
+    steal = (steal1 - steal0) / (total1 - total0) if total1 > total0 else 0.0
+    return Result(side, len(calls), seconds, latencies, sum(ok), failures, steal)
 
 
 def floor_call(python: str) -> Callable[[int, Call], Tuple[bool, str]]:
@@ -322,6 +342,14 @@ def run_side(args: argparse.Namespace, side: str, calls: List[Call], warmup: Lis
         gen.close()
 
 
+def round_ratios(done: Dict[str, Result]) -> None:
+    """Prints one round's ratios of Sandman to the other sides."""
+    if "sandman" in done:
+        others = [s for s in done if s != "sandman"]
+        print("  this round: " + ", ".join(f"sandman/{s} {done['sandman'].rate / done[s].rate:.2f}x" for s in others),
+              flush=True)
+
+
 LABELS = {
     "floor": "floor (python3 -c, no server)",
     "fusion-lite": "SandboxFusion, isolation lite",
@@ -336,6 +364,9 @@ def main() -> int:
     p.add_argument("--cases", type=int, default=8)
     p.add_argument("--in-flight", type=int, default=64)
     p.add_argument("--warmup", type=int, default=16, help="calls before each side's timing, not counted")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the sides this many times, every other round in the reverse order; the summary "
+                        "gives the median")
     p.add_argument("--sides", default="floor,fusion-lite,fusion-none",
                    help="comma-separated, run in this order: floor, fusion-lite, fusion-none, sandman")
     p.add_argument("--python", default="/usr/bin/python3", help="the floor's interpreter")
@@ -352,6 +383,8 @@ def main() -> int:
     for name, v in (("--programs", args.programs), ("--cases", args.cases), ("--in-flight", args.in_flight)):
         if not 1 <= v <= 100_000:
             p.error(f"{name} must be between 1 and 100000")
+    if not 1 <= args.rounds <= 100:
+        p.error("--rounds must be between 1 and 100")
     sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in sides if s not in LABELS]
     if unknown:
@@ -361,26 +394,46 @@ def main() -> int:
     warmup = reward_step(max(1, args.warmup // args.cases + 1), args.cases)[: args.warmup] or calls[:1]
     print(f"reward step: {args.programs} programs x {args.cases} cases = {len(calls)} calls, {args.in_flight} "
           f"in flight, verl's client ({TIMEOUT} s timeout), on {os.cpu_count()} cores", flush=True)
-    results: Dict[str, Result] = {}
-    for side in sides:
-        print(f"  running {LABELS[side]} ...", flush=True)
-        r = results[side] = run_side(args, side, calls, warmup)
-        print(f"  {LABELS[side]:32} {r.rate:8.1f} calls/s  p50 {r.pct(0.5):7.0f} ms  p99 {r.pct(0.99):7.0f} ms  "
-              f"correct {r.correct}/{r.calls}", flush=True)
+    rounds: List[Dict[str, Result]] = []
+    for n in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {n + 1} of {args.rounds}", flush=True)
+        done: Dict[str, Result] = {}
+        for side in sides if n % 2 == 0 else sides[::-1]:
+            print(f"  running {LABELS[side]} ...", flush=True)
+            r = done[side] = run_side(args, side, calls, warmup)
+            print(f"  {LABELS[side]:32} {r.rate:8.1f} calls/s  p50 {r.pct(0.5):7.0f} ms  p99 {r.pct(0.99):7.0f} ms  "
+                  f"correct {r.correct}/{r.calls}  steal {r.steal:.0%}", flush=True)
+        rounds.append(done)
+        if args.rounds > 1:
+            round_ratios(done)
 
+    # Each side's median round (by calls a second); one round: that round.
+    results: Dict[str, Result] = {
+        side: sorted((done[side] for done in rounds), key=lambda r: r.rate)[(len(rounds) - 1) // 2] for side in sides
+    }
     print()
-    print("calls/s: calls answered a second; right/s: calls scored right (1) a second")
-    print(f"{'side':32} {'calls/s':>9} {'right/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'correct':>12}")
+    print("calls/s: calls answered a second; right/s: calls scored right (1) a second; steal: the machine's time its "
+          "hypervisor took")
+    which = "median round" if len(rounds) > 1 else "side"
+    print(f"{which:32} {'calls/s':>9} {'right/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'correct':>12} {'steal':>6}")
     for side, r in results.items():
         print(f"{LABELS[side]:32} {r.rate:9.1f} {r.good_rate:9.1f} {r.pct(0.5):8.0f} {r.pct(0.99):8.0f} "
-              f"{f'{r.correct}/{r.calls}':>12}")
+              f"{f'{r.correct}/{r.calls}':>12} {r.steal:>6.0%}")
     print()
 
     def ratio(a: str, b: str, target: str = "") -> None:
-        if a in results and b in results:
+        if a not in results or b not in results:
+            return
+        if len(rounds) == 1:
             ra, rb = results[a], results[b]
             good = f"{ra.good_rate / rb.good_rate:.2f}x" if rb.good_rate > 0 else "n/a (none scored right)"
             print(f"{a}/{b}: {ra.rate / rb.rate:.2f}x calls/s, {good} right/s{target}")
+            return
+        each = sorted(done[a].rate / done[b].rate for done in rounds)
+        median = each[len(each) // 2] if len(each) % 2 else (each[len(each) // 2 - 1] + each[len(each) // 2]) / 2
+        print(f"{a}/{b}: median {median:.2f}x calls/s over {len(each)} rounds (each: "
+              f"{', '.join(f'{x:.2f}x' for x in each)}){target}")
 
     ratio("sandman", "floor", " (target >= 0.6)")
     ratio("sandman", "fusion-lite", " (target >= 8)")
@@ -389,7 +442,7 @@ def main() -> int:
         ratio("fusion-lite", "floor")
         ratio("fusion-none", "floor")
 
-    bad = [r for r in results.values() if r.correct != r.calls]
+    bad = [r for done in rounds for r in done.values() if r.correct != r.calls]
     for r in bad:
         print(f"error: {LABELS[r.side]}: {r.calls - r.correct} of {r.calls} calls scored wrong, e.g.", file=sys.stderr)
         for f in r.failures[:5]:
