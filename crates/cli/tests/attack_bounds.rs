@@ -11,9 +11,8 @@ use std::io::Read;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use e2e::docker::{Cleanup, require_docker, static_daemon};
-use e2e::{Body, Http, Server, eventually};
+use e2e::{Body, Server, eventually};
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
@@ -40,10 +39,6 @@ fn deep_tar(depth: usize) -> Vec<u8> {
     header.set_cksum();
     builder.append_data(&mut header, "d/".repeat(depth) + "f", &b"x"[..]).unwrap();
     builder.into_inner().unwrap()
-}
-
-async fn put(http: &Http, path: &str, bytes: Vec<u8>) -> e2e::Resp {
-    http.call("PUT", path, Body::Chunks(Box::new(std::iter::once(Bytes::from(bytes))))).await
 }
 
 fn message(v: &Value) -> String {
@@ -350,21 +345,21 @@ async fn a_gzip_bomb_stops_at_the_disk_limit() {
     let small = http.create(json!({"image": "host", "resources": {"disk": "1Mi"}})).await;
     let small = small["id"].as_str().unwrap().to_string();
     let bomb = zeros_gz(16 << 20);
-    let r = put(&http, &format!("/v1/sandboxes/{small}/archive?path=/tmp/bomb"), bomb).await;
+    let r = http.put(&format!("/v1/sandboxes/{small}/archive?path=/tmp/bomb"), bomb).await;
     let err = r.error(413, "too_large");
     assert!(message(&err).contains("disk limit of 1048576 bytes"), "{err}");
     let du = http.exec(&small, json!({"command": "du -sk /tmp/bomb 2>/dev/null | cut -f1"})).await;
     let kib: u64 = du["stdout"].as_str().unwrap().trim().parse().unwrap_or(0);
     assert!(kib <= 1024, "{kib} KiB written past a 1 MiB disk");
     // Also a plain upload past the disk.
-    let r = put(&http, &format!("/v1/sandboxes/{small}/files?path=/tmp/big"), vec![0u8; 2 << 20]).await;
+    let r = http.put(&format!("/v1/sandboxes/{small}/files?path=/tmp/big"), vec![0u8; 2 << 20]).await;
     assert!(message(&r.error(413, "too_large")).contains("disk limit"));
 
     // No disk limit: the expansion ratio (100x) stops a 256 MiB bomb of a quarter megabyte.
     let big = http.create(json!({"image": "host"})).await["id"].as_str().unwrap().to_string();
     let bomb = zeros_gz(256 << 20);
     let compressed = bomb.len() as u64;
-    let r = put(&http, &format!("/v1/sandboxes/{big}/archive?path=/tmp/bomb"), bomb).await;
+    let r = http.put(&format!("/v1/sandboxes/{big}/archive?path=/tmp/bomb"), bomb).await;
     let err = r.error(413, "too_large");
     assert!(message(&err).contains("100 times its compressed size"), "{err}");
     let du = http.exec(&big, json!({"command": "du -sk /tmp/bomb | cut -f1"})).await;
@@ -382,7 +377,7 @@ async fn a_2000_deep_tar_path_is_refused_at_once() {
     let http = server.client();
     let id = http.create(json!({"image": "host"})).await["id"].as_str().unwrap().to_string();
     let started = Instant::now();
-    let r = put(&http, &format!("/v1/sandboxes/{id}/archive?path=/tmp/deep"), deep_tar(2000)).await;
+    let r = http.put(&format!("/v1/sandboxes/{id}/archive?path=/tmp/deep"), deep_tar(2000)).await;
     let err = r.error(400, "invalid_argument");
     assert!(message(&err).contains("2001 levels deep, over the limit of 256"), "{err}");
     println!("a 2,000-deep tar path refused in {:?}", started.elapsed());
@@ -496,9 +491,9 @@ async fn docker_sandboxes_hold_the_same_bounds() {
         .await
         .error(400, "invalid_argument");
     assert!(message(&err).contains("`max_output_bytes`"), "{err}");
-    let r = put(&http, &format!("/v1/sandboxes/{id}/archive?path=/tmp/bomb"), zeros_gz(256 << 20)).await;
+    let r = http.put(&format!("/v1/sandboxes/{id}/archive?path=/tmp/bomb"), zeros_gz(256 << 20)).await;
     assert!(message(&r.error(413, "too_large")).contains("times its compressed size"));
-    let r = put(&http, &format!("/v1/sandboxes/{id}/archive?path=/tmp/deep"), deep_tar(2000)).await;
+    let r = http.put(&format!("/v1/sandboxes/{id}/archive?path=/tmp/deep"), deep_tar(2000)).await;
     assert!(message(&r.error(400, "invalid_argument")).contains("levels deep"));
     assert_eq!(http.exec(&id, json!({"argv": ["echo", "alive"]})).await["stdout"], "alive\n");
     http.release(&id).await.ok();

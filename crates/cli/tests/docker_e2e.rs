@@ -154,8 +154,7 @@ async fn the_images_user_is_the_default_and_its_config_is_shown() {
     assert_eq!(r["stdout"], "65534\n", "{r}");
     // Files the calls write belong to the default user too, as its commands' would, and a
     // directory made by hand as well.
-    let body = Body::Chunks(Box::new(std::iter::once(bytes::Bytes::from_static(b"mine\n"))));
-    let wrote = http.call("PUT", &format!("/v1/sandboxes/{id}/files?path=/work/up/f.txt"), body).await.ok();
+    let wrote = http.put(&format!("/v1/sandboxes/{id}/files?path=/work/up/f.txt"), &b"mine\n"[..]).await.ok();
     assert_eq!((wrote["uid"].as_u64(), wrote["gid"].as_u64()), (Some(65534), Some(65534)), "{wrote}");
     http.call("POST", &format!("/v1/sandboxes/{id}/dir?path=/work/made"), Body::Empty).await.ok();
     let owners =

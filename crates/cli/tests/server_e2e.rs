@@ -28,13 +28,7 @@ async fn a_hundred_sandboxes_at_once_each_used_then_nothing_left() {
             let id = sb["id"].as_str().unwrap().to_string();
             let r = http.exec(&id, json!({"argv": ["/bin/echo", format!("hello {i}")]})).await;
             assert_eq!(r["stdout"], format!("hello {i}\n"));
-            let put = http
-                .call(
-                    "PUT",
-                    &format!("/v1/sandboxes/{id}/files?path=/tmp/n.txt"),
-                    Body::Chunks(Box::new(std::iter::once(Bytes::from(format!("n={i}"))))),
-                )
-                .await;
+            let put = http.put(&format!("/v1/sandboxes/{id}/files?path=/tmp/n.txt"), format!("n={i}")).await;
             assert_eq!(put.status, 200);
             let back = http.get(&format!("/v1/sandboxes/{id}/files?path=/tmp/n.txt")).await;
             assert_eq!(back.body, format!("n={i}"));
@@ -395,13 +389,8 @@ async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_include
     let server = Server::start();
     let http = server.client();
     let id = http.create(host()).await["id"].as_str().unwrap().to_string();
-    let put = http
-        .call(
-            "PUT",
-            &format!("/v1/sandboxes/{id}/files?path=/tmp/site/hello.txt"),
-            Body::Chunks(Box::new(std::iter::once(Bytes::from_static(b"served from a sandbox\n")))),
-        )
-        .await;
+    let put =
+        http.put(&format!("/v1/sandboxes/{id}/files?path=/tmp/site/hello.txt"), &b"served from a sandbox\n"[..]).await;
     assert_eq!(put.status, 200);
     let start =
         json!({"command": "exec python3 -u -m http.server 0 --bind 127.0.0.1 --directory /tmp/site", "tag": "site"});
@@ -413,13 +402,7 @@ async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_include
     let listing = http.get(&format!("/v1/sandboxes/{id}/ports/{port}/")).await;
     assert!(String::from_utf8_lossy(&listing.body).contains("hello.txt"));
     // A path with percent-encoding reaches the app as the client wrote it.
-    let put = http
-        .call(
-            "PUT",
-            &format!("/v1/sandboxes/{id}/files?path=/tmp/site/two%20words.txt"),
-            Body::Chunks(Box::new(std::iter::once(Bytes::from_static(b"spaced\n")))),
-        )
-        .await;
+    let put = http.put(&format!("/v1/sandboxes/{id}/files?path=/tmp/site/two%20words.txt"), &b"spaced\n"[..]).await;
     assert_eq!(put.status, 200);
     let r = http.get(&format!("/v1/sandboxes/{id}/ports/{port}/two%20words.txt")).await;
     assert_eq!((r.status, r.body.as_ref()), (200, &b"spaced\n"[..]), "{}", String::from_utf8_lossy(&r.body));
@@ -430,13 +413,7 @@ async fn a_web_server_in_a_sandbox_answers_through_the_server_websockets_include
     // A WebSocket, upgraded through the server and the daemon, to an app uploaded first: the
     // checkout may lie where a sandbox cannot see (under /var/tmp, say).
     let app = include_bytes!("../../sandmand/tests/fixtures/web.py");
-    let put = http
-        .call(
-            "PUT",
-            &format!("/v1/sandboxes/{id}/files?path=/tmp/web.py"),
-            Body::Chunks(Box::new(std::iter::once(Bytes::from_static(app)))),
-        )
-        .await;
+    let put = http.put(&format!("/v1/sandboxes/{id}/files?path=/tmp/web.py"), &app[..]).await;
     assert_eq!(put.status, 200);
     http.post(&format!("/v1/sandboxes/{id}/processes"), json!({"argv": ["python3", "/tmp/web.py"], "tag": "ws"}))
         .await

@@ -198,6 +198,11 @@ impl Http {
         self.call("GET", path, Body::Empty).await
     }
 
+    /// A `PUT` of `bytes`, sent as one chunk of a body of unknown length (as a streamed upload).
+    pub async fn put(&self, path: &str, bytes: impl Into<Bytes>) -> Resp {
+        self.call("PUT", path, Body::Chunks(Box::new(std::iter::once(bytes.into())))).await
+    }
+
     pub async fn post(&self, path: &str, v: Value) -> Resp {
         self.call("POST", path, Body::Json(v)).await
     }
