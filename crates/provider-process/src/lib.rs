@@ -187,6 +187,8 @@ pub struct ProcessProvider {
     net: Option<net::HostNetwork>,
     /// The machine's memory as sandboxes reserve it; `None` without admission.
     room: Option<room::Room>,
+    /// What no isolated sandbox may see ([`hidden`]), resolved once.
+    hidden: Vec<PathBuf>,
     /// Task images, the store opened at the first image asked for (a server that runs only
     /// `host` never takes its lock); `None` without isolation (or a store): `host` only.
     images: Option<image::LazyImages>,
@@ -303,6 +305,7 @@ impl ProcessProvider {
             None => None,
         };
         Ok(ProcessProvider {
+            hidden: hidden(&config),
             template,
             spawner,
             config,
@@ -583,7 +586,7 @@ impl ProcessProvider {
             if let Some(bytes) = bytes_of("disk", spec.resources.disk.as_ref())? {
                 arg("--isolate-layer-bytes", bytes.to_string().into());
             }
-            for hidden in self.hidden() {
+            for hidden in &self.hidden {
                 arg("--isolate-hide", hidden.into());
             }
             for lower in image.iter().flat_map(|i| i.lowerdirs()) {
@@ -609,15 +612,6 @@ impl ProcessProvider {
         let env = daemon_env(spec, dir, ids.is_some(), image);
         let commands_env = commands_env(spec, image)?;
         Ok(Plan { args, env, commands_env, cgroups, ids })
-    }
-
-    /// What no isolated sandbox may see: the state directory (every sandbox's token and files,
-    /// the server's token and keys), the daemon's and the server's binaries.
-    fn hidden(&self) -> Vec<PathBuf> {
-        let mut out = vec![resolve(&self.config.state_dir), resolve(&self.config.daemon_bin)];
-        out.extend(self.config.hide.iter().map(|p| resolve(p)));
-        out.dedup();
-        out
     }
 
     /// Starts the daemon of a prepared directory (from the spawner thread) and its watcher.
@@ -1533,6 +1527,16 @@ fn bytes_of(what: &str, q: Option<&Quantity>) -> Result<Option<u64>, ProviderErr
 
 fn flatten<T>(r: Result<std::io::Result<T>, tokio::task::JoinError>) -> std::io::Result<T> {
     r.map_err(std::io::Error::other)?
+}
+
+/// What no isolated sandbox may see: the state directory (every sandbox's token and files, the
+/// server's token and keys), the daemon's and the server's binaries; their symbolic links
+/// resolved (a `canonicalize` walks every component), once for the provider's life.
+fn hidden(config: &ProcessConfig) -> Vec<PathBuf> {
+    let mut out = vec![resolve(&config.state_dir), resolve(&config.daemon_bin)];
+    out.extend(config.hide.iter().map(|p| resolve(p)));
+    out.dedup();
+    out
 }
 
 /// `path` with symlinks resolved as far as it exists.
