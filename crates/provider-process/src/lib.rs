@@ -13,6 +13,7 @@
 //! user (rlimits for memory and file size, nothing else).
 
 mod cgroup;
+mod fork_server;
 mod ids;
 pub mod image;
 mod layout;
@@ -622,6 +623,9 @@ impl ProcessProvider {
         let cwd = if ids.is_some() { dir.root.clone() } else { dir.work() };
         let (bin, daemon_args, log) = (self.config.daemon_bin.clone(), self.config.daemon_args.clone(), dir.log());
         let start_failed = |what: String| ProviderError::Failed { reason: Reason::DaemonStartFailed, message: what };
+        // Isolated, through the fork server (`fork_server.rs`): a fork of a daemon already past
+        // its start-up, instead of an exec of the binary per sandbox.
+        let forked = ids.is_some();
         // A std child, dropped at once (that neither kills nor reaps it): tokio's would keep a
         // pidfd of its own beside the one the watcher waits on, and at tens of thousands of
         // sandboxes every descriptor per sandbox counts. Everything the spawn opens (the log,
@@ -629,9 +633,22 @@ impl ProcessProvider {
         let spawned = self
             .spawner
             .run(move || {
+                use std::os::fd::AsFd;
                 use std::os::unix::fs::OpenOptionsExt;
                 use std::os::unix::process::CommandExt;
                 let log = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(&log)?;
+                if forked {
+                    let req = sandman_wire::fork_server::ForkRequest {
+                        cwd,
+                        argv: std::iter::once(bin.clone().into_os_string())
+                            .chain(daemon_args.iter().cloned())
+                            .chain(args)
+                            .collect(),
+                        dispatch: daemon_args.len(),
+                        env: env.into_iter().collect(),
+                    };
+                    return fork_server::start_daemon(&bin, &daemon_args, &req, log.as_fd()).map(|pid| pid as u32);
+                }
                 std::process::Command::new(&bin)
                     .args(&daemon_args)
                     .args(&args)

@@ -1,11 +1,12 @@
 //! The process provider's only `unsafe`: `pidfd_open` (and handing the pidfd to tokio), `waitpid`,
 //! `kill`, `pidfd_send_signal`, `geteuid`, `access`, `unshare(CLONE_FILES)`, `close_range`,
 //! `gettid`, `ppoll` (for a cgroup's events), `statfs`, `mount` and `umount2` (for the records'
-//! tmpfs) and (in tests) `setns`, which std does not expose.
+//! tmpfs), a `SOCK_SEQPACKET` pair and `sendmsg` with a descriptor (for the fork server) and (in
+//! tests) `setns`, which std does not expose.
 #![allow(unsafe_code)]
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
@@ -113,6 +114,47 @@ pub fn close_from(first: u32) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// A connected pair of `SOCK_SEQPACKET` Unix sockets, close-on-exec: messages keep their
+/// bounds, and a reader learns the other end closed.
+pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: `socketpair` writes two descriptors into the live array.
+    let rc = unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both were just made by `socketpair` and are owned by nothing else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Sends `bytes` as one message with a copy of `fd` beside it (`SCM_RIGHTS`); `EPIPE`, never
+/// `SIGPIPE`, when the peer is gone.
+pub fn send_with_fd(sock: BorrowedFd<'_>, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Result<()> {
+    // Room for one descriptor's control message, aligned as `cmsghdr` is.
+    let mut control = [0u64; 4];
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr().cast_mut().cast(), iov_len: bytes.len() };
+    // SAFETY: an all-zero `msghdr` is valid (no name, no buffers); its pointers are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE is arithmetic on a length.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as usize;
+    // SAFETY: the control buffer holds CMSG_SPACE(one int) (checked by the assertion), so the
+    // first header and its data lie within it; `msg` and what it points at live through
+    // `sendmsg`, which only reads `iov`'s bytes.
+    let sent = unsafe {
+        assert!(msg.msg_controllen <= size_of_val(&control));
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as usize;
+        libc::CMSG_DATA(c).cast::<libc::c_int>().write_unaligned(fd.as_raw_fd());
+        libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    if sent < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// The calling thread's id.

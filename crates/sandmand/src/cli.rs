@@ -162,11 +162,27 @@ enum Command {
     /// `ready` once it is made. A provider runs one for all its sandboxes.
     #[command(hide = true)]
     IsolationTemplate { dir: PathBuf },
+    /// Start daemons by forking this process, on requests read from stdin (one end of a
+    /// `SOCK_SEQPACKET` pair): a provider runs one for all its isolated sandboxes
+    /// (`crate::fork_server`).
+    #[command(hide = true)]
+    ForkServer,
 }
 
 /// Runs the daemon with `argv` (the program name first) and answers its exit code.
 pub fn main_with(argv: Vec<OsString>) -> ExitCode {
     let args = Args::parse_from(argv);
+    if let Some(Command::ForkServer) = &args.command {
+        return match crate::fork_server::serve() {
+            crate::fork_server::Served::Closed => ExitCode::SUCCESS,
+            // A forked child: the daemon, as an exec of it would have run.
+            crate::fork_server::Served::Daemon(argv) => main_with(argv),
+            crate::fork_server::Served::Failed(e) => {
+                eprintln!("error: fork server: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     if let Some(Command::IsolationTemplate { dir }) = &args.command {
         return match isolate::make_template(dir) {
             Ok(()) => {

@@ -11,6 +11,7 @@ pub mod error;
 pub mod exec;
 pub mod extract;
 pub mod files;
+pub mod fork_server;
 pub mod isolate;
 pub mod lease;
 pub mod observe;

@@ -3,6 +3,7 @@
 //! namespaces and mounts for `--isolate`).
 #![allow(unsafe_code)]
 
+pub mod forks;
 pub mod netlink;
 pub mod ns;
 

@@ -8,6 +8,7 @@ pub mod bounds;
 pub mod cgroup;
 pub mod daemon;
 pub mod error;
+pub mod fork_server;
 pub mod mode;
 pub mod server;
 pub mod snapshots;
