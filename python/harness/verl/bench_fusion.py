@@ -8,7 +8,9 @@ flight from threads, scored by verl's own client (`_process_single_case` of
 - `fusion-lite`: SandboxFusion's own server, isolation `lite` (its `ci` config: overlayfs +
   chroot, cgroups, a PID namespace and a network namespace per call);
 - `fusion-none`: SandboxFusion's own server, isolation `none` (its `local` config);
-- `sandman`: `sandman serve`'s SandboxFusion endpoint, through a job's capability URL.
+- `sandman`: `sandman serve`'s SandboxFusion endpoint, through a job's capability URL;
+- `baseline`: the same, of another build (`--baseline-bin`, `--baseline-daemon`): a change's
+  effect, measured beside the build it changes in one run.
 
 Each side runs alone, after a few warm-up calls that are not counted. Printed per side: calls a
 second, p50/p99 latency of a call, how many were scored right (all must be) and the share of the
@@ -275,10 +277,11 @@ def fusion_server(args: argparse.Namespace, config: str) -> Iterator[str]:
 
 # --- Sandman -------------------------------------------------------------------------------------
 
-def sandman_server(args: argparse.Namespace) -> Iterator[str]:
-    """`sandman serve` with a state directory of its own; yields the `/run_code` URL under the
-    capability URL of job `bench` (`sandman job fusion-url bench`)."""
-    binary = Path(args.sandman_bin)
+def sandman_server(args: argparse.Namespace, bin_path: str, daemon_path: Optional[str]) -> Iterator[str]:
+    """`sandman serve` (`bin_path`, its sandboxes' daemon `daemon_path` or the one it finds) with a
+    state directory of its own; yields the `/run_code` URL under the capability URL of job `bench`
+    (`sandman job fusion-url bench`)."""
+    binary = Path(bin_path)
     if not binary.exists():
         raise RuntimeError(f"no sandman binary at {binary}: cargo build --release -p sandman-cli -p sandmand")
     base = Path(args.fusion_dir)
@@ -288,7 +291,7 @@ def sandman_server(args: argparse.Namespace) -> Iterator[str]:
     env = dict(os.environ, SANDMAN_TOKEN=token)
     env.pop("SANDMAN_URL", None)
     with open(log, "wb") as out:
-        daemon = ["--daemon", args.sandman_daemon] if args.sandman_daemon else []
+        daemon = ["--daemon", daemon_path] if daemon_path else []
         proc = subprocess.Popen([str(binary), "serve", "--listen", "127.0.0.1:0", "--state-dir", str(state),
                                  *daemon, *args.sandman_arg], env=env, stdout=out, stderr=out, start_new_session=True)
     try:
@@ -333,7 +336,8 @@ def run_side(args: argparse.Namespace, side: str, calls: List[Call], warmup: Lis
     gen = {
         "fusion-lite": lambda: fusion_server(args, "ci"),
         "fusion-none": lambda: fusion_server(args, "local"),
-        "sandman": lambda: sandman_server(args),
+        "sandman": lambda: sandman_server(args, args.sandman_bin, args.sandman_daemon),
+        "baseline": lambda: sandman_server(args, args.baseline_bin, args.baseline_daemon),
     }[side]()
     url = next(gen)
     try:
@@ -355,6 +359,7 @@ LABELS = {
     "fusion-lite": "SandboxFusion, isolation lite",
     "fusion-none": "SandboxFusion, isolation none",
     "sandman": "Sandman /fusion",
+    "baseline": "Sandman /fusion, baseline build",
 }
 
 
@@ -368,12 +373,15 @@ def main() -> int:
                    help="run the sides this many times, every other round in the reverse order; the summary "
                         "gives the median")
     p.add_argument("--sides", default="floor,fusion-lite,fusion-none",
-                   help="comma-separated, run in this order: floor, fusion-lite, fusion-none, sandman")
+                   help="comma-separated, run in this order: floor, fusion-lite, fusion-none, sandman, baseline")
     p.add_argument("--python", default="/usr/bin/python3", help="the floor's interpreter")
     p.add_argument("--fusion-dir", default="target/bench-fusion")
     p.add_argument("--sandman-bin", default="target/release/sandman")
     p.add_argument("--sandman-daemon", default=None,
                    help="the sandbox daemon `sandman serve` runs (its --daemon; default: the one it finds itself)")
+    p.add_argument("--baseline-bin", default=None,
+                   help="side `baseline`: another build's `sandman` (e.g. of the commit before a change)")
+    p.add_argument("--baseline-daemon", default=None, help="side `baseline`: that build's sandbox daemon")
     p.add_argument("--sandman-arg", action="append", default=None,
                    help="an argument of `sandman serve` (repeat it; default: --create-rate 0, the one-machine "
                         "setting of docs/sandboxfusion.md)")
@@ -388,7 +396,9 @@ def main() -> int:
     sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in sides if s not in LABELS]
     if unknown:
-        p.error(f"unknown side(s) {unknown}: floor, fusion-lite, fusion-none, sandman")
+        p.error(f"unknown side(s) {unknown}: floor, fusion-lite, fusion-none, sandman, baseline")
+    if "baseline" in sides and not args.baseline_bin:
+        p.error("side baseline needs --baseline-bin (and --baseline-daemon for its daemon)")
 
     calls = reward_step(args.programs, args.cases)
     warmup = reward_step(max(1, args.warmup // args.cases + 1), args.cases)[: args.warmup] or calls[:1]
@@ -438,6 +448,7 @@ def main() -> int:
     ratio("sandman", "floor", " (target >= 0.6)")
     ratio("sandman", "fusion-lite", " (target >= 8)")
     ratio("sandman", "fusion-none", " (target > 1)")
+    ratio("sandman", "baseline")
     if "sandman" not in results:
         ratio("fusion-lite", "floor")
         ratio("fusion-none", "floor")
