@@ -41,6 +41,8 @@ struct ForkServer {
 thread_local! {
     /// The spawner thread's fork server; none on any other thread.
     static SERVER: RefCell<Option<ForkServer>> = const { RefCell::new(None) };
+    /// Set once a fork server said it cannot serve on this kernel: daemons are executed from then on.
+    static UNSUPPORTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 impl ForkServer {
@@ -60,9 +62,17 @@ impl ForkServer {
         let sock = UnixStream::from(ours);
         sock.set_read_timeout(Some(ANSWER_WAIT))?;
         let mut server = ForkServer { child, sock, daemon_bin: daemon_bin.into(), daemon_args: daemon_args.into() };
-        let mut first = [0u8; 16];
+        let mut first = [0u8; 512];
         match server.sock.read(&mut first) {
             Ok(n) if &first[..n] == READY => Ok(server),
+            // It runs, but cannot serve on this kernel: it says why.
+            Ok(n) if first[..n].starts_with(b"error: ") => {
+                let said = String::from_utf8_lossy(&first["error: ".len()..n]).into_owned();
+                Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!("`{} fork-server`: {said}", daemon_bin.display()),
+                ))
+            }
             outcome => {
                 let _ = server.child.kill();
                 let status = server.child.wait();
@@ -117,12 +127,29 @@ impl Drop for ForkServer {
 /// Starts a daemon (`req`, its stderr `log`) through the calling thread's fork server, which is
 /// started first when there is none yet, it has died, or it runs another binary. Answers the
 /// daemon's pid: a child of this process, not yet reaped. Only on the spawner thread.
+///
+/// `None` when this kernel cannot have a fork server (it said why once, in a warning): the caller
+/// executes the daemon instead, which starts the same daemon at the cost the fork server saves.
 pub fn start_daemon(
     daemon_bin: &Path,
     daemon_args: &[OsString],
     req: &ForkRequest,
     log: BorrowedFd<'_>,
-) -> io::Result<i32> {
+) -> Option<io::Result<i32>> {
+    if UNSUPPORTED.get() {
+        return None;
+    }
+    match forked(daemon_bin, daemon_args, req, log) {
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+            tracing::warn!(error = %e, "no fork server on this host: each isolated daemon is executed");
+            UNSUPPORTED.set(true);
+            None
+        }
+        other => Some(other),
+    }
+}
+
+fn forked(daemon_bin: &Path, daemon_args: &[OsString], req: &ForkRequest, log: BorrowedFd<'_>) -> io::Result<i32> {
     let bytes = req.encode().map_err(|why| io::Error::new(io::ErrorKind::InvalidInput, why))?;
     SERVER.with(|cell| {
         let mut slot = cell.borrow_mut();
@@ -194,7 +221,9 @@ mod tests {
             env: vec![("SANDMAN_TOKEN".into(), "fork-server-test-token".into())],
         };
         let log = std::fs::File::create(dir.join("daemon.log")).unwrap_or_else(|e| panic!("{e}"));
-        let pid = start_daemon(&bin, &[], &req, log.as_fd()).unwrap_or_else(|e| panic!("{e}"));
+        let pid = start_daemon(&bin, &[], &req, log.as_fd())
+            .unwrap_or_else(|| panic!("no fork server"))
+            .unwrap_or_else(|e| panic!("{e}"));
         (req, pid)
     }
 
@@ -259,10 +288,26 @@ mod tests {
     }
 
     #[test]
+    fn a_fork_server_that_cannot_serve_here_makes_daemons_executed_from_then_on() {
+        // As `sandmand fork-server` answers on a kernel without PR_SET_MM_MAP.
+        let args: Vec<OsString> =
+            ["-c", "printf 'error: cannot set a child'\\''s command line' >&0", "sh"].iter().map(Into::into).collect();
+        let req = ForkRequest { cwd: "/".into(), argv: vec!["/bin/sh".into()], dispatch: 0, env: Vec::new() };
+        assert!(start_daemon(Path::new("/bin/sh"), &args, &req, null().as_fd()).is_none());
+        assert!(UNSUPPORTED.get());
+        assert_eq!(server_pid(), None);
+        // Not asked again: even a working one is not started.
+        let bin = sandman_testkit::daemon_beside_tests();
+        assert!(start_daemon(&bin, &[], &req, null().as_fd()).is_none());
+        assert_eq!(server_pid(), None);
+    }
+
+    #[test]
     fn a_binary_that_is_no_fork_server_is_refused_with_what_it_did() {
         let req = ForkRequest { cwd: "/".into(), argv: vec!["/bin/true".into()], dispatch: 0, env: Vec::new() };
         // `/bin/true fork-server` exits at once, saying nothing.
         let err = start_daemon(Path::new("/bin/true"), &[], &req, null().as_fd())
+            .unwrap_or_else(|| panic!("/bin/true was taken for a kernel without fork servers"))
             .err()
             .unwrap_or_else(|| panic!("/bin/true was taken for a fork server"));
         let text = err.to_string();

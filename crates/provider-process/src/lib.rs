@@ -639,15 +639,18 @@ impl ProcessProvider {
                 let log = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(&log)?;
                 if forked {
                     let req = sandman_wire::fork_server::ForkRequest {
-                        cwd,
+                        cwd: cwd.clone(),
                         argv: std::iter::once(bin.clone().into_os_string())
                             .chain(daemon_args.iter().cloned())
-                            .chain(args)
+                            .chain(args.iter().cloned())
                             .collect(),
                         dispatch: daemon_args.len(),
-                        env: env.into_iter().collect(),
+                        env: env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                     };
-                    return fork_server::start_daemon(&bin, &daemon_args, &req, log.as_fd()).map(|pid| pid as u32);
+                    if let Some(started) = fork_server::start_daemon(&bin, &daemon_args, &req, log.as_fd()) {
+                        return started.map(|pid| pid as u32);
+                    }
+                    // No fork server on this kernel: executed, as without isolation.
                 }
                 std::process::Command::new(&bin)
                     .args(&daemon_args)

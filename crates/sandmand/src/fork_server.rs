@@ -44,6 +44,15 @@ pub fn serve() -> Served {
     let stdin = io::stdin();
     let sock = stdin.as_fd();
     let mut buf = vec![0u8; MAX_REQUEST];
+    // A child's command line is set with `PR_SET_MM_MAP`, which a kernel built without
+    // checkpoint/restore lacks: tried here first on this process (its own line again), so that
+    // such a kernel refuses once, here, rather than every daemon failing to start.
+    let own: Vec<OsString> = std::env::args_os().collect();
+    if let Err(e) = sys::forks::set_cmdline(&own) {
+        let _ =
+            sys::forks::send(sock, format!("error: cannot set a child's command line (PR_SET_MM_MAP): {e}").as_bytes());
+        return Served::Failed(e);
+    }
     // Whoever started it learns it serves (an older binary without `fork-server` fails instead).
     if let Err(e) = sys::forks::send(sock, READY) {
         return Served::Failed(e);
