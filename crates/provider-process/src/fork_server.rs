@@ -76,16 +76,21 @@ impl ForkServer {
             outcome => {
                 let _ = server.child.kill();
                 let status = server.child.wait();
-                // `server` is dropped here: its socket closes, its process is reaped already.
-                Err(io::Error::other(format!(
-                    "`{} fork-server` did not start ({}): {}",
-                    daemon_bin.display(),
-                    status.map_or_else(|e| e.to_string(), |s| s.to_string()),
-                    match outcome {
-                        Ok(n) => format!("it said {:?}", String::from_utf8_lossy(&first[..n])),
-                        Err(e) => e.to_string(),
-                    }
-                )))
+                // `server` is dropped here: its socket closes, its process is reaped already. A
+                // binary that exits rather than serving (one older than the fork server) is
+                // executed for each daemon instead.
+                Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!(
+                        "`{} fork-server` did not start ({}): {}",
+                        daemon_bin.display(),
+                        status.map_or_else(|e| e.to_string(), |s| s.to_string()),
+                        match outcome {
+                            Ok(n) => format!("it said {:?}", String::from_utf8_lossy(&first[..n])),
+                            Err(e) => e.to_string(),
+                        }
+                    ),
+                ))
             }
         }
     }
@@ -141,7 +146,7 @@ pub fn start_daemon(
     }
     match forked(daemon_bin, daemon_args, req, log) {
         Err(e) if e.kind() == io::ErrorKind::Unsupported => {
-            tracing::warn!(error = %e, "no fork server on this host: each isolated daemon is executed");
+            tracing::warn!(error = %e, "cannot run a fork server: each isolated daemon is executed from now on");
             UNSUPPORTED.set(true);
             None
         }
@@ -303,15 +308,18 @@ mod tests {
     }
 
     #[test]
-    fn a_binary_that_is_no_fork_server_is_refused_with_what_it_did() {
+    fn a_binary_that_is_no_fork_server_makes_daemons_executed_naming_what_it_did() {
         let req = ForkRequest { cwd: "/".into(), argv: vec!["/bin/true".into()], dispatch: 0, env: Vec::new() };
-        // `/bin/true fork-server` exits at once, saying nothing.
-        let err = start_daemon(Path::new("/bin/true"), &[], &req, null().as_fd())
-            .unwrap_or_else(|| panic!("/bin/true was taken for a kernel without fork servers"))
+        // `/bin/true fork-server` exits at once, saying nothing, as a daemon older than the fork
+        // server exits on a subcommand it does not know.
+        let err = forked(Path::new("/bin/true"), &[], &req, null().as_fd())
             .err()
             .unwrap_or_else(|| panic!("/bin/true was taken for a fork server"));
+        assert_eq!(err.kind(), io::ErrorKind::Unsupported);
         let text = err.to_string();
         assert!(text.contains("`/bin/true fork-server` did not start (exit status: 0)"), "{text}");
         assert_eq!(server_pid(), None);
+        assert!(start_daemon(Path::new("/bin/true"), &[], &req, null().as_fd()).is_none());
+        assert!(UNSUPPORTED.get());
     }
 }
