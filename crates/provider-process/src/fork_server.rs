@@ -17,7 +17,7 @@ use std::io::{self, Read};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -28,14 +28,12 @@ use crate::sys;
 /// How long a fork (or the server's start) may take before the server is taken for hung.
 const ANSWER_WAIT: Duration = Duration::from_secs(10);
 
-/// A running fork server: its process and the provider's end of its socket.
+/// A running fork server: its process and the provider's end of its socket. One per spawner
+/// thread, and so per provider, whose daemon binary does not change.
 #[derive(Debug)]
 struct ForkServer {
     child: Child,
     sock: UnixStream,
-    /// How it was started: a request for another binary starts another server.
-    daemon_bin: PathBuf,
-    daemon_args: Vec<OsString>,
 }
 
 thread_local! {
@@ -61,7 +59,7 @@ impl ForkServer {
             .spawn()?;
         let sock = UnixStream::from(ours);
         sock.set_read_timeout(Some(ANSWER_WAIT))?;
-        let mut server = ForkServer { child, sock, daemon_bin: daemon_bin.into(), daemon_args: daemon_args.into() };
+        let mut server = ForkServer { child, sock };
         let mut first = [0u8; 512];
         match server.sock.read(&mut first) {
             Ok(n) if &first[..n] == READY => Ok(server),
@@ -130,7 +128,7 @@ impl Drop for ForkServer {
 }
 
 /// Starts a daemon (`req`, its stderr `log`) through the calling thread's fork server, which is
-/// started first when there is none yet, it has died, or it runs another binary. Answers the
+/// started first when there is none yet or it has died. Answers the
 /// daemon's pid: a child of this process, not yet reaped. Only on the spawner thread.
 ///
 /// `None` when this kernel cannot have a fork server (it said why once, in a warning): the caller
@@ -159,12 +157,10 @@ fn forked(daemon_bin: &Path, daemon_args: &[OsString], req: &ForkRequest, log: B
     SERVER.with(|cell| {
         let mut slot = cell.borrow_mut();
         for attempt in 0..2 {
-            let usable = slot.as_mut().is_some_and(|s| {
-                s.daemon_bin == daemon_bin && s.daemon_args == daemon_args && matches!(s.child.try_wait(), Ok(None))
-            });
-            if !usable {
+            let alive = slot.as_mut().is_some_and(|s| matches!(s.child.try_wait(), Ok(None)));
+            if !alive {
                 if let Some(old) = slot.take() {
-                    tracing::warn!(pid = old.child.id(), "the fork server is gone or outdated: starting another");
+                    tracing::warn!(pid = old.child.id(), "the fork server is gone: starting another");
                 }
                 *slot = Some(ForkServer::start(daemon_bin, daemon_args)?);
             }

@@ -823,6 +823,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn stat_fields_are_counted_after_the_names_last_parenthesis() {
+        // A name may hold spaces and a `)`: field 3 is the state, 4 the parent.
+        let stat = "42 (a) b (c)) S 7 42 42 0 -1";
+        assert_eq!(ns::stat_field(stat, 4), Some(7));
+        assert_eq!(ns::stat_field(stat, 5), Some(42));
+        assert_eq!(ns::stat_field(stat, 3), None, "the state is no number");
+        assert_eq!(ns::stat_field(stat, 2), None);
+        assert_eq!(ns::stat_field(stat, 40), None);
+        let own = std::fs::read_to_string("/proc/self/stat").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ns::stat_field(&own, 1), None, "fields before the name are not counted");
+        assert_eq!(ns::stat_field(&own, 4), Some(u64::from(std::os::unix::process::parent_id())));
+    }
+
+    #[test]
     fn signal_names_with_and_without_prefix() {
         assert_eq!(signal_by_name("TERM"), Some(15));
         assert_eq!(signal_by_name("sigkill"), Some(9));

@@ -130,13 +130,9 @@ pub fn set_cmdline(argv: &[OsString]) -> io::Result<()> {
     }
     let line: &'static mut [u8] = Box::leak(line.into_boxed_slice());
     let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // Fields from 3 on, after the name (which may hold spaces) in parentheses.
-    let fields: Vec<u64> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect())
-        .unwrap_or_default();
     let field = |n: usize| {
-        fields.get(n - 3).copied().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "a short /proc/self/stat"))
+        super::ns::stat_field(&stat, n)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("no field {n} in /proc/self/stat")))
     };
     // SAFETY: `brk(0)` changes nothing and answers the current break.
     let brk = unsafe { libc::syscall(libc::SYS_brk, 0 as libc::c_ulong) } as u64;

@@ -250,6 +250,13 @@ pub fn whiteout(path: &Path) -> io::Result<()> {
     check(unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) })
 }
 
+/// Field `n` of a `/proc/<pid>/stat` line (numbered from 1, as proc(5) does), as a number. The
+/// name in field 2 may hold spaces and parentheses, so the fields after it are counted from its
+/// last `)`.
+pub fn stat_field(stat: &str, n: usize) -> Option<u64> {
+    stat.rsplit_once(')')?.1.split_whitespace().nth(n.checked_sub(3)?)?.parse().ok()
+}
+
 /// Overwrites this process's command line in place (what `/proc/<pid>/cmdline` reads, which any
 /// process of its pid namespace may) with `name` and NULs, as `setproctitle` does: its arguments
 /// name host paths. Only this process's copy changes; a parent forked from keeps its own. The
@@ -257,12 +264,8 @@ pub fn whiteout(path: &Path) -> io::Result<()> {
 pub fn overwrite_cmdline(name: &str) -> io::Result<()> {
     use std::io::{Seek, Write};
     let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // Fields 48 and 49 (`arg_start`, `arg_end`); the name in field 2 may hold spaces, so count
-    // from the last `)`.
-    let fields: Vec<&str> =
-        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
-    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
-    let (Some(start), Some(end)) = (field(48), field(49)) else {
+    // Fields 48 and 49: `arg_start`, `arg_end`.
+    let (Some(start), Some(end)) = (stat_field(&stat, 48), stat_field(&stat, 49)) else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "no arg_start and arg_end in /proc/self/stat"));
     };
     let len = usize::try_from(end.saturating_sub(start)).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
